@@ -1,0 +1,27 @@
+"""Registry of the model families the converter knows.
+
+Adding a family: write `colibri/families/<model_type>.py` exposing `FAMILY` (a `base.Family`:
+config → arch dict, and the checkpoint name of each canonical tensor), list it in `_MODULES`,
+and add its tiny checkpoint to tests/hf_factory.py.
+"""
+from __future__ import annotations
+
+from ..errors import ColibriError
+from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+from .base import ConfigError, Family, canonical_tensors
+
+_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe)
+
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
+
+
+def get_family(model_type: str | None) -> Family:
+    """The Family for a config.json `model_type`; ColibriError naming it otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except (KeyError, TypeError):
+        raise ColibriError(f"unsupported model_type {model_type!r}; supported: "
+                           f"{', '.join(sorted(FAMILIES))}") from None
+
+
+__all__ = ["FAMILIES", "ConfigError", "Family", "canonical_tensors", "get_family"]

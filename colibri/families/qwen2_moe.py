@@ -1,0 +1,94 @@
+"""Qwen2-MoE (model_type "qwen2_moe", Qwen1.5-MoE): routed experts + one sigmoid-gated shared
+expert, q/k/v biases, optional dense layers.
+
+Router: softmax over all E in f32, top-k, renormalised only if `norm_topk_prob`. The MoE output
+is routed + sigmoid(x · shared_expert_gate) * shared_expert(x). A layer is an MoE layer unless
+it is in `mlp_only_layers` or (i + 1) % `decoder_sparse_step` != 0; dense layers have an mlp of
+size `intermediate_size`. Sliding-window attention applies only when `use_sliding_window`, and
+then to the layers whose `layer_types` entry is "sliding_attention".
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .base import (ConfigError, Family, check_experts, common_arch, get_bool, get_int,
+                   sparse_layers)
+
+NAME_MAP = {
+    "tok_embeddings": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "attn.wq": "self_attn.q_proj.weight",
+    "attn.wk": "self_attn.k_proj.weight",
+    "attn.wv": "self_attn.v_proj.weight",
+    "attn.wo": "self_attn.o_proj.weight",
+    "attn.bq": "self_attn.q_proj.bias",
+    "attn.bk": "self_attn.k_proj.bias",
+    "attn.bv": "self_attn.v_proj.bias",
+    "moe.router": "mlp.gate.weight",
+    "moe.experts.w_gate": "mlp.experts.{e}.gate_proj.weight",
+    "moe.experts.w_up": "mlp.experts.{e}.up_proj.weight",
+    "moe.experts.w_down": "mlp.experts.{e}.down_proj.weight",
+    "moe.shared.w_gate": "mlp.shared_expert.gate_proj.weight",
+    "moe.shared.w_up": "mlp.shared_expert.up_proj.weight",
+    "moe.shared.w_down": "mlp.shared_expert.down_proj.weight",
+    "moe.shared_gate": "mlp.shared_expert_gate.weight",
+    "mlp.w_gate": "mlp.gate_proj.weight",
+    "mlp.w_up": "mlp.up_proj.weight",
+    "mlp.w_down": "mlp.down_proj.weight",
+}
+
+
+def layer_types(config: Mapping[str, Any], n_layers: int) -> list[str]:
+    """Per-layer attention type, as Qwen2MoeConfig derives it when config.json has none."""
+    types = config.get("layer_types")
+    if types is None:
+        use = get_bool(config, "use_sliding_window", False)
+        max_window = get_int(config, "max_window_layers", 28, minimum=0)
+        types = ["sliding_attention" if use and (i + 1) % 2 and i < max_window
+                 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConfigError(f"config.json: layer_types must list {n_layers} entries "
+                          f"(num_hidden_layers), found {types!r}")
+    return list(types)
+
+
+def arch(config: Mapping[str, Any]) -> dict:
+    a = common_arch(config, family="qwen2_moe", default_theta=10000.0)
+    n_layers = a["num_hidden_layers"]
+    n_experts = get_int(config, "num_experts", config.get("num_local_experts", 60))
+    top_k = get_int(config, "num_experts_per_tok", 4)
+    check_experts(n_experts, top_k, "num_experts")
+    moe_layers = sparse_layers(config, n_layers)
+    shared = get_int(config, "shared_expert_intermediate_size", 0, minimum=0)
+    use_window = get_bool(config, "use_sliding_window", False)
+    a.update(
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=get_int(config, "moe_intermediate_size"),
+        norm_topk_prob=get_bool(config, "norm_topk_prob", False),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+        moe_layers=moe_layers,
+        dense_intermediate_size=(get_int(config, "intermediate_size")
+                                 if len(moe_layers) < n_layers else 0),
+        # Qwen1.5 always has q/k/v biases; transformers 5 names the switch qkv_bias
+        attention_bias=get_bool(config, "qkv_bias", True),
+        qk_norm="none",
+        clip_qkv=None,
+        sliding_window=(get_int(config, "sliding_window", None) if use_window else None),
+        layer_types=layer_types(config, n_layers),
+    )
+    return a
+
+
+FAMILY = Family(
+    model_type="qwen2_moe",
+    arch=arch,
+    name_map=NAME_MAP,
+    config_fields={"dense_intermediate_size": "intermediate_size",
+                   "attention_bias": "qkv_bias"},
+    description="Qwen1.5-MoE (Qwen2-MoE): shared expert, q/k/v biases",
+)
