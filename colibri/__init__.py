@@ -1,6 +1,24 @@
-"""colibri: run Mixture-of-Experts language models on ordinary CPUs, from one mmap'd file."""
+"""colibri: run Mixture-of-Experts language models on ordinary CPUs, from one mmap'd file.
+
+    import colibri
+    model = colibri.load("model.colibri")                  # mmap; nothing is copied
+    logits = colibri.forward(model, ids)                    # NumPy in, float32 logits out
+    text = model.generate("def fib(n):", max_new_tokens=32)
+    f = colibri.open("model.colibri")                       # the raw file: tensors as views
+"""
+__version__ = "0.1.0"   # before the imports: submodules read it
+
 from .errors import ColibriError, ColibriFormatError
+from .format import ColibriFile, open
+from .convert import convert   # binds the function, not the module, to colibri.convert
+from .api import default_model_path, forward, generate, load, stream
+from .kv_cache import CacheOverflowError, KVCache
+from .model import Model, RoutingTrace
+from .sampling import Sampler
 
-__version__ = "0.1.0"
 
-__all__ = ["ColibriError", "ColibriFormatError", "__version__"]
+__all__ = [
+    "CacheOverflowError", "ColibriError", "ColibriFile", "ColibriFormatError", "KVCache",
+    "Model", "RoutingTrace", "Sampler", "convert", "default_model_path", "forward",
+    "generate", "load", "open", "stream", "__version__",
+]

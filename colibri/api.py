@@ -1,0 +1,79 @@
+"""Public functions: load a model, run a forward pass, generate.
+
+    import colibri
+    model = colibri.load("model.colibri", threads=2)
+    logits = colibri.forward(model, ids)                       # (S, V) or (B, S, V) float32
+    logits, trace = colibri.forward(model, ids, return_routing=True)
+    text = colibri.generate(model, "Once upon a time", max_new_tokens=32)
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ColibriError
+from .kv_cache import KVCache
+from .model import Model, RoutingTrace
+
+__all__ = ["load", "forward", "generate", "stream", "default_model_path", "Model", "RoutingTrace",
+           "KVCache"]
+
+DEFAULT_MODEL = "tiny-moe.colibri"
+
+
+def default_model_path() -> Path:
+    """The small model shipped inside the package (colibri/models/tiny-moe.colibri)."""
+    path = Path(__file__).resolve().parent / "models" / DEFAULT_MODEL
+    if not path.is_file():
+        raise ColibriError(f"the bundled model colibri/models/{DEFAULT_MODEL} is not part of this "
+                           f"installation (it is made by scripts/train_tiny_moe.py); "
+                           f"give the path of a .colibri file instead")
+    return path
+
+
+def load(path: str | os.PathLike | None = None, threads: int | None = None) -> Model:
+    """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
+
+    path: the .colibri file (None: the bundled model, see default_model_path()).
+    threads: kernel threads (default: physical cores, OMP_NUM_THREADS/COLIBRI_NUM_THREADS).
+    """
+    return Model(default_model_path() if path is None else path, threads=threads)
+
+
+def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,
+            positions: np.ndarray | None = None, return_routing: bool = False,
+            input_embeds: np.ndarray | None = None, attention_mask: np.ndarray | None = None
+            ) -> np.ndarray | tuple[np.ndarray, RoutingTrace]:
+    """Logits of every position.
+
+    input_ids: int (B, S) or (S,), values in [0, vocab_size); or input_embeds float (B, S, D)
+        / (S, D) instead (exactly one of the two).
+    cache: a KVCache from model.new_cache(ctx, batch); the new tokens' keys/values are appended
+        and attention covers everything already in it. Without a cache the call is stateless.
+    positions: int (B, S) or (S,) RoPE positions; default: continue from the cache, counting
+        only unmasked tokens (so left padding gets the positions it would have unpadded).
+    attention_mask: 0/1 (B, S) (or (B, past + S)), 0 = padding; padding is remembered in the cache.
+    return_routing: also return a RoutingTrace (per MoE layer: ids int32 (B, S, K), weights
+        float32 (B, S, K)).
+    Returns float32 logits (B, S, V), or (S, V) for 1-D input.
+    Raises ValueError naming the numbers for ids out of range, non-integer ids, a wrong ndim,
+    a cache of another batch size, and CacheOverflowError when the cache is full.
+    """
+    return model.forward(input_ids, cache=cache, positions=positions, return_routing=return_routing,
+                         input_embeds=input_embeds, attention_mask=attention_mask)
+
+
+def generate(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
+    """Continue a text prompt (-> text) or token ids (-> int64 ids); see model.generate.
+
+    Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stream,
+    chat, ctx, return_routing (colibri.generate module docs).
+    """
+    return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def stream(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
+    """generate(..., stream=True): an iterator of text pieces (or ids) as they are produced."""
+    return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, stream=True, **kwargs)

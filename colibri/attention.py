@@ -1,0 +1,301 @@
+"""Self-attention in NumPy, float32: RMSNorm, RoPE, causal/padded/sliding masks, GQA.
+
+The maths follows transformers' Llama-family code (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE):
+  - RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, in float32;
+  - RoPE: the "half split" rotation (rotate_half), cos/sin = cat(freqs, freqs) with
+    freqs = position * inv_freq, computed in float32 as transformers does;
+  - q/k norm: OLMoE normalises the whole projection (H*Dh) before the head split ("full"),
+    Qwen3 each head over Dh ("per_head"); OLMoE then clamps q, k, v to +-clip_qkv;
+  - scores = (q @ k^T) * Dh^-0.5, masked, softmax in float32, @ v; kv heads shared by
+    H / Hkv query heads (GQA) without materialising repeated K/V.
+The projections are callables (x (N, C) -> (N, R)) supplied by the model, so this module knows
+nothing about weight formats or kernels.
+
+Shape alphabet: B batch, T new tokens, L keys attended (cache length + T), D hidden,
+H / Hkv heads, G = H / Hkv, Dh head dim, R rotary dims.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "rms_norm",
+    "Rope",
+    "rope_inv_freq",
+    "apply_rope",
+    "build_mask",
+    "attend",
+    "Attention",
+]
+
+# Cap on the float32 score block (B * H * T_chunk * L) of one attention step; a long prefill is
+# processed in query chunks so the scores never need more than this many bytes.
+_SCORE_BYTES = 64 * 2**20
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: x (..., N) f32, weight (N,) f32 -> (..., N) f32."""
+    x = np.asarray(x, dtype=np.float32)
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return weight * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+def _rope_type(scaling: dict | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  partial_rotary_factor: float = 1.0,
+                  max_position_embeddings: int | None = None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies float32 (R/2,) and the cos/sin scale factor, as transformers computes them.
+
+    Supported `scaling` types (the "rope_type"/"type" field of rope_scaling / rope_parameters):
+    default, linear, llama3, yarn. Others raise NotImplementedError naming the type.
+    """
+    dim = int(head_dim * partial_rotary_factor)
+    if dim % 2 or dim <= 0:
+        raise ValueError(f"rotary dimension {dim} (head_dim {head_dim} x partial_rotary_factor "
+                         f"{partial_rotary_factor}) must be a positive even number")
+    kind = _rope_type(scaling)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(theta), exponents, dtype=np.float32)   # theta^(2i/dim)
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_ff, high_ff = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+        smooth = (np.float32(old_ctx) / wavelen - np.float32(low_ff)) / np.float32(high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(pos_freqs, dim, float(theta), scaling, max_position_embeddings)
+    raise NotImplementedError(
+        f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, base: float, p: dict,
+                   max_position_embeddings: int | None) -> tuple[np.ndarray, float]:
+    """YaRN inverse frequencies and attention factor (transformers' _compute_yarn_parameters)."""
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    factor = float(factor)
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    extrapolation = 1 - ramp
+    inv_extra = np.float32(1.0) / pos_freqs
+    inv_inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    inv_freq = inv_inter * (1 - extrapolation) + inv_extra * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+class Rope:
+    """cos/sin tables for given positions; `Rope.from_arch(arch)` reads the §3 arch fields."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None,
+                 partial_rotary_factor: float = 1.0, max_position_embeddings: int | None = None):
+        self.head_dim = head_dim
+        self.inv_freq, self.attention_factor = rope_inv_freq(
+            head_dim, theta, scaling, partial_rotary_factor, max_position_embeddings)
+        self.rot_dim = 2 * self.inv_freq.shape[0]                            # R
+
+    @classmethod
+    def from_arch(cls, arch: dict) -> "Rope":
+        scaling = arch.get("rope_scaling")
+        if _rope_type(scaling) == "default":
+            scaling = None
+        return cls(int(arch["head_dim"]), float(arch.get("rope_theta", 10000.0)), scaling,
+                   float(arch.get("partial_rotary_factor") or 1.0),
+                   arch.get("max_position_embeddings"))
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions int (B, T) -> cos, sin float32 (B, 1, T, R/2) (broadcast over heads)."""
+        freqs = positions.astype(np.float32)[..., None] * self.inv_freq        # (B, T, R/2)
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        if self.attention_factor != 1.0:
+            cos = cos * np.float32(self.attention_factor)
+            sin = sin * np.float32(self.attention_factor)
+        return cos[:, None], sin[:, None]
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate x float32 (B, H, T, Dh) by the half-split rule on its first R dims.
+
+    out[:h] = x1*c - x2*s, out[h:R] = x2*c + x1*s with h = R/2 (rotate_half); dims past R pass.
+    """
+    h = cos.shape[-1]
+    x1, x2 = x[..., :h], x[..., h:2 * h]
+    out = np.empty_like(x)
+    np.subtract(x1 * cos, x2 * sin, out=out[..., :h])
+    np.add(x2 * cos, x1 * sin, out=out[..., h:2 * h])
+    if 2 * h < x.shape[-1]:
+        out[..., 2 * h:] = x[..., 2 * h:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# masks and the attention core
+# ---------------------------------------------------------------------------------------------
+
+def build_mask(valid: np.ndarray, n_new: int, window: int | None = None) -> np.ndarray:
+    """bool (B, T, L): may query t (the t-th of the last T slots) attend to key slot j.
+
+    valid bool (B, L): slots holding real tokens (False = padding). Causal by slot index; with a
+    sliding window only the last `window` slots (the query's own included) are visible, the rule
+    transformers uses (kv > q - window).
+    """
+    L = valid.shape[1]
+    q_slot = np.arange(L - n_new, L)[:, None]                                 # (T, 1)
+    kv_slot = np.arange(L)[None, :]                                           # (1, L)
+    allowed = kv_slot <= q_slot
+    if window:
+        allowed = allowed & (kv_slot > q_slot - window)
+    return allowed[None] & valid[:, None, :]
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """Scaled dot-product attention with GQA.
+
+    q (B, H, T, Dh), k/v (B, Hkv, L, Dh) float32, mask bool (B, T, L) -> float32 (B, T, H*Dh).
+    A query row with no visible key (left padding) gets zeros instead of NaN.
+    """
+    B, H, T, Dh = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    out = np.empty((B, Hkv, G, T, Dh), dtype=np.float32)
+    qg = q.reshape(B, Hkv, G, T, Dh)
+    kt = k.transpose(0, 1, 3, 2)[:, :, None]                                 # (B, Hkv, 1, Dh, L)
+    vv = v[:, :, None]                                                        # (B, Hkv, 1, L, Dh)
+    chunk = max(1, _SCORE_BYTES // max(1, B * H * L * 4))
+    s32 = np.float32(scale)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        scores = np.matmul(qg[:, :, :, t0:t1], kt) * s32                      # (B, Hkv, G, t, L)
+        m = mask[:, None, None, t0:t1]                                        # (B, 1, 1, t, L)
+        scores = np.where(m, scores, np.float32(-np.inf))
+        top = scores.max(axis=-1, keepdims=True)
+        top = np.where(np.isfinite(top), top, np.float32(0.0))
+        p = np.exp(scores - top)
+        denom = p.sum(axis=-1, keepdims=True)
+        p /= np.where(denom > 0, denom, np.float32(1.0))
+        np.matmul(p, vv, out=out[:, :, :, t0:t1])
+    # (B, Hkv, G, T, Dh) -> (B, T, H*Dh), head order h = kv_head * G + g as in repeat_kv
+    return out.reshape(B, H, T, Dh).transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
+
+
+# ---------------------------------------------------------------------------------------------
+# one attention layer
+# ---------------------------------------------------------------------------------------------
+
+Projection = Callable[[np.ndarray], np.ndarray]       # x (N, C) float32 -> (N, R) float32
+
+
+@dataclass
+class Attention:
+    """Weights and settings of one layer's self-attention.
+
+    wq/wk/wv/wo: projections (biases included by the callables); q_norm/k_norm: float32
+    weights of shape (H*Dh,)/(Hkv*Dh,) for qk_norm "full" or (Dh,) for "per_head".
+    """
+    wq: Projection
+    wk: Projection
+    wv: Projection
+    wo: Projection
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float = 1e-6
+    qk_norm: str = "none"                      # "none" | "full" | "per_head"
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    clip_qkv: float | None = None
+    window: int | None = None                  # sliding window (slots), None = full attention
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads {self.n_heads} is not a multiple of "
+                             f"num_key_value_heads {self.n_kv_heads}")
+        if self.qk_norm not in ("none", "full", "per_head"):
+            raise ValueError(f"qk_norm must be 'none', 'full' or 'per_head', got {self.qk_norm!r}")
+        if self.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
+            raise ValueError(f"qk_norm {self.qk_norm!r} needs q_norm and k_norm weights")
+        self.scale = self.head_dim ** -0.5
+
+    def project_qkv(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x float32 (B, T, D) -> q (B, H, T, Dh), k, v (B, Hkv, T, Dh), before RoPE."""
+        B, T, D = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        flat = x.reshape(B * T, D)
+        q, k, v = self.wq(flat), self.wk(flat), self.wv(flat)                 # (B*T, H*Dh) ...
+        if self.qk_norm == "full":                 # OLMoE: over the whole projection
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        if self.clip_qkv is not None:
+            c = np.float32(self.clip_qkv)
+            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q = q.reshape(B, T, H, Dh)
+        k = k.reshape(B, T, Hkv, Dh)
+        if self.qk_norm == "per_head":             # Qwen3: each head over Dh
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        v = v.reshape(B, T, Hkv, Dh)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mask: np.ndarray,
+                 cache=None, layer: int = 0) -> np.ndarray:
+        """x float32 (B, T, D) -> float32 (B, T, D).
+
+        cos/sin from Rope.cos_sin for the T new positions; mask bool (B, T, L) from build_mask;
+        cache: a KVCache (keys/values of the new tokens are written at its current length and
+        everything up to it is attended) or None (attend to the T new tokens only).
+        """
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)                                   # (B, Hkv, L, Dh)
+        o = attend(q, k, v, mask, self.scale)                                 # (B, T, H*Dh)
+        return self.wo(o.reshape(B * T, -1)).reshape(B, T, -1)

@@ -1,0 +1,128 @@
+"""colibri generate [MODEL] -p PROMPT: stream a continuation to stdout.
+
+--verbose adds, on stderr, the experts each generated token chose in every MoE layer with
+their weights, then prompt and generation speed and where the time went.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ..errors import ColibriError
+
+
+def register(subparsers, parents=()) -> None:
+    p = subparsers.add_parser(
+        "generate", parents=list(parents), help="generate text from a prompt",
+        description="Continue a prompt with a .colibri model, streaming the text to stdout. "
+                    "Without MODEL, the small model shipped with colibri is used.")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help=".colibri file (default: the bundled tiny-moe.colibri)")
+    p.add_argument("-p", "--prompt", help="the prompt text")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--temp", type=float, default=0.8, metavar="T",
+                   help="temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=40, metavar="K",
+                   help="keep the K most likely tokens; 0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.95, metavar="P",
+                   help="nucleus sampling; 1 = off (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.05, metavar="P",
+                   help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
+                   help="repetition penalty; 1 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed (default: a fresh one each run)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="kernel threads (default: physical cores)")
+    p.add_argument("--ctx", type=int, default=None, metavar="N",
+                   help="KV cache size in tokens (default: prompt + N)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the experts of every token and the timing breakdown on stderr")
+    p.add_argument("--embeddings", metavar="FILE.npy",
+                   help="feed this (S, hidden) float array as the prompt instead of -p")
+    p.set_defaults(func=run)
+
+
+def _check(args) -> None:
+    if args.prompt is None and args.embeddings is None:
+        raise ColibriError("give a prompt with -p PROMPT (or --embeddings FILE.npy)")
+    if args.prompt is not None and args.embeddings is not None:
+        raise ColibriError("give either -p PROMPT or --embeddings FILE.npy, not both")
+    if args.embeddings is not None and args.chat:
+        raise ColibriError("--chat needs a text prompt, not --embeddings")
+    for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= 0),
+                            ("--temp", args.temp, args.temp >= 0),
+                            ("--top-k", args.top_k, args.top_k >= 0),
+                            ("--top-p", args.top_p, 0 < args.top_p <= 1),
+                            ("--min-p", args.min_p, 0 <= args.min_p <= 1),
+                            ("--repeat-penalty", args.repeat_penalty, args.repeat_penalty > 0),
+                            ("--threads", args.threads, args.threads is None or args.threads >= 1),
+                            ("--ctx", args.ctx, args.ctx is None or args.ctx >= 1)):
+        if not ok:
+            raise ColibriError(f"{name} {value} is out of range")
+
+
+def _load_embeddings(path: str, hidden: int) -> np.ndarray:
+    try:
+        x = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise ColibriError(f"{path}: not a plain .npy array ({e})") from None
+    if x.ndim == 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim != 2 or x.shape[1] != hidden or x.dtype.kind != "f":
+        raise ColibriError(f"{path}: expected a float array of shape (S, {hidden}), found "
+                           f"{x.dtype} {x.shape}")
+    return x.astype(np.float32)
+
+
+def _routing_line(model, step) -> str:
+    tok = model.tokenizer
+    text = repr(tok.token_text(step.token)) if tok is not None else ""
+    parts = [f"token {step.index} {step.token} {text}".rstrip()]
+    r = step.routing
+    for layer, ids, w in zip(r.layers, r.ids, r.weights):
+        chosen = ", ".join(f"{int(e)} {float(x):.2f}" for e, x in zip(ids[-1], w[-1]))
+        parts.append(f"L{layer} → [{chosen}]")
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import default_model_path, load
+
+    _check(args)
+    model = load(args.model if args.model is not None else default_model_path(), threads=args.threads)
+    embeds = _load_embeddings(args.embeddings, model.hidden_size) if args.embeddings else None
+    if args.prompt is not None and model.tokenizer is None:
+        raise ColibriError(f"{model.file.path} has no tokenizer, so a text prompt cannot be "
+                           f"encoded; use --embeddings FILE.npy")
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temp, top_k=args.top_k,
+                  top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                  seed=args.seed, chat=args.chat, ctx=args.ctx, stream=True,
+                  return_routing=args.verbose, input_embeds=embeds)
+    out = sys.stdout
+    text_out = model.tokenizer is not None
+    for item in model.generate(args.prompt, **kwargs):
+        if args.verbose:
+            if item.text:
+                out.write(item.text)
+                out.flush()
+            elif not text_out and item.token >= 0:
+                out.write(f"{item.token} ")
+                out.flush()
+            if item.routing is not None:
+                print(_routing_line(model, item), file=sys.stderr, flush=True)
+        else:
+            out.write(item if isinstance(item, str) else f"{item} ")
+            out.flush()
+    out.write("\n")
+    out.flush()
+    if args.verbose:
+        st = model.last_stats
+        print(st.summary(), file=sys.stderr)
+        print("time: " + model.timings.summary(), file=sys.stderr)
+    return 0

@@ -1,0 +1,475 @@
+"""The compute kernels of colibri: linear layers, routing, dispatch and the MoE FFN.
+
+This is the Python front of the compiled module ``colibri._kernels`` (the only module that
+imports it). The kernels know buffers, integers and float arrays, nothing about model
+families or tensor names. Weights are passed as a ``WeightRef``: a uint8 buffer (the whole
+file mapping, or an encoded array in tests) plus byte offsets and strides, read in place
+(zero copies, dequantized in registers).
+
+Every kernel has a plain-NumPy twin in ``colibri._reference`` (``<name>_ref``): the spec and
+the test oracle.
+
+Instruction set: the widest path this CPU and OS support is chosen at import (scalar, avx2,
+avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
+Threads: ``threads=None`` means ``default_threads()``; results do not depend on the count.
+
+Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
+R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _kernels, quant
+
+__all__ = [
+    "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
+    "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
+    "read_bandwidth",
+]
+
+ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
+WEIGHT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8", "q4")
+ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax")
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclass(frozen=True, eq=False)          # eq=False: identity equality, hashable (buf is an array)
+class WeightRef:
+    """Where a weight matrix (or a stack of E of them) lies in a byte buffer.
+
+    buf:           uint8, 1-D, C-contiguous, may be read-only (a view of the mmap'd file).
+                   Any object with the buffer protocol (bytes, mmap) is wrapped without a copy.
+    offset:        byte offset of row 0 of expert 0.
+    dtype:         "f32" | "f16" | "bf16" | "q8" | "q4" (SPEC 1.5).
+    rows, cols:    logical (R, C) of one matrix; y = W @ x reduces over C.
+    group_size:    G, for q8/q4 (a multiple of 32 dividing C); 0 otherwise.
+    row_stride:    bytes between rows; 0 means packed (quant.row_stride / C * itemsize).
+    n_experts:     E matrices of the same shape ...
+    expert_stride: ... this many bytes apart; 0 means packed (rows * row_stride).
+
+    Construction checks every field against the buffer (ValueError naming the field and the
+    numbers); the kernels check again before they read, so a bad WeightRef can never make
+    them read outside the buffer.
+    """
+
+    buf: np.ndarray = field(repr=False)
+    offset: int
+    dtype: str
+    rows: int
+    cols: int
+    group_size: int = 0
+    row_stride: int = 0
+    n_experts: int = 1
+    expert_stride: int = 0
+
+    def __post_init__(self) -> None:
+        buf = self.buf
+        if not isinstance(buf, np.ndarray):
+            try:
+                buf = np.frombuffer(buf, dtype=np.uint8)
+            except TypeError as exc:
+                raise ValueError(f"WeightRef: buf must be a uint8 array or a buffer, found "
+                                 f"{type(self.buf).__name__}") from exc
+            object.__setattr__(self, "buf", buf)
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"WeightRef: dtype {self.dtype!r} is not a weight format of the "
+                             f"kernels (expected one of {', '.join(WEIGHT_DTYPES)})")
+        for name in ("offset", "rows", "cols", "group_size", "row_stride", "n_experts",
+                     "expert_stride"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"WeightRef: {name} must be an int, found {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.dtype in quant.QUANTIZED:
+            quant.check_group_size(self.cols, self.group_size, f"WeightRef {self.dtype}")
+        if self.row_stride == 0 and self.cols > 0:
+            object.__setattr__(self, "row_stride",
+                               quant.row_stride(self.dtype, self.cols, self.group_size))
+        if self.expert_stride == 0 and self.n_experts > 1:
+            object.__setattr__(self, "expert_stride", self.rows * self.row_stride)
+        _kernels.weight_span(self, "WeightRef")
+
+    @classmethod
+    def from_array(cls, w: np.ndarray, dtype: str, group_size: int = 0) -> "WeightRef":
+        """Encode w float (R, C) or (E, R, C) with quant.encode into a new packed buffer.
+
+        For tests and small models; a real model's weights are views of its file.
+        """
+        w = np.asarray(w)
+        if w.ndim not in (2, 3):
+            raise ValueError(f"WeightRef.from_array: w must be (R, C) or (E, R, C), found "
+                             f"shape {w.shape}")
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"WeightRef.from_array: dtype {dtype!r} is not one of "
+                             f"{', '.join(WEIGHT_DTYPES)}")
+        gs = int(group_size) if dtype in quant.QUANTIZED else 0
+        E = w.shape[0] if w.ndim == 3 else 1
+        R, C = w.shape[-2:]
+        buf = quant.encode(w, dtype, gs)
+        return cls(buf=buf, offset=0, dtype=dtype, rows=R, cols=C, group_size=gs,
+                   n_experts=E)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape: (R, C), or (E, R, C) for a stack."""
+        return (self.rows, self.cols) if self.n_experts == 1 else (
+            self.n_experts, self.rows, self.cols)
+
+    def expert(self, e: int) -> "WeightRef":
+        """The single matrix of expert e, as its own WeightRef (same buffer)."""
+        if not 0 <= e < self.n_experts:
+            raise ValueError(f"expert {e} out of range for {self.n_experts} experts")
+        return WeightRef(self.buf, self.offset + e * self.expert_stride, self.dtype,
+                         self.rows, self.cols, self.group_size, self.row_stride)
+
+
+# ---------------------------------------------------------------------------------------------
+# instruction set and threads
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU and OS run, in ISAS order ("scalar" always)."""
+    return [name for code, name in enumerate(ISAS) if _kernels.isa_supported(code)]
+
+
+def get_isa() -> str:
+    """The path the kernels use now."""
+    return ISAS[_kernels.get_isa()]
+
+
+def set_isa(name: str | None) -> None:
+    """Force a path ("scalar", "avx2", "avx512"), or None for the widest supported one.
+
+    Raises ValueError for an unknown name or a path this CPU/OS cannot run.
+    """
+    if name is None:
+        _kernels.set_isa(_kernels.best_isa())
+        return
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
+    if name not in available_isas():
+        raise ValueError(f"ISA {name!r} is not supported by this CPU/OS (available: "
+                         f"{', '.join(available_isas())})")
+    _kernels.set_isa(ISAS.index(name))
+
+
+def _env_threads(var: str) -> int | None:
+    value = os.environ.get(var, "").strip()
+    if not value:
+        return None
+    first = value.split(",")[0].strip()         # OMP_NUM_THREADS may list nested levels
+    try:
+        n = int(first)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{var}={value!r} is not a positive integer")
+    return n
+
+
+def _affinity() -> set[int] | None:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    try:
+        import psutil
+        return set(psutil.Process().cpu_affinity())
+    except Exception:                            # not available on this platform
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _physical_cores_in_mask() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthreads counted once).
+
+    Threads beyond the physical cores slow MoE decode: they share the core's load ports and
+    the memory bandwidth, and add synchronisation.
+    """
+    import psutil
+    cpus = _affinity()
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if not cpus:
+        return max(1, physical)
+    cores = set()
+    for cpu in cpus:                             # Linux topology, where readable
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topo + "physical_package_id") as f:
+                package = f.read().strip()
+            with open(topo + "core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            break
+        cores.add((package, core))
+    else:
+        return max(1, len(cores))
+    # no topology: assume the mask holds the same share of physical cores as of CPUs
+    logical = psutil.cpu_count(logical=True) or len(cpus)
+    return max(1, min(len(cpus), round(len(cpus) * physical / logical)))
+
+
+def default_threads() -> int:
+    """Thread count for threads=None: COLIBRI_NUM_THREADS, else OMP_NUM_THREADS, else the
+    physical cores in this process's CPU affinity mask."""
+    for var in ("COLIBRI_NUM_THREADS", "OMP_NUM_THREADS"):
+        n = _env_threads(var)
+        if n is not None:
+            return n
+    return _physical_cores_in_mask()
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise ValueError(f"threads must be a positive int or None, found {threads!r}")
+    return int(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument preparation
+
+
+def _f32(name: str, a: np.ndarray, ndim: tuple[int, ...]) -> np.ndarray:
+    """a as a C-contiguous float32 array (a copy only if a is not contiguous)."""
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, found {a.dtype}")
+    if a.ndim not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, found "
+                         f"shape {a.shape}")
+    return np.ascontiguousarray(a)
+
+
+def _ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """Expert ids (T, K) of any integer dtype -> int32, range-checked."""
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"ids must be integers, found {ids.dtype}")
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be (T, K), found shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        raise ValueError(f"expert ids must be in 0..{n_experts - 1}, found values in "
+                         f"{ids.min()}..{ids.max()}")
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"out must be a writable C-contiguous float32 array of shape {shape}, "
+                         f"found {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{getattr(out, 'shape', '')}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
+           threads: int | None = None, out: np.ndarray | None = None, expert: int = 0
+           ) -> np.ndarray:
+    """y = x @ W.T (+ bias), for any weight format, dequantizing in registers.
+
+    Parameters
+    ----------
+    x : float32 (T, C), or (C,) for one token
+    w : WeightRef (R, C), or a stack (E, R, C) of which `expert` is used
+    bias : float32 (R,) or None
+    threads : int or None (default_threads())
+    out : float32 (T, R) (or (R,)) to write into, not overlapping x; or None
+    expert : int, which matrix of a stack
+
+    Returns
+    -------
+    y : float32 (T, R), or (R,) for 1-D x
+
+    Notes
+    -----
+    Parallel over tiles of output rows; each tile is read from memory once for all T tokens
+    (blocks of a few tokens share each pass over a weight row).
+    """
+    x = _f32("x", x, (1, 2))
+    one = x.ndim == 1
+    x2 = x.reshape(1, -1) if one else x
+    b = None if bias is None else _f32("bias", bias, (1,))
+    y = _out(out, (w.rows,) if one else (x2.shape[0], w.rows))
+    _kernels.linear(x2, w, b, y.reshape(x2.shape[0], w.rows), int(expert), _threads(threads))
+    return y
+
+
+def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
+               norm_topk_prob: bool = False, noise_seed: int | None = None,
+               threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pick k experts per token and their weights from router logits.
+
+    Parameters
+    ----------
+    logits : float32 (T, E); -inf and huge values are fine, NaN is a ValueError
+    k : int, 1 <= k <= E
+    rule : "softmax_topk" or "topk_softmax"
+        "softmax_topk": p = softmax over all E (max-subtracted, f32); the k largest p
+        (ties -> lower expert index); weights = p[ids], divided by their sum when
+        `norm_topk_prob`. "topk_softmax": the k largest logits; weights = softmax over those
+        k (max taken over the k, so nothing underflows that need not).
+    norm_topk_prob : bool, renormalise the k weights of "softmax_topk" to sum 1
+    noise_seed : int or None
+        If given, Gumbel(0, 1) noise is added to the logits before the selection
+        (sampling-time routing); the weights still come from the un-noised logits. The noise
+        is a pure function of (seed, token index in this call, expert): reproducible, and
+        independent of the thread count. To vary it across layers or steps, vary the seed.
+    threads : int or None
+
+    Returns
+    -------
+    ids : int32 (T, K)
+    weights : float32 (T, K)
+        Each row listed by descending weight, ties -> lower expert index. Top-k is a partial
+        selection (one pass over E), not a sort. All -inf logits give uniform weights; +inf
+        logits share the mass equally; never NaN.
+    """
+    logits = _f32("logits", logits, (2,))
+    if rule not in ROUTING_RULES:
+        raise ValueError(f"unknown routing rule {rule!r}; expected one of "
+                         f"{', '.join(ROUTING_RULES)}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"k must be an int, found {k!r}")
+    if noise_seed is not None and (isinstance(noise_seed, bool)
+                                   or not isinstance(noise_seed, (int, np.integer))):
+        raise ValueError(f"noise_seed must be an int or None, found {noise_seed!r}")
+    return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
+                               None if noise_seed is None else int(noise_seed),
+                               _threads(threads))
+
+
+def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counting sort of the (token, k) slots by expert.
+
+    Parameters
+    ----------
+    ids : int (T, K), values in 0..E-1
+    n_experts : int, E
+
+    Returns
+    -------
+    offsets : int64 (E+1,)
+    slots : int32 (T*K,)
+        The flat slots t*K + k of expert e are slots[offsets[e]:offsets[e+1]], ascending.
+    """
+    return _kernels.group_by_expert(_ids(ids, int(n_experts)), int(n_experts))
+
+
+def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: WeightRef,
+               w_up: WeightRef, w_down: WeightRef, *, threads: int | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """The routed SwiGLU experts of one MoE layer.
+
+    Parameters
+    ----------
+    x : float32 (T, D)
+    ids : int (T, K), the expert of each (token, slot)
+    weights : float32 (T, K), the routing weights
+    w_gate, w_up : WeightRef stacks (E, I, D)
+    w_down : WeightRef stack (E, D, I); the three formats may differ
+    threads : int or None
+    out : float32 (T, D) to write into (may be x itself), or None
+
+    Returns
+    -------
+    y : float32 (T, D)
+        y[t] = sum_k weights[t,k] * W_down[e] @ (silu(W_gate[e] @ x[t]) * (W_up[e] @ x[t])),
+        e = ids[t, k].
+
+    Notes
+    -----
+    Tokens are grouped by expert, so each chosen expert is read once per call: gate and up
+    in one pass over the expert's tokens, then down, each as a flat list of (expert, row
+    tile) work items shared by the threads. Experts no token chose are never touched (not
+    even their pages). The sum over k runs in k order per token after all experts ran, so
+    the result is identical for any thread count.
+    """
+    x = _f32("x", x, (2,))
+    ids = _ids(ids, w_gate.n_experts)
+    weights = _f32("weights", weights, (2,))
+    y = _out(out, x.shape)
+    _kernels.expert_ffn(x, ids, weights, w_gate, w_up, w_down, y, _threads(threads))
+    return y
+
+
+def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
+           threads: int | None = None) -> np.ndarray:
+    """A dense SwiGLU FFN (shared experts, dense layers).
+
+    Parameters
+    ----------
+    x : float32 (T, D)
+    w_gate, w_up : WeightRef (I, D)
+    w_down : WeightRef (D, I)
+    threads : int or None
+
+    Returns
+    -------
+    y : float32 (T, D), W_down @ (silu(W_gate @ x[t]) * (W_up @ x[t])) per token
+    """
+    x = _f32("x", x, (2,))
+    y = np.empty(x.shape, dtype=np.float32)
+    _kernels.swiglu(x, w_gate, w_up, w_down, y, _threads(threads))
+    return y
+
+
+def dequantize(w: WeightRef, expert: int = 0, *, threads: int | None = None) -> np.ndarray:
+    """The decoded matrix of one expert, float32 (R, C).
+
+    A test and debugging helper (scalar decoding); the kernels never build this matrix.
+    """
+    return _kernels.dequantize(w, int(expert), _threads(threads))
+
+
+def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3) -> float:
+    """Memory read bandwidth in GB/s (1e9 bytes/s).
+
+    Parameters
+    ----------
+    nbytes : int, size of the buffer; well beyond the last-level cache (e.g. 1 GiB) to
+        measure memory rather than cache
+    threads : int or None; each thread streams one contiguous part
+    repeats : int, timed passes (after one untimed pass over the freshly touched buffer)
+
+    Returns
+    -------
+    float, the best pass
+    """
+    n_threads = _threads(threads)
+    if nbytes < 1 or repeats < 1:
+        raise ValueError(f"nbytes ({nbytes}) and repeats ({repeats}) must be >= 1")
+    buf = np.ones(int(nbytes), dtype=np.uint8)
+    _kernels.read_sum(buf, n_threads)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _kernels.read_sum(buf, n_threads)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
+def _apply_env_isa() -> None:
+    name = os.environ.get("COLIBRI_ISA", "").strip().lower()
+    if name:
+        try:
+            set_isa(name)
+        except ValueError as exc:
+            raise ValueError(f"COLIBRI_ISA={name!r}: {exc}") from None
+
+
+_apply_env_isa()

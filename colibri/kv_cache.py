@@ -1,0 +1,140 @@
+"""Preallocated key/value cache for incremental decoding.
+
+Per layer, keys and values live in two float32 arrays of shape (B, Hkv, S, Dh): one
+contiguous (S, Dh) plane per sequence and kv head, so attention reads `k[:, :, :L]` as a few
+large strided blocks and the new tokens of a step are one slice assignment. The arrays are
+made with np.zeros, which the OS backs lazily: a 4096-slot cache costs address space up front
+and physical memory only as slots fill.
+
+Besides K and V the cache remembers, per slot, whether it holds a real token (False for the
+left padding of a batch) and its RoPE position, so later steps need neither the attention mask
+nor the positions again.
+
+Shape alphabet: B batch, Hkv kv heads, S context (slots), Dh head dim, T new tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ColibriError
+
+__all__ = ["KVCache", "CacheOverflowError", "DEFAULT_MAX_CTX"]
+
+# Default context when the caller does not choose one: the model's max_position_embeddings,
+# capped here because many configs advertise 32k-128k positions and a cache that size costs
+# gigabytes of address space (and of RAM once filled) for a small CPU run. Pass ctx= for more.
+DEFAULT_MAX_CTX = 4096
+
+
+class CacheOverflowError(ColibriError, ValueError):
+    """Appending the new tokens would run past the cache's context length."""
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of B sequences, S slots each.
+
+    Attributes: k, v (lists over layers of float32 (B, Hkv, S, Dh)); valid (B, S) bool;
+    pos (B, S) int64 (RoPE position of each slot); length (slots in use, shared by the batch).
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int):
+        for name, val in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
+                          ("ctx", ctx), ("head_dim", head_dim)):
+            if int(val) != val or val < 1:
+                raise ValueError(f"KVCache: {name} must be a positive integer, got {val!r}")
+        self.n_layers, self.batch, self.n_kv_heads = int(n_layers), int(batch), int(n_kv_heads)
+        self.ctx, self.head_dim = int(ctx), int(head_dim)
+        shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, S, Dh)
+        self.k = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
+        self.v = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
+        self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, S)
+        self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, S)
+        self.length = 0
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for K and V (all layers)."""
+        return 2 * self.n_layers * self.batch * self.n_kv_heads * self.ctx * self.head_dim * 4
+
+    @property
+    def remaining(self) -> int:
+        return self.ctx - self.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def next_positions(self) -> np.ndarray:
+        """int64 (B,): the RoPE position the next real token of each sequence gets."""
+        out = np.zeros(self.batch, dtype=np.int64)
+        if self.length == 0:
+            return out
+        pos = np.where(self.valid[:, :self.length], self.pos[:, :self.length], -1)
+        return pos.max(axis=1) + 1
+
+    def check_room(self, n_new: int) -> None:
+        """Raise CacheOverflowError when n_new more tokens do not fit."""
+        if self.length + n_new > self.ctx:
+            raise CacheOverflowError(
+                f"KV cache overflow: ctx {self.ctx}, current length {self.length}, "
+                f"{n_new} new tokens would need {self.length + n_new} slots; "
+                f"make a larger cache (model.new_cache(ctx=...)) or truncate/reset this one")
+
+    # -- writing (called by the model during a forward pass) ------------------------------------
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k, v float32 (B, Hkv, T, Dh) at slots [length, length+T) of `layer`.
+
+        Returns views (B, Hkv, length+T, Dh) of everything the layer attends to. The length
+        itself moves only in `commit`, once every layer has written.
+        """
+        t = k.shape[2]
+        start = self.length
+        self.k[layer][:, :, start:start + t] = k
+        self.v[layer][:, :, start:start + t] = v
+        return self.k[layer][:, :, :start + t], self.v[layer][:, :, :start + t]
+
+    def commit(self, valid: np.ndarray, positions: np.ndarray) -> None:
+        """Advance by T slots after a forward pass; valid bool (B, T), positions int (B, T)."""
+        t = valid.shape[1]
+        self.check_room(t)
+        self.valid[:, self.length:self.length + t] = valid
+        self.pos[:, self.length:self.length + t] = positions
+        self.length += t
+
+    # -- management -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every token (the memory is kept and simply overwritten later)."""
+        self.length = 0
+        self.valid[:] = False
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n slots (a shared prompt prefix) and forget the rest."""
+        if int(n) != n or not 0 <= n <= self.length:
+            raise ValueError(f"truncate: n must be an integer in [0, {self.length}] "
+                             f"(the current length), got {n!r}")
+        n = int(n)
+        self.valid[:, n:self.length] = False
+        self.length = n
+
+    def copy(self) -> "KVCache":
+        """An independent cache with the same contents (e.g. to branch from a shared prefix)."""
+        new = KVCache.__new__(KVCache)
+        new.n_layers, new.batch, new.n_kv_heads = self.n_layers, self.batch, self.n_kv_heads
+        new.ctx, new.head_dim = self.ctx, self.head_dim
+        new.k, new.v = [], []
+        for k, v in zip(self.k, self.v):
+            k2 = np.zeros_like(k)
+            v2 = np.zeros_like(v)
+            k2[:, :, :self.length] = k[:, :, :self.length]   # copy only the filled slots
+            v2[:, :, :self.length] = v[:, :, :self.length]
+            new.k.append(k2)
+            new.v.append(v2)
+        new.valid = self.valid.copy()
+        new.pos = self.pos.copy()
+        new.length = self.length
+        return new
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.n_layers}, batch={self.batch}, kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, ctx={self.ctx}, length={self.length}, "
+                f"{self.nbytes / 2**20:.1f} MiB)")

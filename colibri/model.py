@@ -1,0 +1,409 @@
+"""Model: the weights of a .colibri file as views over its mapping, and the forward pass.
+
+Nothing is copied at load time: dense matrices and expert stacks become WeightRefs (byte
+offsets into the mapping) that the kernels read in place, whatever their format (f32, f16,
+bf16, q8, q4); norm weights and biases are small float32 views. The forward pass reads top to
+bottom in data-flow order:
+
+    embed -> per layer [RMSNorm -> attention (NumPy) -> + -> RMSNorm -> MoE or dense MLP -> +]
+          -> RMSNorm -> head (kernels.linear) -> float32 logits
+
+Shape alphabet: B batch, S sequence (new tokens), T = B*S tokens, D hidden, V vocab,
+H / Hkv heads, Dh head dim, E experts, K experts per token, I expert intermediate,
+L keys attended, G scale groups.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import kernels, quant
+from .attention import Attention, Rope, build_mask, rms_norm
+from .errors import ColibriError
+from .format import ColibriFile, QuantizedTensor
+from .kernels import WeightRef
+from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .moe import DenseMLP, MoE, Timings
+
+__all__ = ["Model", "RoutingTrace", "weight_ref", "expert_ref"]
+
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# weights as references into the mapping
+# ---------------------------------------------------------------------------------------------
+
+def _row_stride(dtype: str, cols: int, group_size: int) -> int:
+    if dtype in _ITEMSIZE:
+        return cols * _ITEMSIZE[dtype]
+    return quant.row_stride(dtype, cols, group_size)
+
+
+def weight_ref(f: ColibriFile, buf: np.ndarray, name: str) -> WeightRef:
+    """WeightRef over the 2-D tensor `name` (R, C) of the mapped file; no bytes are read."""
+    info = f.info(name)
+    if len(info.shape) != 2:
+        raise ColibriError(f"{f.path}: tensor {name!r} has shape {info.shape}; expected a matrix")
+    if info.dtype not in _ITEMSIZE and info.dtype not in quant.QUANTIZED:
+        raise ColibriError(f"{f.path}: tensor {name!r} has dtype {info.dtype}, which the "
+                           f"kernels cannot multiply by")
+    R, C = info.shape
+    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
+                     _row_stride(info.dtype, C, info.group_size))
+
+
+def expert_ref(f: ColibriFile, buf: np.ndarray, layer: int, proj: str, n_experts: int) -> WeightRef:
+    """WeightRef over the strided (E, R, C) stack of one projection of a layer's experts."""
+    name0 = f"layers.{layer}.moe.experts.0.{proj}"
+    info = f.info(name0)
+    R, C = info.shape
+    stride = f.expert_stride(layer) if n_experts > 1 else 0
+    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
+                     _row_stride(info.dtype, C, info.group_size), n_experts, stride)
+
+
+def _vector(f: ColibriFile, name: str) -> np.ndarray:
+    """A small 1-D tensor (norm weight, bias) as float32."""
+    t = f.tensor(name)
+    if isinstance(t, np.ndarray) and t.dtype == np.float32:
+        return t
+    return f.to_float32(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing trace
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RoutingTrace:
+    """Which experts each token chose, per MoE layer.
+
+    layers: the MoE layer numbers, in order; ids[j] int32 (B, S, K) and weights[j] float32
+    (B, S, K) belong to layers[j] (B is dropped for 1-D input); shared_gate[j] float32 (B, S)
+    is sigmoid(x·g) of the shared expert when the model has one, else the list is empty.
+    """
+    layers: list[int]
+    ids: list[np.ndarray]
+    weights: list[np.ndarray]
+    shared_gate: list[np.ndarray] = field(default_factory=list)
+
+    def __getitem__(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, weights) of MoE layer number `layer`."""
+        try:
+            j = self.layers.index(layer)
+        except ValueError:
+            raise KeyError(f"layer {layer} has no routed experts (MoE layers: {self.layers})") from None
+        return self.ids[j], self.weights[j]
+
+    def stacked(self) -> tuple[np.ndarray, np.ndarray]:
+        """ids int32 (n_moe_layers, [B,] S, K) and weights float32 of the same shape."""
+        return np.stack(self.ids), np.stack(self.weights)
+
+    def __repr__(self) -> str:
+        shape = self.ids[0].shape if self.ids else ()
+        return f"RoutingTrace(layers={self.layers}, ids/weights per layer {shape})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Layer:
+    attn_norm: np.ndarray
+    attn: Attention
+    ffn_norm: np.ndarray
+    ffn: MoE | DenseMLP
+
+
+class _Linear:
+    """x (N, C) -> x @ W^T (+ b) through kernels.linear; a projection for Attention."""
+
+    __slots__ = ("w", "b", "threads")
+
+    def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int):
+        self.w, self.b, self.threads = w, b, threads
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return kernels.linear(x, self.w, self.b, threads=self.threads)
+
+
+class Model:
+    """A loaded .colibri model. `Model(path_or_file, threads=None)`; see colibri.load."""
+
+    def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None):
+        self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
+        if threads is not None and (int(threads) != threads or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        self.threads = int(threads) if threads is not None else kernels.default_threads()
+        a = self.arch = dict(self.file.arch)
+        self.config = self.file.config
+        self.vocab_size = int(a["vocab_size"])
+        self.hidden_size = int(a["hidden_size"])
+        self.n_layers = int(a["num_hidden_layers"])
+        self.n_heads = int(a["num_attention_heads"])
+        self.n_kv_heads = int(a["num_key_value_heads"])
+        self.head_dim = int(a["head_dim"])
+        self.eps = float(a["rms_norm_eps"])
+        self.moe_layers = [int(i) for i in a.get("moe_layers", range(self.n_layers))]
+        self.timings = Timings()
+        self.last_stats = None          # GenerationStats of the last generate() call
+        self._tokenizer = None
+        self._tokenizer_loaded = False
+        self._build()
+
+    # -- construction -----------------------------------------------------------------------
+    def _build(self) -> None:
+        f, a, t = self.file, self.arch, self.threads
+        buf = np.frombuffer(f.buffer, dtype=np.uint8)      # the whole mapping, read-only, 1-D
+        self._buf = buf
+        if a.get("router", "softmax_topk") != "softmax_topk":
+            raise ColibriError(f"{f.path}: router rule {a.get('router')!r} is not supported "
+                               f"(supported: softmax_topk)")
+        self.rope = Rope.from_arch(a)
+        self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
+        head = "tok_embeddings" if a.get("tie_word_embeddings") or "lm_head" not in f else "lm_head"
+        self.head = weight_ref(f, buf, head)                                         # (V, D)
+        self.final_norm = _vector(f, "norm")
+        window = a.get("sliding_window") or None
+        layer_types = a.get("layer_types")
+        moe = set(self.moe_layers)
+        self.layers: list[_Layer] = []
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            bias = lambda n: _vector(f, p + n) if (p + n) in f else None   # noqa: E731
+            proj = lambda n, b: _Linear(weight_ref(f, buf, p + n), bias(b), t)  # noqa: E731
+            qk_norm = a.get("qk_norm", "none")
+            w = window if (layer_types is None or layer_types[i] == "sliding_attention") else None
+            attn = Attention(
+                proj("attn.wq", "attn.bq"), proj("attn.wk", "attn.bk"),
+                proj("attn.wv", "attn.bv"), proj("attn.wo", "attn.bo"),
+                n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                eps=self.eps, qk_norm=qk_norm,
+                q_norm=_vector(f, p + "attn.q_norm") if qk_norm != "none" else None,
+                k_norm=_vector(f, p + "attn.k_norm") if qk_norm != "none" else None,
+                clip_qkv=a.get("clip_qkv"), window=w)
+            if i in moe:
+                E = int(a["num_experts"])
+                shared = None
+                if int(a.get("shared_expert_intermediate_size") or 0) > 0:
+                    shared = tuple(weight_ref(f, buf, f"{p}moe.shared.{n}")
+                                   for n in ("w_gate", "w_up", "w_down"))
+                gate = (weight_ref(f, buf, p + "moe.shared_gate")
+                        if shared is not None and a.get("shared_expert_gate") else None)
+                ffn = MoE(weight_ref(f, buf, p + "moe.router"),
+                          *(expert_ref(f, buf, i, n, E) for n in ("w_gate", "w_up", "w_down")),
+                          top_k=int(a["num_experts_per_tok"]),
+                          norm_topk_prob=bool(a.get("norm_topk_prob")), threads=t,
+                          shared=shared, shared_gate=gate)
+            else:
+                ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}")
+                                 for n in ("w_gate", "w_up", "w_down")), threads=t)
+            self.layers.append(_Layer(_vector(f, p + "attn_norm"), attn,
+                                      _vector(f, p + "ffn_norm"), ffn))
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's Tokenizer (built on first use from the embedded files), or None."""
+        if not self._tokenizer_loaded:
+            from .tokenizer import tokenizer_from_files
+            self._tokenizer = tokenizer_from_files(self.file.tokenizer_files)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return int(self.arch.get("max_position_embeddings") or DEFAULT_MAX_CTX)
+
+    def new_cache(self, ctx: int | None = None, batch: int = 1) -> KVCache:
+        """A KV cache for `batch` sequences of up to `ctx` tokens.
+
+        ctx defaults to the model's max_position_embeddings capped at DEFAULT_MAX_CTX (4096):
+        a cache costs 2 * layers * batch * Hkv * ctx * Dh * 4 bytes once filled.
+        """
+        if ctx is None:
+            ctx = min(self.max_context, DEFAULT_MAX_CTX)
+        return KVCache(self.n_layers, batch, self.n_kv_heads, ctx, self.head_dim)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Embedding rows of ids int (B, S) -> float32 (B, S, D); only those rows are decoded."""
+        e = self.embedding
+        flat = ids.reshape(-1)
+        if isinstance(e, QuantizedTensor):
+            rows = QuantizedTensor(e.data[flat], e.scales[flat], e.dtype,
+                                   (flat.shape[0], e.shape[-1]), e.group_size).dequantize()
+        elif e.dtype == np.uint16:                                           # bf16 bits
+            rows = quant.bf16_to_f32(e[flat])
+        else:
+            rows = e[flat].astype(np.float32)
+        return rows.reshape(*ids.shape, self.hidden_size)
+
+    # -- input checking -------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, input_embeds, cache, positions, attention_mask):
+        """-> (x float32 (B, S, D) or ids int64 (B, S), squeeze, valid (B, S), positions (B, S))."""
+        if (input_ids is None) == (input_embeds is None):
+            raise ValueError("give exactly one of input_ids and input_embeds")
+        if input_ids is not None:
+            ids = np.asarray(input_ids)
+            if ids.dtype == object or ids.dtype.kind not in "iu":
+                raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
+            if ids.ndim not in (1, 2):
+                raise ValueError(f"input_ids must have shape (S,) or (B, S), got ndim {ids.ndim} "
+                                 f"(shape {ids.shape})")
+            squeeze = ids.ndim == 1
+            ids = ids.reshape(1, -1) if squeeze else ids
+            if ids.size == 0:
+                raise ValueError(f"input_ids is empty (shape {np.asarray(input_ids).shape})")
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"input_ids out of range [0, {self.vocab_size}): "
+                                 f"min {lo}, max {hi} (vocab_size {self.vocab_size})")
+            data = ids.astype(np.int64, copy=False)
+        else:
+            x = np.asarray(input_embeds)
+            if x.dtype.kind != "f":
+                raise ValueError(f"input_embeds must be floating point, got dtype {x.dtype}")
+            if x.ndim not in (2, 3) or x.shape[-1] != self.hidden_size:
+                raise ValueError(f"input_embeds must have shape (S, {self.hidden_size}) or "
+                                 f"(B, S, {self.hidden_size}), got {x.shape}")
+            squeeze = x.ndim == 2
+            x = x[None] if squeeze else x
+            if x.shape[1] == 0:
+                raise ValueError("input_embeds has no tokens (S = 0)")
+            if not np.isfinite(x).all():
+                raise ValueError(f"input_embeds holds {int((~np.isfinite(x)).sum())} non-finite values")
+            data = np.ascontiguousarray(x, dtype=np.float32)
+        B, S = data.shape[:2]
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
+            if cache.batch != B:
+                raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
+            if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != (
+                    self.n_layers, self.n_kv_heads, self.head_dim):
+                raise ValueError(f"cache made for (layers, kv heads, head dim) = "
+                                 f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, model has "
+                                 f"{(self.n_layers, self.n_kv_heads, self.head_dim)}")
+            cache.check_room(S)
+            past = cache.length
+        if attention_mask is None:
+            valid = np.ones((B, S), dtype=bool)
+        else:
+            m = np.asarray(attention_mask)
+            if m.ndim == 1 and squeeze:
+                m = m[None]
+            if m.ndim != 2 or m.shape[0] != B or m.shape[1] not in (S, past + S):
+                raise ValueError(f"attention_mask must have shape ({B}, {S}) or ({B}, {past + S}) "
+                                 f"(past {past} + new {S}), got {np.asarray(attention_mask).shape}")
+            if not np.isin(m, (0, 1)).all():
+                raise ValueError("attention_mask must hold only 0 and 1 (or booleans)")
+            m = m.astype(bool)
+            if m.shape[1] == past + S and past and not np.array_equal(m[:, :past], cache.valid[:, :past]):
+                raise ValueError("attention_mask's first columns disagree with the padding already in the cache")
+            valid = m[:, -S:]
+        if positions is None:
+            start = cache.next_positions() if cache is not None else np.zeros(B, np.int64)
+            pos = start[:, None] + np.cumsum(valid, axis=1) - 1
+            pos = np.maximum(pos, 0)
+        else:
+            p = np.asarray(positions)
+            if p.dtype.kind not in "iu":
+                raise ValueError(f"positions must be integers, got dtype {p.dtype}")
+            if p.ndim == 1:
+                p = np.broadcast_to(p, (B, p.shape[0]))
+            if p.shape != (B, S):
+                raise ValueError(f"positions must have shape ({S},) or ({B}, {S}), got "
+                                 f"{np.asarray(positions).shape}")
+            if p.size and int(p.min()) < 0:
+                raise ValueError(f"positions must be >= 0, got min {int(p.min())}")
+            pos = p.astype(np.int64)
+        return data, squeeze, valid, pos
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, input_ids=None, cache: KVCache | None = None, positions=None,
+                return_routing: bool = False, input_embeds=None, attention_mask=None,
+                last_only: bool = False):
+        """Logits float32 (B, S, V), or (S, V) for 1-D input; see colibri.forward.
+
+        last_only: compute the head for the last position only (logits (B, 1, V) / (1, V)),
+        which is all a generation step needs.
+        """
+        data, squeeze, valid, pos = self._check_inputs(input_ids, input_embeds, cache,
+                                                       positions, attention_mask)
+        tm = self.timings
+        t0 = time.perf_counter()
+        B, S = valid.shape
+        D = self.hidden_size
+        h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
+        # keys visible to the new tokens: the cache's slots, then the new ones
+        all_valid = valid if cache is None else np.concatenate(
+            [cache.valid[:, :cache.length], valid], axis=1)                  # (B, L)
+        masks: dict = {}
+        cos, sin = self.rope.cos_sin(pos)                                     # (B, 1, S, R/2)
+        trace = RoutingTrace([], [], []) if return_routing else None
+        t0 = tm.add("embed", t0)
+        for i, layer in enumerate(self.layers):
+            w = layer.attn.window
+            if w not in masks:
+                masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
+            a = rms_norm(h, layer.attn_norm, self.eps)
+            h = h + layer.attn(a, cos, sin, masks[w], cache, i)
+            x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)       # (T, D)
+            t0 = tm.add("attention", t0)
+            if isinstance(layer.ffn, MoE):
+                y, ids, wts, gate = layer.ffn(x, tm)
+                if trace is not None:
+                    trace.layers.append(i)
+                    trace.ids.append(ids.reshape(B, S, -1).astype(np.int32, copy=False))
+                    trace.weights.append(wts.reshape(B, S, -1).astype(np.float32, copy=False))
+                    if gate is not None:
+                        trace.shared_gate.append(gate.reshape(B, S))
+            else:
+                y = layer.ffn(x, tm)
+            h = h + y.reshape(B, S, D)
+            t0 = time.perf_counter()
+        if last_only:
+            h = h[:, -1:]
+        h = rms_norm(h, self.final_norm, self.eps)
+        n = h.shape[1]
+        logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
+                                threads=self.threads).reshape(B, n, self.vocab_size)
+        tm.add("head", t0)
+        if cache is not None:
+            cache.commit(valid, pos)
+        if squeeze:
+            logits = logits[0]
+            if trace is not None:
+                trace.ids = [a[0] for a in trace.ids]
+                trace.weights = [a[0] for a in trace.weights]
+                trace.shared_gate = [a[0] for a in trace.shared_gate]
+        return (logits, trace) if return_routing else logits
+
+    __call__ = forward
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
+        """Generate text or ids; see colibri.generate.generate for the arguments."""
+        from .generate import generate
+        return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        a = self.arch
+        return (f"Model({a.get('family')}, layers={self.n_layers}, hidden={self.hidden_size}, "
+                f"experts={a.get('num_experts')} top-{a.get('num_experts_per_tok')}, "
+                f"vocab={self.vocab_size}, threads={self.threads}, file={self.file.path})")

@@ -1,0 +1,116 @@
+"""The feed-forward half of a layer: routed experts (+ gated shared expert) or a dense SwiGLU.
+
+    router logits = x @ W_router^T                     (kernels.linear, f32 weights by default)
+    ids, w        = route_topk(logits, K)              (softmax over all E -> top-k [-> renorm])
+    y             = sum_k w[t,k] * expert_{ids[t,k]}(x[t])   (kernels.expert_ffn, grouped by expert)
+    y            += sigmoid(x @ g) * shared(x)         (Qwen2-MoE's shared expert)
+
+The kernels read the weights in place from the mapped file (WeightRef); an expert no token
+chose is never touched. Every kernel call gets the model's thread count.
+
+Shape alphabet: T tokens, D hidden, E experts, K experts per token, I expert intermediate.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .kernels import WeightRef
+
+__all__ = ["Timings", "MoE", "DenseMLP"]
+
+STAGES = ("embed", "attention", "router", "experts", "shared", "dense", "head")
+
+
+class Timings:
+    """Seconds spent per stage, accumulated with time.perf_counter (cheap: ~100 ns a call)."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+
+    def add(self, stage: str, t0: float) -> float:
+        """Add the time since t0 to `stage`; return now (the next stage's t0)."""
+        now = time.perf_counter()
+        self.seconds[stage] += now - t0
+        return now
+
+    def reset(self) -> None:
+        for k in self.seconds:
+            self.seconds[k] = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def summary(self) -> str:
+        """'attention 12.0 ms (30%), router ...' for the stages that took any time."""
+        total = self.total or 1.0
+        parts = [f"{k} {v * 1e3:.1f} ms ({100 * v / total:.0f}%)"
+                 for k, v in self.seconds.items() if v > 0]
+        return ", ".join(parts)
+
+    def copy(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+
+@dataclass
+class MoE:
+    """Routed experts of one layer, plus the sigmoid-gated shared expert when present.
+
+    router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
+    shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
+    """
+    router: WeightRef
+    w_gate: WeightRef
+    w_up: WeightRef
+    w_down: WeightRef
+    top_k: int
+    norm_topk_prob: bool
+    threads: int
+    shared: tuple[WeightRef, WeightRef, WeightRef] | None = None
+    shared_gate: WeightRef | None = None
+    rule: str = "softmax_topk"
+
+    def __call__(self, x: np.ndarray, timings: Timings
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """x float32 (T, D) -> (y (T, D) f32, ids (T, K) int32, weights (T, K) f32,
+        shared-gate values (T,) f32 or None)."""
+        t0 = time.perf_counter()
+        logits = kernels.linear(x, self.router, threads=self.threads)                # (T, E)
+        ids, weights = kernels.route_topk(logits, self.top_k, rule=self.rule,
+                                          norm_topk_prob=self.norm_topk_prob,
+                                          threads=self.threads)                      # (T, K)
+        t0 = timings.add("router", t0)
+        y = kernels.expert_ffn(x, ids, weights, self.w_gate, self.w_up, self.w_down,
+                               threads=self.threads)                                 # (T, D)
+        t0 = timings.add("experts", t0)
+        gate_values = None
+        if self.shared is not None:
+            g, u, d = self.shared
+            s = kernels.swiglu(x, g, u, d, threads=self.threads)                     # (T, D)
+            if self.shared_gate is not None:
+                z = kernels.linear(x, self.shared_gate, threads=self.threads)[:, 0]  # (T,)
+                gate_values = (np.float32(1.0) / (np.float32(1.0) + np.exp(-z))).astype(np.float32)
+                s *= gate_values[:, None]
+            y += s
+            timings.add("shared", t0)
+        return y, ids, weights, gate_values
+
+
+@dataclass
+class DenseMLP:
+    """SwiGLU feed-forward of a dense layer: down(silu(gate(x)) * up(x))."""
+    w_gate: WeightRef
+    w_up: WeightRef
+    w_down: WeightRef
+    threads: int
+
+    def __call__(self, x: np.ndarray, timings: Timings) -> np.ndarray:
+        """x float32 (T, D) -> float32 (T, D)."""
+        t0 = time.perf_counter()
+        y = kernels.swiglu(x, self.w_gate, self.w_up, self.w_down, threads=self.threads)
+        timings.add("dense", t0)
+        return y

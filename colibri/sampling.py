@@ -1,0 +1,199 @@
+"""Choosing the next token from a row of logits: small functions, composed by `Sampler`.
+
+Each filter takes float logits (V,) and returns a new array where the tokens it rules out are
+-inf; nothing here mutates its input. The order is the one transformers' `generate` uses:
+repetition penalty, then temperature, top-k, top-p, min-p, then a draw. Sampling is done in
+float64 so that a long tail of tiny probabilities never sums to NaN or 0.
+
+Conventions that match transformers:
+  - repetition penalty: for every token already seen (prompt included), a negative logit is
+    multiplied by the penalty and a positive one divided by it;
+  - top-p keeps the smallest set of most probable tokens whose probability reaches p
+    (the token that crosses p is kept), and always at least one token;
+  - min-p keeps the tokens whose probability is at least min_p times the top probability.
+Switches that mean "off": temperature 0 (greedy), top_k 0, top_p 1, min_p 0, penalty 1.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .errors import ColibriError
+
+__all__ = [
+    "Sampler",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "top_k_filter",
+    "top_p_filter",
+    "min_p_filter",
+    "greedy",
+    "sample_from_logits",
+    "softmax",
+]
+
+
+def _check_row(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits)
+    if x.ndim != 1:
+        raise ValueError(f"sampling works on one row of logits (V,), got shape {x.shape}")
+    if x.size == 0:
+        raise ValueError("sampling got an empty row of logits (vocabulary size 0)")
+    return x
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 probabilities (V,) of logits (V,); -inf entries get probability exactly 0."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x)
+    if not np.isfinite(m):
+        raise ColibriError(f"cannot take a softmax: the largest logit is {m}")
+    e = np.exp(x - m)
+    return e / e.sum()
+
+
+def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int] | np.ndarray,
+                             penalty: float) -> np.ndarray:
+    """logits (V,) with every token of `history` penalised (transformers convention).
+
+    A seen token's logit is divided by `penalty` when positive and multiplied when negative, so
+    penalty > 1 always makes it less likely. Each token counts once however often it was seen.
+    """
+    x = _check_row(logits)
+    if penalty == 1.0:
+        return x
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+    seen = np.unique(np.asarray(list(history) if not isinstance(history, np.ndarray) else history,
+                                dtype=np.int64))
+    if seen.size == 0:
+        return x
+    if seen[0] < 0 or seen[-1] >= x.shape[0]:
+        raise ValueError(f"repetition history holds token ids outside [0, {x.shape[0]}): "
+                         f"min {seen[0]}, max {seen[-1]}")
+    out = np.array(x, dtype=np.float32, copy=True)
+    s = out[seen]
+    out[seen] = np.where(s < 0, s * penalty, s / penalty)
+    return out
+
+
+def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """float64 logits (V,) / temperature; temperature > 0 (0 means greedy, handled by the caller)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 here (0 means greedy), got {temperature}")
+    x = _check_row(logits)
+    # float64: a large float32 logit divided by a small temperature must not overflow to inf
+    return np.asarray(x, dtype=np.float64) / float(temperature)
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k largest logits (ties at the k-th value are all kept), -inf elsewhere; k <= 0 is off."""
+    x = _check_row(logits)
+    if k <= 0 or k >= x.shape[0]:
+        return x
+    kth = np.partition(x, x.shape[0] - k)[x.shape[0] - k]       # the k-th largest value
+    return np.where(x >= kth, x, -np.inf).astype(x.dtype, copy=False)
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus filter: keep the most probable tokens until their probability reaches p; p >= 1 is off."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    x = _check_row(logits)
+    if p >= 1.0:
+        return x
+    # sort only the tokens still in play (after top-k that is a handful, not the vocabulary)
+    live = np.flatnonzero(np.isfinite(x))
+    probs = softmax(x[live])
+    order = np.argsort(-probs, kind="stable")                   # most probable first
+    before = np.cumsum(probs[order]) - probs[order]             # mass strictly before each token
+    keep_sorted = before < p                                    # the crossing token is kept
+    keep_sorted[0] = True
+    keep = np.zeros(x.shape[0], dtype=bool)
+    keep[live[order[keep_sorted]]] = True
+    return np.where(keep, x, -np.inf).astype(x.dtype, copy=False)
+
+
+def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Keep tokens with probability >= min_p * (top probability); min_p <= 0 is off."""
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    x = _check_row(logits)
+    if min_p <= 0.0:
+        return x
+    probs = softmax(x)
+    keep = probs >= min_p * probs.max()
+    return np.where(keep, x, -np.inf).astype(x.dtype, copy=False)
+
+
+def greedy(logits: np.ndarray) -> int:
+    """Index of the largest logit (the first one on ties, like torch.argmax on CPU)."""
+    x = _check_row(logits)
+    if np.isnan(x).any():
+        raise ColibriError(f"logits hold {int(np.isnan(x).sum())} NaN values; cannot pick a token")
+    return int(np.argmax(x))
+
+
+def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from softmax(logits) with `rng` (inverse CDF on float64 probabilities)."""
+    probs = softmax(_check_row(logits))
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    i = int(np.searchsorted(cdf, u, side="right"))
+    i = min(i, probs.shape[0] - 1)
+    # a draw can land on a zero-probability slot only through rounding at the very end of the
+    # CDF: step back to the last token that has mass
+    while probs[i] == 0.0 and i > 0:
+        i -= 1
+    return i
+
+
+class Sampler:
+    """Next-token chooser with fixed settings and its own seeded random generator.
+
+    `Sampler(temperature=0.8, top_k=40, top_p=0.95, seed=0)(logits, history)` -> token id.
+    The same settings and seed give the same sequence of draws.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None):
+        if temperature < 0 or not np.isfinite(temperature):
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+        if repetition_penalty <= 0 or not np.isfinite(repetition_penalty):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.top_p = float(top_p)
+        self.min_p = float(min_p)
+        self.repetition_penalty = float(repetition_penalty)
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def __call__(self, logits: np.ndarray, history: Iterable[int] | np.ndarray = ()) -> int:
+        """Token id for logits (V,), float32; `history` = ids seen so far (for the penalty)."""
+        x = _check_row(logits)
+        if np.isnan(x).any():
+            raise ColibriError(f"logits hold {int(np.isnan(x).sum())} NaN values; cannot pick a token")
+        x = apply_repetition_penalty(x, history, self.repetition_penalty)
+        if self.is_greedy:
+            return greedy(x)
+        x = apply_temperature(x, self.temperature)
+        x = top_k_filter(x, self.top_k)
+        x = top_p_filter(x, self.top_p)
+        x = min_p_filter(x, self.min_p)
+        return sample_from_logits(x, self.rng)
+
+    def __repr__(self) -> str:
+        return (f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+                f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed})")

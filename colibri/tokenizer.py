@@ -1,0 +1,203 @@
+"""The model's tokenizer, rebuilt from the files embedded in the .colibri metadata.
+
+The files (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+generation_config.json, chat_template.jinja) are the Hugging Face ones, kept as text. The
+tokenizer is built in memory with `tokenizers.Tokenizer.from_str` wrapped in transformers'
+`PreTrainedTokenizerFast` (which brings special tokens and `apply_chat_template`); only if
+that fails is the folder written to a temporary directory for `AutoTokenizer`. No BPE is
+implemented here.
+
+`IncrementalDecoder` turns a growing list of ids into text pieces for streaming: a piece is
+emitted only once it decodes to complete characters, so a multi-byte character split over
+several byte-level tokens never shows up as U+FFFD.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ColibriError
+
+__all__ = ["Tokenizer", "IncrementalDecoder", "NoTokenizerError", "tokenizer_from_files"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                 "mask_token")
+# tokenizer_config.json keys that name files or Python classes: meaningless for an in-memory
+# tokenizer and, for some, harmful (they would make transformers look for files)
+_DROP_KEYS = {"tokenizer_class", "auto_map", "added_tokens_decoder", "name_or_path",
+              "tokenizer_file", "vocab_file", "merges_file", "special_tokens_map_file",
+              "processor_class", "backend"}
+
+
+class NoTokenizerError(ColibriError, ValueError):
+    """Text was given to a model whose file carries no tokenizer."""
+
+
+def _content(tok: Any) -> Any:
+    """AddedToken-style dicts ({"content": ...}) -> their string; other values unchanged."""
+    if isinstance(tok, dict) and "content" in tok:
+        return tok["content"]
+    if isinstance(tok, list):
+        return [_content(t) for t in tok]
+    return tok
+
+
+def _init_kwargs(files: dict[str, str]) -> dict:
+    kwargs: dict[str, Any] = {}
+    if "special_tokens_map.json" in files:
+        for k, v in json.loads(files["special_tokens_map.json"]).items():
+            kwargs[k] = _content(v)
+    if "tokenizer_config.json" in files:
+        for k, v in json.loads(files["tokenizer_config.json"]).items():
+            if k in _DROP_KEYS or v is None:
+                continue
+            kwargs[k] = _content(v) if (k in _SPECIAL_KEYS or "special_tokens" in k) else v
+    if "chat_template.jinja" in files:
+        kwargs["chat_template"] = files["chat_template.jinja"]
+    return kwargs
+
+
+def _build_hf(files: dict[str, str]):
+    """A transformers fast tokenizer from the files (in memory; a temp dir only as a fallback)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        backend = RustTokenizer.from_str(files["tokenizer.json"])
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **_init_kwargs(files))
+    except Exception as first:                      # noqa: BLE001 - fall back, then report both
+        try:
+            from transformers import AutoTokenizer
+            with tempfile.TemporaryDirectory(prefix="colibri-tok-") as tmp:
+                for name, text in files.items():
+                    if os.path.basename(name) != name:
+                        raise ColibriError(f"tokenizer file name {name!r} is not a plain file name")
+                    with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                        f.write(text)
+                return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        except Exception as second:                 # noqa: BLE001
+            raise ColibriError(f"cannot build the tokenizer from the embedded files "
+                               f"{sorted(files)}: {first!r}; fallback: {second!r}") from second
+
+
+class Tokenizer:
+    """Encode/decode and chat templates for one model; wraps a transformers fast tokenizer."""
+
+    def __init__(self, hf_tokenizer, generation_config: dict | None = None):
+        self.hf = hf_tokenizer
+        self.generation_config = generation_config or {}
+
+    @classmethod
+    def from_files(cls, files: dict[str, str]) -> "Tokenizer":
+        if "tokenizer.json" not in files:
+            raise ColibriError(f"the embedded tokenizer has no tokenizer.json (files: {sorted(files)})")
+        gen = json.loads(files["generation_config.json"]) if "generation_config.json" in files else None
+        return cls(_build_hf(files), gen)
+
+    # -- ids <-> text ------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for traces), special tokens included."""
+        return self.decode([token_id])
+
+    # -- chat -----------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: str | list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        A plain string is taken as one user message.
+        """
+        if not self.has_chat_template:
+            raise ColibriError("this model's tokenizer has no chat template; generate without chat mode")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False)
+        if isinstance(out, dict) or hasattr(out, "keys"):      # BatchEncoding in some versions
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+    # -- special ids ---------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a generation: generation_config's eos ids and the tokenizer's eos."""
+        ids: list[int] = []
+        gen = self.generation_config.get("eos_token_id")
+        if gen is not None:
+            ids.extend(gen if isinstance(gen, list) else [gen])
+        if self.hf.eos_token_id is not None:
+            ids.append(self.hf.eos_token_id)
+        return sorted(set(int(i) for i in ids))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab={self.vocab_size}, eos={self.eos_token_ids}, "
+                f"chat_template={'yes' if self.has_chat_template else 'no'})")
+
+
+def tokenizer_from_files(files: dict[str, str] | None) -> Tokenizer | None:
+    """Tokenizer for the embedded files, or None when the file carries none."""
+    if not files or "tokenizer.json" not in files:
+        return None
+    return Tokenizer.from_files(files)
+
+
+class IncrementalDecoder:
+    """Text pieces for ids appended one by one, each piece made of whole characters.
+
+    `context` (the prompt ids) is used only so that the first generated token decodes with the
+    spacing it has in context (SentencePiece drops a leading space at the start of a text).
+    The pieces joined equal decode(context + generated) minus decode(context) when the latter is
+    a prefix of the former (always, except around special tokens the tokenizer cleans up).
+    """
+
+    # how many tokens before the new ones are decoded along with them, for context
+    _CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = [int(i) for i in context][-self._CONTEXT_TOKENS:]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the new complete text ('' while a character is unfinished)."""
+        self.ids.append(int(token_id))
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            # the window slides: decoding cost stays constant per token
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever text is still pending at the end (an unfinished character shows as U+FFFD)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]

@@ -1,0 +1,724 @@
+"""Kernels against their NumPy twins (colibri._reference), on every ISA path this machine runs,
+with 1 and 2 threads, all five weight formats, and odd shapes.
+
+Tolerances. The kernels accumulate in float32, the references in float64. For a dot product
+the float32 rounding error is bounded by (number of sequential additions) * eps * sum|terms|;
+with C <= 300 that is < 1e-5 * sum|x_c w_c|, which is the bound asserted (q4 adds the folded
+offset term, so its magnitude counts |x| * 8|s| too). A wrong layout, nibble order or scale
+gives errors of the order of sum|terms| itself, far above it. Discrete results (expert ids,
+grouping) are compared exactly, and so are results across thread counts.
+"""
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+import types
+import zlib
+
+import numpy as np
+import pytest
+
+from colibri import _kernels, kernels as K, quant
+from colibri import _reference as R
+
+FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
+THREADS = [1, 2]
+ISA_PARAMS = [
+    pytest.param(isa, marks=pytest.mark.skipif(
+        isa not in K.available_isas(), reason=f"this CPU/OS does not run the {isa} path"))
+    for isa in K.ISAS
+]
+F32 = np.float32
+
+
+@pytest.fixture(params=ISA_PARAMS)
+def isa(request):
+    previous = K.get_isa()
+    K.set_isa(request.param)
+    yield request.param
+    K.set_isa(previous)
+
+
+def rng_for(*key) -> np.random.Generator:
+    """A generator seeded by the test's own key (stable across runs and processes)."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[K.WeightRef, np.ndarray]:
+    """A random WeightRef of logical shape (R, C) or (E, R, C), and its f32 source."""
+    w = (rng.standard_normal(shape) * scale).astype(F32)
+    return K.WeightRef.from_array(w, fmt, group_size if fmt in quant.QUANTIZED else 0), w
+
+
+def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
+    """sum_c |x_c| |w_c| per (token, row), plus the q4 offset term: the error scale of a dot."""
+    W = np.abs(R.dequantize_ref(w, expert)).astype(np.float64)
+    if w.dtype == "q4":
+        start = w.offset + expert * w.expert_stride
+        rows = np.asarray(w.buf)[start:start + w.rows * w.row_stride].reshape(w.rows, -1)
+        _, scales = quant.split_rows(rows[:, :quant.row_stride("q4", w.cols, w.group_size)],
+                                     "q4", w.cols, w.group_size)
+        W = W + 8 * np.repeat(np.abs(scales.astype(np.float64)), w.group_size, axis=1)
+    return np.abs(np.atleast_2d(x)).astype(np.float64) @ W.T
+
+
+def assert_dot_close(y, y_ref, mag, what=""):
+    err = np.abs(y.astype(np.float64) - y_ref.astype(np.float64)).reshape(mag.shape)
+    bound = 1e-5 * mag + 1e-6
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"{what}: error {err[worst]:.3g} > bound {bound[worst]:.3g} "
+                                  f"at {worst}")
+
+
+def assert_ffn_close(y, y_ref, what=""):
+    scale = float(np.abs(y_ref).max()) + 1e-6
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=2e-5 * scale, err_msg=what)
+
+
+# ---------------------------------------------------------------------------------------------
+# ISA selection and threads
+
+
+def test_isa_selection():
+    isas = K.available_isas()
+    assert isas[0] == "scalar" and set(isas) <= set(K.ISAS)
+    previous = K.get_isa()
+    try:
+        for name in isas:
+            K.set_isa(name)
+            assert K.get_isa() == name
+        K.set_isa(None)
+        assert K.get_isa() == isas[-1]                 # the widest supported path
+        with pytest.raises(ValueError, match="unknown ISA"):
+            K.set_isa("sse9")
+        for name in set(K.ISAS) - set(isas):
+            with pytest.raises(ValueError, match="not supported"):
+                K.set_isa(name)
+    finally:
+        K.set_isa(previous)
+
+
+def test_env_forces_isa_at_import():
+    code = "from colibri import kernels; print(kernels.get_isa())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "scalar"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "COLIBRI_ISA": "mmx"}, timeout=120)
+    assert res.returncode != 0 and "COLIBRI_ISA" in res.stderr
+
+
+def test_default_threads(monkeypatch):
+    monkeypatch.delenv("COLIBRI_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    n = K.default_threads()
+    assert 1 <= n <= (__import__("os").cpu_count() or 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,2")
+    assert K.default_threads() == 3
+    monkeypatch.setenv("COLIBRI_NUM_THREADS", "5")         # colibri's own variable wins
+    assert K.default_threads() == 5
+    monkeypatch.setenv("COLIBRI_NUM_THREADS", "many")
+    with pytest.raises(ValueError, match="COLIBRI_NUM_THREADS"):
+        K.default_threads()
+    w, _ = make_weight(np.random.default_rng(0), (3, 8), "f32")
+    with pytest.raises(ValueError, match="threads"):
+        K.linear(np.ones((1, 8), F32), w, threads=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding the formats
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_matches_quant_and_reference(fmt):
+    rng = rng_for("deq", fmt)
+    for G in ((32, 64) if fmt in quant.QUANTIZED else (0,)):
+        shape = (3, 5, 128) if G else (3, 5, 37)
+        w, src = make_weight(rng, shape, fmt, G)
+        full = quant.decode(w.buf, fmt, shape, G)
+        for e in range(3):
+            got = K.dequantize(w, e)
+            assert np.array_equal(got, full[e]), (fmt, G, e)
+            assert np.array_equal(R.dequantize_ref(w, e), full[e]), (fmt, G, e)
+        if fmt == "f32":
+            assert np.array_equal(full, src)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_identity_input_reads_every_weight_exactly(isa, fmt):
+    """linear(I_C, W) = W.T bit for bit: with one-hot inputs every output is one weight times
+    1 plus exact zeros, so any error in the layout, the f16/bf16 widening (every finite bit
+    pattern, subnormals included), the nibble order or the offset fold shows up exactly."""
+    C = 64
+    if fmt in ("f16", "bf16"):
+        bits = np.arange(1 << 16, dtype=np.uint32)
+        exp_mask = 0x7C00 if fmt == "f16" else 0x7F80              # inf/NaN exponent
+        finite = bits[(bits & exp_mask) != exp_mask].astype("<u2")
+        buf = finite.view(np.uint8)
+        w = K.WeightRef(buf, 0, fmt, finite.size // C, C)
+    else:
+        w, _ = make_weight(rng_for("eye", fmt), (45, 128), fmt, 32)
+        C = 128
+    y = K.linear(np.eye(C, dtype=F32), w, threads=2)
+    assert np.array_equal(y, R.dequantize_ref(w).T)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear
+
+PLAIN_SHAPES = [(1, 1, 1), (1, 33, 7), (3, 17, 45), (9, 67, 100), (6, 5, 300)]      # T, R, C
+QUANT_SHAPES = [(1, 1, 32, 32), (1, 37, 128, 64), (5, 19, 256, 128), (9, 13, 96, 32)]
+
+
+def linear_cases(fmt):
+    if fmt in quant.QUANTIZED:
+        return QUANT_SHAPES
+    return [(T, Rr, C, 0) for T, Rr, C in PLAIN_SHAPES]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_matches_reference(isa, threads, fmt):
+    rng = rng_for("linear", fmt)
+    for T, Rr, C, G in linear_cases(fmt):
+        w, _ = make_weight(rng, (Rr, C), fmt, G)
+        x = rng.standard_normal((T, C)).astype(F32)
+        y = K.linear(x, w, threads=threads)
+        assert y.shape == (T, Rr) and y.dtype == F32
+        assert_dot_close(y, R.linear_ref(x, w), magnitude(x, w), f"{fmt} T={T} R={Rr} C={C}")
+        bias = rng.standard_normal(Rr).astype(F32)
+        yb = K.linear(x, w, bias, threads=threads)
+        assert_dot_close(yb, R.linear_ref(x, w, bias), magnitude(x, w) + np.abs(bias), "bias")
+        y1 = K.linear(x[0], w, threads=threads)                        # one token, 1-D
+        assert y1.shape == (Rr,)
+        assert_dot_close(y1, y[0], magnitude(x[0], w), "one token")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_expert_stack_and_out(isa, fmt):
+    rng = rng_for("stack", fmt)
+    C = 64 if fmt in quant.QUANTIZED else 50
+    w, _ = make_weight(rng, (4, 11, C), fmt, 32)
+    x = rng.standard_normal((6, C)).astype(F32)
+    out = np.full((6, 11), np.nan, dtype=F32)
+    for e in range(4):
+        y = K.linear(x, w, threads=2, out=out, expert=e)
+        assert y is out
+        assert_dot_close(out, R.linear_ref(x, w, expert=e), magnitude(x, w, e), f"expert {e}")
+        assert np.array_equal(out, K.linear(x, w.expert(e), threads=1))
+    with pytest.raises(ValueError, match="expert 4 out of range"):
+        K.linear(x, w, expert=4)
+
+
+def test_linear_argument_errors():
+    rng = np.random.default_rng(1)
+    w, _ = make_weight(rng, (8, 16), "f32")
+    x = rng.standard_normal((3, 16)).astype(F32)
+    with pytest.raises(TypeError, match="float32"):
+        K.linear(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match="16"):
+        K.linear(np.ones((3, 15), F32), w)
+    with pytest.raises(ValueError, match="out"):
+        K.linear(x, w, out=np.empty((3, 7), F32))
+    with pytest.raises(ValueError, match="bias"):
+        K.linear(x, w, np.ones(7, F32))
+    big = np.zeros((8, 16), F32)
+    with pytest.raises(ValueError, match="overlap"):                  # out aliasing x
+        K.linear(big, K.WeightRef.from_array(np.eye(16, dtype=F32), "f32"), out=big[:, :16])
+    assert K.linear(np.empty((0, 16), F32), w).shape == (0, 8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_bit_identical_across_threads(isa, fmt):
+    rng = rng_for("threads", fmt)
+    C = 128 if fmt in quant.QUANTIZED else 99
+    w, _ = make_weight(rng, (203, C), fmt, 64)
+    x = rng.standard_normal((7, C)).astype(F32)
+    y1 = K.linear(x, w, threads=1)
+    for n in (2, 3):
+        assert np.array_equal(K.linear(x, w, threads=n), y1), n
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_isa_paths_agree_with_scalar(fmt):
+    """Every SIMD path against the scalar path: same data, within the dot-product bound."""
+    rng = rng_for("agree", fmt)
+    C = 256 if fmt in quant.QUANTIZED else 173
+    w, _ = make_weight(rng, (29, C), fmt, 32)
+    x = rng.standard_normal((5, C)).astype(F32)
+    previous = K.get_isa()
+    try:
+        K.set_isa("scalar")
+        ref = K.linear(x, w)
+        for name in K.available_isas()[1:]:
+            K.set_isa(name)
+            assert_dot_close(K.linear(x, w), ref, magnitude(x, w), f"{name} vs scalar")
+    finally:
+        K.set_isa(previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+
+ROUTE_CASES = [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False)]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("rule,norm", ROUTE_CASES)
+def test_route_matches_reference(rule, norm, threads):
+    rng = rng_for("route", rule, norm)
+    for T, E, k in [(1, 8, 2), (37, 8, 1), (37, 8, 8), (19, 60, 4), (5, 3, 2)]:
+        logits = (rng.standard_normal((T, E)) * 3).astype(F32)
+        for seed in (None, 1234):
+            ids, w = K.route_topk(logits, k, rule=rule, norm_topk_prob=norm, noise_seed=seed,
+                                  threads=threads)
+            rids, rw = R.route_topk_ref(logits, k, rule=rule, norm_topk_prob=norm,
+                                        noise_seed=seed)
+            assert ids.dtype == np.int32 and w.dtype == F32 and ids.shape == (T, k)
+            assert np.array_equal(ids, rids), (T, E, k, seed)
+            np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+            assert (np.diff(w, axis=1) <= 0).all()                   # listed by weight
+            for row in ids:
+                assert len(set(row.tolist())) == k                   # k distinct experts
+            if norm or rule == "topk_softmax":
+                np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-5)
+
+
+def test_route_softmax_weights_are_the_full_softmax():
+    logits = np.array([[2.0, -1.0, 0.5, 3.0, 0.0]], F32)
+    p = np.exp(logits[0].astype(np.float64) - 3.0)
+    p /= p.sum()
+    ids, w = K.route_topk(logits, 2)
+    assert ids.tolist() == [[3, 0]]
+    np.testing.assert_allclose(w[0], p[[3, 0]], rtol=1e-6)
+    ids, w = K.route_topk(logits, 2, norm_topk_prob=True)
+    np.testing.assert_allclose(w[0], p[[3, 0]] / p[[3, 0]].sum(), rtol=1e-6)
+    ids, w = K.route_topk(logits, 2, rule="topk_softmax")
+    e = np.exp([0.0, -1.0])
+    np.testing.assert_allclose(w[0], e / e.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule,norm", ROUTE_CASES)
+def test_route_ties_go_to_lower_index(rule, norm):
+    logits = np.array([[1.0, 1.0, 1.0, 1.0],
+                       [1.0, 3.0, 3.0, 2.0],
+                       [0.0, 3.0, 2.0, 3.0],
+                       [5.0, 5.0, -1.0, 5.0]], F32)
+    ids, w = K.route_topk(logits, 2, rule=rule, norm_topk_prob=norm)
+    assert ids.tolist() == [[0, 1], [1, 2], [1, 3], [0, 1]]
+    assert (w[:, 0] == w[:, 1]).all()
+    ids3, _ = K.route_topk(logits, 3, rule=rule, norm_topk_prob=norm)
+    assert ids3.tolist() == [[0, 1, 2], [1, 2, 3], [1, 3, 2], [0, 1, 3]]
+
+
+@pytest.mark.parametrize("rule,norm", ROUTE_CASES)
+def test_route_infinite_and_huge_logits(rule, norm):
+    inf, big = np.inf, 3e38
+    logits = np.array([[-inf, -inf, -inf, -inf],
+                       [0.0, -inf, 1.0, -inf],
+                       [inf, 0.0, inf, -inf],
+                       [big, -big, 1.0, big],
+                       [-big, -big, -1e30, -2e30],
+                       [88.0, -100.0, 87.0, -103.0]], F32)
+    for seed in (None, 7):
+        ids, w = K.route_topk(logits, 2, rule=rule, norm_topk_prob=norm, noise_seed=seed)
+        assert np.isfinite(w).all() and (w >= 0).all() and (w.sum(1) <= 1 + 1e-6).all()
+        rids, rw = R.route_topk_ref(logits, 2, rule=rule, norm_topk_prob=norm, noise_seed=seed)
+        assert np.array_equal(ids, rids)
+        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+    ids, w = K.route_topk(logits, 2, rule=rule, norm_topk_prob=norm)
+    assert ids[0].tolist() == [0, 1] and w[0, 0] == w[0, 1] > 0      # all -inf: uniform
+    assert ids[1].tolist() == [2, 0]
+    assert ids[2].tolist() == [0, 2] and w[2, 0] == w[2, 1] > 0      # +inf share the mass
+    assert ids[3].tolist() == [0, 3]
+
+
+def test_route_argument_errors():
+    logits = np.zeros((2, 4), F32)
+    for k in (0, 5):
+        with pytest.raises(ValueError, match="k"):
+            K.route_topk(logits, k)
+    with pytest.raises(ValueError, match="rule"):
+        K.route_topk(logits, 1, rule="sigmoid")
+    bad = logits.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        K.route_topk(bad, 1)
+    with pytest.raises(TypeError):
+        K.route_topk(logits.astype(np.float64), 1)
+
+
+def test_route_gumbel_noise():
+    rng = np.random.default_rng(5)
+    T, E = 4000, 4
+    logits = np.zeros((T, E), F32)
+    a1, w1 = K.route_topk(logits, 1, noise_seed=42, threads=1)
+    a2, w2 = K.route_topk(logits, 1, noise_seed=42, threads=2)
+    assert np.array_equal(a1, a2) and np.array_equal(w1, w2)          # reproducible, any threads
+    assert np.array_equal(a1, R.route_topk_ref(logits, 1, noise_seed=42)[0])
+    assert not np.array_equal(a1, K.route_topk(logits, 1, noise_seed=43)[0])
+    counts = np.bincount(a1[:, 0], minlength=E) / T                    # equal logits: uniform
+    assert np.abs(counts - 0.25).max() < 0.04, counts
+    assert (w1 == 0.25).all()                                          # weights: un-noised
+    # Gumbel-max samples the softmax: p = (0.25, 0.75) -> expert 1 three times in four
+    two = np.tile(np.array([[0.0, np.log(3.0)]], F32), (T, 1))
+    picks, w = K.route_topk(two, 1, noise_seed=int(rng.integers(1 << 62)))
+    assert abs((picks[:, 0] == 1).mean() - 0.75) < 0.03
+    # per-token noise differs between tokens of the same call
+    g = R.gumbel_ref(42, 3, E)
+    assert not np.array_equal(g[0], g[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_group_by_expert():
+    rng = np.random.default_rng(3)
+    for T, Kk, E in [(1, 1, 1), (1, 2, 8), (50, 2, 8), (33, 3, 40), (10, 2, 3)]:
+        ids = rng.integers(0, E, size=(T, Kk)).astype(np.int32)
+        off, slots = K.group_by_expert(ids, E)
+        roff, rslots = R.group_by_expert_ref(ids, E)
+        assert off.dtype == np.int64 and slots.dtype == np.int32
+        assert np.array_equal(off, roff) and np.array_equal(slots, rslots)
+        for e in range(E):
+            s = slots[off[e]:off[e + 1]]
+            assert (ids.reshape(-1)[s] == e).all() and (np.diff(s) > 0).all()
+    with pytest.raises(ValueError, match="0..3"):
+        K.group_by_expert(np.array([[0, 4]]), 4)
+    with pytest.raises(ValueError):
+        K.group_by_expert(np.array([[-1, 0]]), 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# expert FFN
+
+
+def ffn_dims(fmt):
+    """(D, I, group): odd sizes where the format allows, group-size multiples otherwise."""
+    return (64, 96, 32) if fmt in quant.QUANTIZED else (45, 67, 0)
+
+
+def make_experts(rng, E, D, I, fmts, G):
+    fg, fu, fd = fmts
+    wg, _ = make_weight(rng, (E, I, D), fg, G, 0.3)
+    wu, _ = make_weight(rng, (E, I, D), fu, G, 0.3)
+    wd, _ = make_weight(rng, (E, D, I), fd, G, 0.3)
+    return wg, wu, wd
+
+
+def poison_expert(*weights_and_e):
+    """Overwrite every byte of expert e of each WeightRef with 0xFF (NaN in every format)."""
+    *ws, e = weights_and_e
+    for w in ws:
+        start = w.offset + e * w.expert_stride
+        w.buf[start:start + (w.rows - 1) * w.row_stride + quant.row_stride(
+            w.dtype, w.cols, w.group_size)] = 0xFF
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_ffn_matches_reference(isa, threads, fmt):
+    rng = rng_for("ffn", fmt)
+    D, I, G = ffn_dims(fmt)
+    E = 5
+    wg, wu, wd = make_experts(rng, E, D, I, (fmt,) * 3, G)
+    poison_expert(wg, wu, wd, 3)                    # expert 3 is never chosen below
+    choices = np.array([0, 1, 2, 4])
+    for T, Kk in [(1, 1), (1, 2), (7, 2), (33, 3)]:
+        x = rng.standard_normal((T, D)).astype(F32)
+        ids = np.stack([rng.choice(choices, size=Kk, replace=False) for _ in range(T)])
+        ids = ids.astype(np.int32)
+        weights = rng.random((T, Kk)).astype(F32)
+        y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=threads)
+        assert y.shape == (T, D) and y.dtype == F32 and np.isfinite(y).all()
+        assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, wg, wu, wd), f"T={T} K={Kk}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_ffn_all_tokens_on_one_expert(isa, fmt):
+    rng = rng_for("one", fmt)
+    D, I, G = ffn_dims(fmt)
+    wg, wu, wd = make_experts(rng, 4, D, I, (fmt,) * 3, G)
+    poison_expert(wg, wu, wd, 3)
+    T = 21
+    x = rng.standard_normal((T, D)).astype(F32)
+    ids = np.full((T, 1), 1, np.int32)
+    weights = np.ones((T, 1), F32)
+    y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
+    assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, wg, wu, wd))
+    # and equals the dense FFN of that expert
+    assert_ffn_close(y, K.swiglu(x, wg.expert(1), wu.expert(1), wd.expert(1)))
+    # every token on the same pair, and a token listing one expert twice
+    ids2 = np.tile(np.array([[2, 0]], np.int32), (T, 1))
+    ids2[5] = [2, 2]
+    w2 = rng.random((T, 2)).astype(F32)
+    y2 = K.expert_ffn(x, ids2, w2, wg, wu, wd, threads=2)
+    assert_ffn_close(y2, R.expert_ffn_ref(x, ids2, w2, wg, wu, wd))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_ffn_bit_identical_across_threads(isa, fmt):
+    rng = rng_for("ffn-threads", fmt)
+    D, I, G = ffn_dims(fmt)
+    wg, wu, wd = make_experts(rng, 6, D, I, (fmt,) * 3, G)
+    T = 40
+    x = rng.standard_normal((T, D)).astype(F32)
+    ids = np.argsort(rng.random((T, 6)), axis=1)[:, :2].astype(np.int32)
+    weights = rng.random((T, 2)).astype(F32)
+    y1 = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=1)
+    for n in (2, 3):
+        assert np.array_equal(K.expert_ffn(x, ids, weights, wg, wu, wd, threads=n), y1)
+    xc = x.copy()                                   # out may be x itself
+    K.expert_ffn(xc, ids, weights, wg, wu, wd, threads=2, out=xc)
+    assert np.array_equal(xc, y1)
+
+
+def test_expert_ffn_mixed_formats(isa):
+    rng = np.random.default_rng(11)
+    D, I = 64, 128
+    wg, wu, wd = make_experts(rng, 3, D, I, ("q4", "q8", "bf16"), 64)
+    x = rng.standard_normal((9, D)).astype(F32)
+    ids = rng.integers(0, 3, size=(9, 2)).astype(np.int32)
+    weights = rng.random((9, 2)).astype(F32)
+    y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
+    assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, wg, wu, wd))
+
+
+def test_expert_ffn_argument_errors():
+    rng = np.random.default_rng(2)
+    wg, wu, wd = make_experts(rng, 3, 32, 64, ("f32",) * 3, 0)
+    x = np.ones((2, 32), F32)
+    w = np.ones((2, 2), F32)
+    with pytest.raises(ValueError, match="0..2"):
+        K.expert_ffn(x, np.array([[0, 3], [1, 2]]), w, wg, wu, wd)
+    with pytest.raises(ValueError, match="weights"):
+        K.expert_ffn(x, np.array([[0, 1], [1, 2]]), np.ones((2, 3), F32), wg, wu, wd)
+    with pytest.raises(ValueError, match="disagree"):
+        K.expert_ffn(x, np.array([[0, 1], [1, 2]]), w, wg, wu, wg)
+    with pytest.raises(ValueError, match="columns"):
+        K.expert_ffn(np.ones((2, 31), F32), np.array([[0, 1], [1, 2]]), w, wg, wu, wd)
+    y = K.expert_ffn(np.empty((0, 32), F32), np.empty((0, 2), np.int32), np.empty((0, 2), F32),
+                     wg, wu, wd)
+    assert y.shape == (0, 32)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_matches_reference(isa, threads, fmt):
+    rng = rng_for("swiglu", fmt)
+    D, I, G = ffn_dims(fmt)
+    wg, wu, wd = (w.expert(0) for w in make_experts(rng, 1, D, I, (fmt,) * 3, G))
+    for T in (1, 6):
+        x = rng.standard_normal((T, D)).astype(F32)
+        y = K.swiglu(x, wg, wu, wd, threads=threads)
+        assert_ffn_close(y, R.swiglu_ref(x, wg, wu, wd), f"T={T}")
+    stack = make_experts(rng, 2, D, I, (fmt,) * 3, G)
+    with pytest.raises(ValueError, match="n_experts"):
+        K.swiglu(x, *stack)
+
+
+# ---------------------------------------------------------------------------------------------
+# read-only inputs, including a real read-only mapping of a file
+
+
+def test_read_only_arrays(isa):
+    rng = np.random.default_rng(8)
+    wg, wu, wd = make_experts(rng, 4, 64, 96, ("q4",) * 3, 32)
+    for w in (wg, wu, wd):
+        w.buf.setflags(write=False)
+    x = rng.standard_normal((5, 64)).astype(F32)
+    logits = rng.standard_normal((5, 4)).astype(F32)
+    for a in (x, logits):
+        a.setflags(write=False)
+    ids, weights = K.route_topk(logits, 2, norm_topk_prob=True)
+    ids.setflags(write=False)
+    weights.setflags(write=False)
+    K.group_by_expert(ids, 4)
+    y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
+    assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, wg, wu, wd))
+    assert_dot_close(K.linear(x, wg, expert=1), R.linear_ref(x, wg, expert=1),
+                     magnitude(x, wg, 1))
+    K.swiglu(x, wg.expert(0), wu.expert(0), wd.expert(0))
+    K.dequantize(wd, 3)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4"])
+def test_read_only_mmap_with_file_layout(tmp_path, isa, fmt):
+    """Experts at a page-aligned stride after an odd offset, as in a .colibri file, read
+    straight from a read-only mapping (unaligned element loads included)."""
+    rng = rng_for("mmap", fmt)
+    E, D, I, G = 4, 64, 96, 32
+    page, head = 4096, 101                  # odd: unaligned elements
+    mats = {n: (rng.standard_normal(s) * 0.3).astype(F32)
+            for n, s in (("gate", (E, I, D)), ("up", (E, I, D)), ("down", (E, D, I)))}
+    g = G if fmt in quant.QUANTIZED else 0
+    sizes = {n: quant.tensor_nbytes(fmt, m.shape[1:], g) for n, m in mats.items()}
+    stride = -(-sum(sizes.values()) // page) * page
+    blob = bytearray(head + E * stride)
+    blob[:head] = rng.integers(0, 256, head, dtype=np.uint8).tobytes()
+    offsets = {"gate": head, "up": head + sizes["gate"],
+               "down": head + sizes["gate"] + sizes["up"]}
+    for n, m in mats.items():
+        for e in range(E):
+            enc = quant.encode(m[e], fmt, g).tobytes()
+            start = offsets[n] + e * stride
+            blob[start:start + len(enc)] = enc
+    path = tmp_path / "experts.bin"
+    path.write_bytes(bytes(blob))
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        assert not buf.flags.writeable
+        ws = {n: K.WeightRef(buf, offsets[n], fmt, m.shape[1], m.shape[2], g,
+                             n_experts=E, expert_stride=stride) for n, m in mats.items()}
+        x = rng.standard_normal((6, D)).astype(F32)
+        ids = np.array([[0, 2]] * 3 + [[2, 3]] * 3, np.int32)
+        weights = rng.random((6, 2)).astype(F32)
+        y = K.expert_ffn(x, ids, weights, ws["gate"], ws["up"], ws["down"], threads=2)
+        assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, ws["gate"], ws["up"], ws["down"]))
+        for e in range(E):
+            assert np.array_equal(K.dequantize(ws["down"], e),
+                                  quant.decode(quant.encode(mats["down"][e], fmt, g), fmt,
+                                               (D, I), g))
+        del buf, ws
+    finally:
+        try:
+            mm.close()
+        except BufferError:                  # a failed assertion still holds a view
+            pass
+
+
+def _pages_present(addr: int, nbytes: int) -> np.ndarray | None:
+    """Per page of [addr, addr + nbytes): is it mapped in this process (Linux pagemap)?"""
+    page = mmap.PAGESIZE
+    first, last = addr // page, (addr + nbytes - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read((last - first + 1) * 8)
+    except OSError:
+        return None
+    if len(raw) != (last - first + 1) * 8:
+        return None
+    return (np.frombuffer(raw, dtype="<u8") >> np.uint64(63)).astype(bool)
+
+
+def test_unchosen_expert_pages_are_never_touched(tmp_path, isa):
+    """Not activated = not touched: after expert_ffn over a read-only mapping, no page of an
+    expert that no token chose is mapped into the process, while the chosen ones are."""
+    rng = np.random.default_rng(12)
+    E, D, I, G = 4, 64, 96, 32
+    # Far beyond the kernel's fault-around window and its large page-cache folios (a fault
+    # may map a whole 2 MB folio of the file).
+    stride = 4 << 20
+    ws, blob = {}, bytearray(E * stride)
+    sizes = {"gate": (I, D), "up": (I, D), "down": (D, I)}
+    offset = 0
+    for name, shape in sizes.items():
+        for e in range(E):
+            enc = quant.encode((rng.standard_normal(shape) * 0.3).astype(F32), "q4", G)
+            blob[e * stride + offset:e * stride + offset + enc.size] = enc.tobytes()
+        ws[name] = offset
+        offset += quant.tensor_nbytes("q4", shape, G)
+    path = tmp_path / "sparse.bin"
+    path.write_bytes(bytes(blob))
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        addr = buf.__array_interface__["data"][0]
+        before = _pages_present(addr, buf.size)
+        if before is None or before.any():
+            pytest.skip("no usable /proc/self/pagemap on this system")
+        refs = [K.WeightRef(buf, ws[n], "q4", *sizes[n], G, n_experts=E, expert_stride=stride)
+                for n in ("gate", "up", "down")]
+        x = rng.standard_normal((5, D)).astype(F32)
+        ids = np.array([[0, 2]] * 5, np.int32)
+        y = K.expert_ffn(x, ids, rng.random((5, 2)).astype(F32), *refs, threads=2)
+        assert np.isfinite(y).all()
+        for e, chosen in ((0, True), (1, False), (2, True), (3, False)):
+            present = _pages_present(addr + e * stride, offset)
+            assert present.any() == chosen, (e, present)
+        del buf, refs
+    finally:
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# bad weight references: ValueError, never a read outside the buffer
+
+
+def test_bad_weight_refs_raise():
+    buf = quant.encode(np.ones((4, 64), F32), "q4", 32)               # 4 rows of 36 bytes
+    ok = dict(buf=buf, offset=0, dtype="q4", rows=4, cols=64, group_size=32)
+    K.WeightRef(**ok)
+    bad = [
+        (dict(offset=1), "past the end"),
+        (dict(offset=-1), "negative"),
+        (dict(rows=5), "past the end"),
+        (dict(offset=10**20), "past the end"),
+        (dict(dtype="q5"), "dtype"),
+        (dict(dtype="i32"), "dtype"),
+        (dict(group_size=48), "group_size"),
+        (dict(group_size=0), "group_size"),
+        (dict(row_stride=35), "row_stride"),
+        (dict(n_experts=2, expert_stride=144), "past the end"),
+        (dict(n_experts=2, expert_stride=8, rows=1), "expert_stride"),
+        (dict(buf=buf.view(np.float32)), "uint8"),
+        (dict(buf=np.zeros((2, 72), np.uint8)), "1-D"),
+        (dict(buf=np.zeros(300, np.uint8)[::2]), "contiguous"),
+        (dict(rows=0), "rows"),
+        (dict(cols=2.0), "cols"),
+    ]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            K.WeightRef(**{**ok, **change})
+
+
+def test_kernels_recheck_bounds_at_call_time():
+    """A WeightRef altered after construction, or any object with the fields, is checked
+    again by the compiled kernels before they touch memory."""
+    rng = np.random.default_rng(4)
+    w, _ = make_weight(rng, (3, 8, 64), "q4", 32)
+    x = np.ones((2, 64), F32)
+    broken = K.WeightRef(w.buf, w.offset, w.dtype, w.rows, w.cols, w.group_size,
+                         n_experts=3, expert_stride=w.expert_stride)
+    object.__setattr__(broken, "n_experts", 4)                         # bypasses validation
+    with pytest.raises(ValueError, match="past the end"):
+        K.linear(x, broken, expert=3)
+    fake = types.SimpleNamespace(**{f: getattr(w, f) for f in (
+        "buf", "offset", "dtype", "rows", "cols", "group_size", "row_stride", "n_experts",
+        "expert_stride")})
+    fake.offset = w.buf.size - 10
+    with pytest.raises(ValueError, match="past the end"):
+        K.linear(x, fake)
+    with pytest.raises(ValueError, match="past the end"):
+        K.expert_ffn(x, np.zeros((2, 1), np.int32), np.ones((2, 1), F32), w, w, fake)
+    with pytest.raises(ValueError, match="past the end"):
+        K.dequantize(fake)
+    fake.offset, fake.buf = 0, w.buf.astype(np.int16)
+    with pytest.raises(ValueError, match="uint8"):
+        _kernels.weight_span(fake)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory read kernel
+
+
+def test_read_sum_and_bandwidth(isa):
+    rng = np.random.default_rng(9)
+    for n in (1, 7, 4096 + 13, 3 * 65536 + 5):
+        buf = rng.integers(0, 256, n, dtype=np.uint8)
+        words = n // 8 * 8
+        expect = int(buf[:words].view("<u8").sum(dtype=np.uint64)) + int(buf[words:].sum())
+        expect %= 1 << 64
+        for threads in (1, 2):
+            assert _kernels.read_sum(buf, threads) == expect, (n, threads)
+    assert K.read_bandwidth(1 << 20, 2, repeats=2) > 0
