@@ -99,14 +99,18 @@ def test_isa_selection():
         K.set_isa(previous)
 
 
-def test_env_forces_isa_at_import():
+def test_env_forces_isa_at_import(tmp_path):
+    # cwd away from the checkout, so the installed package (with its compiled kernels) is
+    # imported, not the source folder
     code = "from colibri import kernels; print(kernels.get_isa())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120)
+                         env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120,
+                         cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "scalar"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**__import__("os").environ, "COLIBRI_ISA": "mmx"}, timeout=120)
+                         env={**__import__("os").environ, "COLIBRI_ISA": "mmx"}, timeout=120,
+                         cwd=tmp_path)
     assert res.returncode != 0 and "COLIBRI_ISA" in res.stderr
 
 
