@@ -15,10 +15,13 @@ from .api import default_model_path, forward, generate, load, stream
 from .kv_cache import CacheOverflowError, KVCache
 from .model import Model, RoutingTrace
 from .sampling import Sampler
+from .stats import RoutingStats, routing_stats
+from .trace import Trace, iter_trace, trace   # binds the function to colibri.trace
 
 
 __all__ = [
     "CacheOverflowError", "ColibriError", "ColibriFile", "ColibriFormatError", "KVCache",
-    "Model", "RoutingTrace", "Sampler", "convert", "default_model_path", "forward",
-    "generate", "load", "open", "stream", "__version__",
+    "Model", "RoutingStats", "RoutingTrace", "Sampler", "Trace", "convert",
+    "default_model_path", "forward", "generate", "iter_trace", "load", "open", "routing_stats",
+    "stream", "trace", "__version__",
 ]

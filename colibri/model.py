@@ -84,12 +84,15 @@ class RoutingTrace:
 
     layers: the MoE layer numbers, in order; ids[j] int32 (B, S, K) and weights[j] float32
     (B, S, K) belong to layers[j] (B is dropped for 1-D input); shared_gate[j] float32 (B, S)
-    is sigmoid(x·g) of the shared expert when the model has one, else the list is empty.
+    is sigmoid(x·g) of the shared expert when the model has one, else the list is empty;
+    logits[j] float32 (B, S, E) are the raw router logits (the full distribution is their
+    softmax; colibri.trace builds on them).
     """
     layers: list[int]
     ids: list[np.ndarray]
     weights: list[np.ndarray]
     shared_gate: list[np.ndarray] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
 
     def __getitem__(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, weights) of MoE layer number `layer`."""
@@ -364,6 +367,10 @@ class Model:
                     trace.weights.append(wts.reshape(B, S, -1).astype(np.float32, copy=False))
                     if gate is not None:
                         trace.shared_gate.append(gate.reshape(B, S))
+                    # the router matmul again, outside the timed stages: same kernel, same
+                    # input, so the same logits the routing above was computed from
+                    trace.logits.append(kernels.linear(x, layer.ffn.router, threads=self.threads)
+                                        .reshape(B, S, -1))
             else:
                 y = layer.ffn(x, tm)
             h = h + y.reshape(B, S, D)
@@ -383,6 +390,7 @@ class Model:
                 trace.ids = [a[0] for a in trace.ids]
                 trace.weights = [a[0] for a in trace.weights]
                 trace.shared_gate = [a[0] for a in trace.shared_gate]
+                trace.logits = [a[0] for a in trace.logits]
         return (logits, trace) if return_routing else logits
 
     __call__ = forward
@@ -401,6 +409,11 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _repr_html_(self) -> str:
+        """Notebook display: config, sizes, formats, bytes per expert (colibri.display)."""
+        from .display import model_html
+        return model_html(self)
 
     def __repr__(self) -> str:
         a = self.arch
