@@ -16,7 +16,7 @@ from . import __version__
 from .errors import ColibriError
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect")
+COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes")
 
 
 class Parser(argparse.ArgumentParser):

@@ -68,26 +68,43 @@ def _check(args) -> None:
 
 
 def _load_embeddings(path: str, hidden: int) -> np.ndarray:
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY" and not magic.startswith(b"PK"):
+        raise ColibriError(f"{path}: not a .npy file (it does not start with the NumPy magic); "
+                           f"write it with numpy.save")
     try:
         x = np.load(path, allow_pickle=False)
     except ValueError as e:
         raise ColibriError(f"{path}: not a plain .npy array ({e})") from None
+    if not isinstance(x, np.ndarray):                      # an .npz archive
+        n = len(x.files)
+        x.close()
+        raise ColibriError(f"{path}: expected one array saved with numpy.save (.npy), found "
+                           f"an archive of {n} arrays")
     if x.ndim == 3 and x.shape[0] == 1:
         x = x[0]
     if x.ndim != 2 or x.shape[1] != hidden or x.dtype.kind != "f":
         raise ColibriError(f"{path}: expected a float array of shape (S, {hidden}), found "
                            f"{x.dtype} {x.shape}")
+    if x.shape[0] == 0:
+        raise ColibriError(f"{path}: the array has no rows (shape {x.shape}): nothing to feed")
+    bad = int((~np.isfinite(x)).sum())
+    if bad:
+        raise ColibriError(f"{path}: {bad} of {x.size} values are NaN or infinite")
     return x.astype(np.float32)
 
 
 def _routing_line(model, step) -> str:
-    tok = model.tokenizer
-    text = repr(tok.token_text(step.token)) if tok is not None else ""
+    """One stderr line per token, "token 3 17 'x' L0 → [3 0.62, 5 0.38] L1 → [...]": the
+    step's routing read as a colibri.trace Trace, cells formatted as `colibri routes` does."""
+    from ..trace import Trace, format_route
+
+    tr = Trace.from_routing(step.routing, [step.token], tokenizer=model.tokenizer)
+    text = repr(tr.tokens[0]) if model.tokenizer is not None else ""
     parts = [f"token {step.index} {step.token} {text}".rstrip()]
-    r = step.routing
-    for layer, ids, w in zip(r.layers, r.ids, r.weights):
-        chosen = ", ".join(f"{int(e)} {float(x):.2f}" for e, x in zip(ids[-1], w[-1]))
-        parts.append(f"L{layer} → [{chosen}]")
+    parts += [f"L{layer} → [{format_route(tr.experts[0, j], tr.weights[0, j])}]"
+              for j, layer in enumerate(tr.layers)]
     return " ".join(parts)
 
 
