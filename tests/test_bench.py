@@ -236,7 +236,4 @@ def test_cli_missing_model(tmp_path, capsys):
 def test_cli_default_model(capsys):
     code = main(["bench", "-p", "2", "-n", "2", "-t", "1", "-r", "1", "--bw-mib", "0"])
     out, err = capsys.readouterr()
-    if code == 2:                      # the shipped model is not part of this checkout yet
-        assert "tiny-moe.colibri" in _one_line(err)
-    else:
-        assert code == 0 and "tiny-moe" in out
+    assert code == 0 and "tiny-moe" in out

@@ -270,13 +270,12 @@ def test_cli_generate_embeddings_and_errors(model, tmp_path, capsys):
         _run_cli([str(model.file.path), "--embeddings", str(tmp_path / "bad.npy")])
 
 
-def test_default_model_path():
-    try:
-        p = api.default_model_path()
-    except ColibriError as e:
-        assert "tiny-moe.colibri" in str(e)
-    else:
-        assert p.name == "tiny-moe.colibri" and p.is_file()
+def test_default_model_path(monkeypatch, tmp_path):
+    p = api.default_model_path()                 # ships with the package
+    assert p.name == "tiny-moe.colibri" and p.is_file()
+    monkeypatch.setattr(api, "__file__", str(tmp_path / "api.py"))
+    with pytest.raises(ColibriError, match="tiny-moe.colibri"):
+        api.default_model_path()
 
 
 def test_cli_main_one_line_error_and_success(model, monkeypatch, capsys):
