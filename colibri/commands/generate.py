@@ -6,6 +6,7 @@ their weights, then prompt and generation speed and where the time went.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -95,6 +96,14 @@ def _load_embeddings(path: str, hidden: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def _same_terminal() -> bool:
+    try:
+        return (os.isatty(sys.stdout.fileno()) and os.isatty(sys.stderr.fileno())
+                and os.ttyname(sys.stdout.fileno()) == os.ttyname(sys.stderr.fileno()))
+    except (OSError, ValueError, AttributeError):      # no real file descriptors (tests, IDEs)
+        return False
+
+
 def _routing_line(model, step) -> str:
     """One stderr line per token, "token 3 17 'x' L0 → [3 0.62, 5 0.38] L1 → [...]": the
     step's routing read as a colibri.trace Trace, cells formatted as `colibri routes` does."""
@@ -123,19 +132,24 @@ def run(args: argparse.Namespace) -> int:
                   return_routing=args.verbose, input_embeds=embeds)
     out = sys.stdout
     text_out = model.tokenizer is not None
+    # On one terminal the routing lines (stderr) would cut the streamed text (stdout) apart:
+    # there, --verbose shows the per-token lines and prints the text once at the end.
+    held = [] if args.verbose and _same_terminal() else None
     for item in model.generate(args.prompt, **kwargs):
         if args.verbose:
-            if item.text:
-                out.write(item.text)
-                out.flush()
-            elif not text_out and item.token >= 0:
-                out.write(f"{item.token} ")
+            piece = item.text or (f"{item.token} " if not text_out and item.token >= 0 else "")
+            if held is not None:
+                held.append(piece)
+            elif piece:
+                out.write(piece)
                 out.flush()
             if item.routing is not None:
                 print(_routing_line(model, item), file=sys.stderr, flush=True)
         else:
             out.write(item if isinstance(item, str) else f"{item} ")
             out.flush()
+    if held is not None:
+        out.write("".join(held))
     out.write("\n")
     out.flush()
     if args.verbose:
