@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -70,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`colibri generate ... | head`): stop quietly, as Unix tools do;
+        # stdout is pointed at devnull so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ColibriError, OSError) as e:
         msg = str(e) if not isinstance(e, OSError) or not e.filename else \
             f"{e.filename}: {e.strerror or e}"

@@ -36,6 +36,25 @@ class NoTokenizerError(ColibriError, ValueError):
     """Text was given to a model whose file carries no tokenizer."""
 
 
+
+def _import_transformers_quietly() -> None:
+    """Import transformers without its "PyTorch was not found" notice: colibri uses only its
+    tokenizer classes, which need no torch, so the notice would only mislead."""
+    import os
+    import sys
+    if "transformers" in sys.modules:
+        return
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"      # transformers' own switch for such notices
+    saved = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        import transformers  # noqa: F401
+    finally:
+        if saved is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = saved
+
 def _content(tok: Any) -> Any:
     """AddedToken-style dicts ({"content": ...}) -> their string; other values unchanged."""
     if isinstance(tok, dict) and "content" in tok:
@@ -63,6 +82,7 @@ def _init_kwargs(files: dict[str, str]) -> dict:
 def _build_hf(files: dict[str, str]):
     """A transformers fast tokenizer from the files (in memory; a temp dir only as a fallback)."""
     from tokenizers import Tokenizer as RustTokenizer
+    _import_transformers_quietly()
     from transformers import PreTrainedTokenizerFast
 
     try:
