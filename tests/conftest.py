@@ -36,3 +36,11 @@ def hf_checkpoint(tmp_path_factory):
 def family_name(request) -> str:
     """Each supported family in turn."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _run_away_from_the_checkout(tmp_path, monkeypatch):
+    """Each test runs in its own temporary folder, so a subprocess `python -c "import colibri"`
+    imports the installed package (with its compiled kernels), not the source folder of the
+    checkout, which `python -c` would put first on sys.path."""
+    monkeypatch.chdir(tmp_path)
