@@ -26,6 +26,8 @@
  *   out[t * out_stride] = sum_c w[c] * x[t * x_stride + c]          for t < nt
  * q4 also takes xsum[t * xsum_stride + g] = sum of x over group g: the SIMD bodies fold the
  * -8 offset out of the inner loop, sum_c (q_c - 8) s x_c = s (sum_c q_c x_c - 8 sum_c x_c).
+ * Every body computes one (row, token) output with the same operations in the same order
+ * whatever nt is: a token's result does not depend on how many tokens share the call.
  * No body reads a byte outside the row or outside x: tails are scalar or masked.
  */
 #ifndef COLIBRI_SIMD_H
@@ -56,7 +58,15 @@ enum { COLIBRI_ISA_SCALAR = 0, COLIBRI_ISA_AVX2 = 1, COLIBRI_ISA_AVX512 = 2, COL
 enum { COLIBRI_F32 = 0, COLIBRI_F16 = 1, COLIBRI_BF16 = 2, COLIBRI_Q8 = 3, COLIBRI_Q4 = 4,
        COLIBRI_N_FMT = 5 };
 
-#define COLIBRI_MAX_NT 4   /* tokens per weight-row pass */
+#define COLIBRI_MAX_NT 4   /* tokens per weight-row pass (the kernels accept 1..4) */
+
+/* Tokens per pass the callers use: 4 for plain formats; 3 for q8/q4, whose 4-token body
+ * needs more than the 16 AVX2 registers (two accumulators per token, the token partials, the
+ * decoded codes) and spills: measured 24 vs 19 GMAC/s on a 1024 x 1024 q4 matrix in L2. */
+static inline int colibri_block_tokens(int fmt)
+{
+    return fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4 ? 3 : COLIBRI_MAX_NT;
+}
 
 typedef void (*colibri_dot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
                                const float *x, ptrdiff_t x_stride,
@@ -151,14 +161,19 @@ static inline void colibri_decode_row(int fmt, const uint8_t *row, ptrdiff_t col
     }
 }
 
-/* xsum[g] = sum of x over group g (f32, in element order), for the q4 offset fold. */
+/* xsum[g] = sum of x over group g, for the q4 offset fold. Four interleaved partial sums
+ * (elements c, c+1, c+2, c+3 of each step of 4), combined as (s0 + s1) + (s2 + s3): a fixed
+ * order, so a token's sums do not depend on which call or thread computes them, and four
+ * independent adds per cycle instead of one dependent chain. group is a multiple of 32. */
 static inline void colibri_group_sums(const float *x, ptrdiff_t cols, ptrdiff_t group, float *xsum)
 {
     ptrdiff_t g, c;
     for (g = 0; g < cols / group; g++) {
-        float s = 0.0f;
-        for (c = g * group; c < (g + 1) * group; c++) s += x[c];
-        xsum[g] = s;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        for (c = g * group; c < (g + 1) * group; c += 4) {
+            s0 += x[c]; s1 += x[c + 1]; s2 += x[c + 2]; s3 += x[c + 3];
+        }
+        xsum[g] = (s0 + s1) + (s2 + s3);
     }
 }
 
@@ -291,8 +306,8 @@ static uint64_t colibri_read_sum_scalar(const uint8_t *p, size_t n)
 
 #if COLIBRI_X86
 /* ------------------------------------------------------------------------------------------
- * AVX2 + FMA + F16C. 8 floats per vector. Per token two (q: up to four) independent
- * partial accumulators, so consecutive FMAs do not wait on each other.
+ * AVX2 + FMA + F16C. 8 floats per vector. Per token two independent partial accumulators,
+ * so consecutive FMAs do not wait on each other.
  */
 
 #define COLIBRI_AVX2_FN static __attribute__((target("avx2,fma,f16c")))
@@ -354,62 +369,129 @@ COLIBRI_AVX2_INLINE void colibri_dot_plain_avx2_body(const int fmt, const uint8_
     for (t = 0; t < NT; t++) out[t * os] = r[t];
 }
 
-/* Quantized rows; NACC partial accumulators per token (4 for one token, where latency is
- * the limit; 2 for several, where registers are). */
+/* Quantized rows (q8, q4). The order of operations for one (row, token) output is fixed,
+ * whatever nt is, so a token gets the same bits alone or in a block of tokens:
+ *   each 32-element block of group g: its codes as four 8-lane f32 vectors w0..w3 (q4
+ *   without the -8), x0..x3 the matching x;
+ *     t0 = w0*x0 for the group's first block, else fma(w0, x0, t0); t1 likewise (w1, x1);
+ *     t0 = fma(w2, x2, t0); t1 = fma(w3, x3, t1)
+ *   a[g % 2] = fma(t0 + t1, s_g, a[g % 2])          (two chains: consecutive groups alternate)
+ *   out = hsum(a0 + a1)                                                       q8
+ *   out = hsum(a0 + a1) - 8 hsum(o), o = sum over chunks of 8 groups of s * xsum      q4
+ * The f16 scales of 8 groups are widened by one vcvtph2ps. q4 block: two 8-byte loads
+ * zero-extended to 32-bit lanes; & 15 gives elements 0..7 and 8..15, >> 4 gives 16..23 and
+ * 24..31 (the Q4_0 order): no shuffles.
+ */
+COLIBRI_AVX2_INLINE void colibri_codes32_avx2(const int fmt, const uint8_t *q, __m256 w[4])
+{
+    if (fmt == COLIBRI_Q4) {
+        const __m256i m = _mm256_set1_epi32(15);
+        __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(l0, m));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(l1, m));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(l0, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(l1, 4));
+    } else {
+        int j;
+        for (j = 0; j < 4; j++)
+            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(q + 8 * j))));
+    }
+}
+
+/* tsum[t] = t0 + t1 of one group for NT tokens; qg: the group's codes, xg: x at its first
+ * column (token t at xg + t * xs). */
+COLIBRI_AVX2_INLINE void colibri_group_avx2(const int fmt, const uint8_t *qg, ptrdiff_t group,
+                                            const float *xg, ptrdiff_t xs, __m256 *tsum,
+                                            const int NT, const int G32)
+{
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;          /* bytes per 32 codes */
+    __m256 t0[COLIBRI_MAX_NT], t1[COLIBRI_MAX_NT], w[4];
+    ptrdiff_t b;
+    int t;
+    colibri_codes32_avx2(fmt, qg, w);
+    for (t = 0; t < NT; t++) {
+        const float *xt = xg + t * xs;
+        t0[t] = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+        t1[t] = _mm256_mul_ps(w[1], _mm256_loadu_ps(xt + 8));
+        t0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t0[t]);
+        t1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t1[t]);
+    }
+    for (b = 32; !G32 && b < group; b += 32) {
+        colibri_codes32_avx2(fmt, qg + b / 32 * bpb, w);
+        for (t = 0; t < NT; t++) {
+            const float *xt = xg + t * xs + b;
+            t0[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), t0[t]);
+            t1[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), t1[t]);
+            t0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), t0[t]);
+            t1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), t1[t]);
+        }
+    }
+    for (t = 0; t < NT; t++) tsum[t] = _mm256_add_ps(t0[t], t1[t]);
+}
+
 COLIBRI_AVX2_INLINE void colibri_dot_quant_avx2_body(const int fmt, const uint8_t *row,
                                                      ptrdiff_t cols, ptrdiff_t group,
                                                      const float *x, ptrdiff_t xs,
                                                      const float *xsum, ptrdiff_t ss,
-                                                     float *out, ptrdiff_t os, const int NT)
+                                                     float *out, ptrdiff_t os, const int NT,
+                                                     const int G32)
 {
-    const int NACC = NT == 1 ? 4 : 2;
-    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256 acc[COLIBRI_MAX_NT], p[COLIBRI_MAX_NT][4];
-    float off[COLIBRI_MAX_NT];
-    ptrdiff_t g, c, ng = cols / group;
-    int t, j;
-    for (t = 0; t < NT; t++) { acc[t] = _mm256_setzero_ps(); off[t] = 0.0f; }
-    for (g = 0; g < ng; g++) {
-        for (t = 0; t < NT; t++)
-            for (j = 0; j < NACC; j++) p[t][j] = _mm256_setzero_ps();
-        for (c = g * group; c < (g + 1) * group; c += 32) {
-            __m256 w[4];
-            if (fmt == COLIBRI_Q4) {
-                /* one 16-byte load: low nibbles = elements c..c+15, high = c+16..c+31 */
-                __m128i raw = _mm_loadu_si128((const __m128i *)(row + c / 2));
-                __m128i lo = _mm_and_si128(raw, low4);
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-                w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            } else {
-                for (j = 0; j < 4; j++)
-                    w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(row + c + 8 * j))));
-            }
+    const ptrdiff_t ng = cols / group, qpg = fmt == COLIBRI_Q4 ? group / 2 : group;
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2), *q = row;
+    const float *xp = x;
+    __m256 a0[COLIBRI_MAX_NT], a1[COLIBRI_MAX_NT], o[COLIBRI_MAX_NT], ts[COLIBRI_MAX_NT];
+    float sb[8];
+    ptrdiff_t g0, g;
+    int t;
+    for (t = 0; t < NT; t++) {
+        a0[t] = _mm256_setzero_ps(); a1[t] = _mm256_setzero_ps(); o[t] = _mm256_setzero_ps();
+    }
+    for (g0 = 0; g0 < ng; g0 += 8) {
+        const ptrdiff_t n8 = ng - g0 < 8 ? ng - g0 : 8;
+        __m256 sc;
+        if (n8 == 8) {
+            sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * g0)));
+        } else {                                 /* last chunk: zero-padded copy */
+            uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            memcpy(h, scales + 2 * g0, (size_t)(2 * n8));
+            sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        }
+        _mm256_storeu_ps(sb, sc);
+        if (fmt == COLIBRI_Q4) {
             for (t = 0; t < NT; t++) {
-                const float *xt = x + t * xs + c;
-                for (j = 0; j < 4; j++)
-                    p[t][j % NACC] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xt + 8 * j),
-                                                     p[t][j % NACC]);
+                const float *st = xsum + t * ss + g0;
+                __m256 xv;
+                if (n8 == 8) {
+                    xv = _mm256_loadu_ps(st);
+                } else {
+                    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    memcpy(f, st, (size_t)(4 * n8));
+                    xv = _mm256_loadu_ps(f);
+                }
+                o[t] = _mm256_fmadd_ps(sc, xv, o[t]);
             }
         }
-        {
-            float s = _cvtsh_ss(colibri_ld_u16(scales + 2 * g));
-            __m256 vs = _mm256_set1_ps(s);
-            for (t = 0; t < NT; t++) {
-                __m256 sum = p[t][0];
-                for (j = 1; j < NACC; j++) sum = _mm256_add_ps(sum, p[t][j]);
-                acc[t] = _mm256_fmadd_ps(sum, vs, acc[t]);
-                if (fmt == COLIBRI_Q4) off[t] += s * xsum[t * ss + g];
-            }
+        for (g = 0; g + 1 < n8; g += 2) {        /* g0 is even: local parity = global */
+            __m256 sa = _mm256_broadcast_ss(sb + g), sn = _mm256_broadcast_ss(sb + g + 1);
+            colibri_group_avx2(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a0[t] = _mm256_fmadd_ps(ts[t], sa, a0[t]);
+            colibri_group_avx2(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a1[t] = _mm256_fmadd_ps(ts[t], sn, a1[t]);
+        }
+        if (g < n8) {                            /* an odd count: the last group is even */
+            __m256 sa = _mm256_broadcast_ss(sb + g);
+            colibri_group_avx2(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a0[t] = _mm256_fmadd_ps(ts[t], sa, a0[t]);
         }
     }
     for (t = 0; t < NT; t++) {
-        float r = colibri_hsum256(acc[t]);
-        out[t * os] = fmt == COLIBRI_Q4 ? r - 8.0f * off[t] : r;
+        float r = colibri_hsum256(_mm256_add_ps(a0[t], a1[t]));
+        out[t * os] = fmt == COLIBRI_Q4 ? r - 8.0f * colibri_hsum256(o[t]) : r;
     }
 }
 
@@ -428,16 +510,25 @@ COLIBRI_AVX2_INLINE void colibri_dot_quant_avx2_body(const int fmt, const uint8_
         }                                                                                   \
     }
 
+/* Quantized entry points: one body per nt, and per group == 32 (the default group: one
+ * 32-element block per scale, straight-line) or any multiple of 32. */
+#define COLIBRI_QUANT_CASES(BODY, FMT, G32)                                                  \
+    switch (nt) {                                                                           \
+    case 1: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 1, G32); break;           \
+    case 2: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 2, G32); break;           \
+    case 3: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 3, G32); break;           \
+    default: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 4, G32); break;          \
+    }
+
 #define COLIBRI_DEF_QUANT(NAME, FMT, ATTR, BODY)                                             \
     ATTR void NAME(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group, const float *x,    \
                    ptrdiff_t xs, const float *xsum, ptrdiff_t ss, int nt, float *out,      \
                    ptrdiff_t os)                                                            \
     {                                                                                       \
-        switch (nt) {                                                                       \
-        case 1: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 1); break;            \
-        case 2: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 2); break;            \
-        case 3: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 3); break;            \
-        default: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 4); break;           \
+        if (group == 32) {                                                                  \
+            COLIBRI_QUANT_CASES(BODY, FMT, 1)                                               \
+        } else {                                                                            \
+            COLIBRI_QUANT_CASES(BODY, FMT, 0)                                               \
         }                                                                                   \
     }
 
@@ -525,53 +616,92 @@ COLIBRI_AVX512_INLINE void colibri_dot_plain_avx512_body(const int fmt, const ui
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum512(_mm512_add_ps(a0[t], a1[t]));
 }
 
+/* Quantized rows: the AVX2 scheme at 16 lanes. Per 32-element block, w0 = elements 0..15,
+ * w1 = 16..31 (q4: one 16-byte load zero-extended to 32-bit lanes, & 15 and >> 4);
+ * t0 = w0*x0 / fma, t1 = w1*x1 / fma; a[g % 2] = fma(t0 + t1, s_g, a[g % 2]); scales and
+ * the q4 offset in chunks of 16 groups (masked loads for the last chunk). */
+COLIBRI_AVX512_INLINE void colibri_codes32_avx512(const int fmt, const uint8_t *q, __m512 w[2])
+{
+    if (fmt == COLIBRI_Q4) {
+        __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(l, _mm512_set1_epi32(15)));
+        w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(l, 4));
+    } else {
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        w[1] = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    }
+}
+
+COLIBRI_AVX512_INLINE void colibri_group_avx512(const int fmt, const uint8_t *qg,
+                                                ptrdiff_t group, const float *xg, ptrdiff_t xs,
+                                                __m512 *tsum, const int NT, const int G32)
+{
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;
+    __m512 t0[COLIBRI_MAX_NT], t1[COLIBRI_MAX_NT], w[2];
+    ptrdiff_t b;
+    int t;
+    colibri_codes32_avx512(fmt, qg, w);
+    for (t = 0; t < NT; t++) {
+        const float *xt = xg + t * xs;
+        t0[t] = _mm512_mul_ps(w[0], _mm512_loadu_ps(xt));
+        t1[t] = _mm512_mul_ps(w[1], _mm512_loadu_ps(xt + 16));
+    }
+    for (b = 32; !G32 && b < group; b += 32) {
+        colibri_codes32_avx512(fmt, qg + b / 32 * bpb, w);
+        for (t = 0; t < NT; t++) {
+            const float *xt = xg + t * xs + b;
+            t0[t] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xt), t0[t]);
+            t1[t] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xt + 16), t1[t]);
+        }
+    }
+    for (t = 0; t < NT; t++) tsum[t] = _mm512_add_ps(t0[t], t1[t]);
+}
+
 COLIBRI_AVX512_INLINE void colibri_dot_quant_avx512_body(const int fmt, const uint8_t *row,
                                                          ptrdiff_t cols, ptrdiff_t group,
                                                          const float *x, ptrdiff_t xs,
                                                          const float *xsum, ptrdiff_t ss,
                                                          float *out, ptrdiff_t os,
-                                                         const int NT)
+                                                         const int NT, const int G32)
 {
-    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m512 acc[COLIBRI_MAX_NT], p0[COLIBRI_MAX_NT], p1[COLIBRI_MAX_NT];
-    float off[COLIBRI_MAX_NT];
-    ptrdiff_t g, c, ng = cols / group;
+    const ptrdiff_t ng = cols / group, qpg = fmt == COLIBRI_Q4 ? group / 2 : group;
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2), *q = row;
+    const float *xp = x;
+    __m512 a0[COLIBRI_MAX_NT], a1[COLIBRI_MAX_NT], o[COLIBRI_MAX_NT], ts[COLIBRI_MAX_NT];
+    float sb[16];
+    ptrdiff_t g0, g;
     int t;
-    for (t = 0; t < NT; t++) { acc[t] = _mm512_setzero_ps(); off[t] = 0.0f; }
-    for (g = 0; g < ng; g++) {
-        for (t = 0; t < NT; t++) { p0[t] = _mm512_setzero_ps(); p1[t] = _mm512_setzero_ps(); }
-        for (c = g * group; c < (g + 1) * group; c += 32) {
-            __m512 w0, w1;
-            if (fmt == COLIBRI_Q4) {
-                __m128i raw = _mm_loadu_si128((const __m128i *)(row + c / 2));
-                w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
-                w1 = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
-            } else {
-                w0 = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
-                w1 = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c + 16))));
-            }
-            for (t = 0; t < NT; t++) {
-                const float *xt = x + t * xs + c;
-                p0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), p0[t]);
-                p1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), p1[t]);
-            }
+    for (t = 0; t < NT; t++) {
+        a0[t] = _mm512_setzero_ps(); a1[t] = _mm512_setzero_ps(); o[t] = _mm512_setzero_ps();
+    }
+    for (g0 = 0; g0 < ng; g0 += 16) {
+        const ptrdiff_t n16 = ng - g0 < 16 ? ng - g0 : 16;
+        const __mmask16 m = n16 == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n16) - 1u);
+        __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scales + 2 * g0));
+        _mm512_storeu_ps(sb, sc);
+        if (fmt == COLIBRI_Q4)
+            for (t = 0; t < NT; t++)
+                o[t] = _mm512_fmadd_ps(sc, _mm512_maskz_loadu_ps(m, xsum + t * ss + g0), o[t]);
+        for (g = 0; g + 1 < n16; g += 2) {
+            __m512 sa = _mm512_set1_ps(sb[g]), sn = _mm512_set1_ps(sb[g + 1]);
+            colibri_group_avx512(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a0[t] = _mm512_fmadd_ps(ts[t], sa, a0[t]);
+            colibri_group_avx512(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a1[t] = _mm512_fmadd_ps(ts[t], sn, a1[t]);
         }
-        {
-            float s = _cvtsh_ss(colibri_ld_u16(scales + 2 * g));
-            __m512 vs = _mm512_set1_ps(s);
-            for (t = 0; t < NT; t++) {
-                acc[t] = _mm512_fmadd_ps(_mm512_add_ps(p0[t], p1[t]), vs, acc[t]);
-                if (fmt == COLIBRI_Q4) off[t] += s * xsum[t * ss + g];
-            }
+        if (g < n16) {
+            __m512 sa = _mm512_set1_ps(sb[g]);
+            colibri_group_avx512(fmt, q, group, xp, xs, ts, NT, G32);
+            q += qpg; xp += group;
+            for (t = 0; t < NT; t++) a0[t] = _mm512_fmadd_ps(ts[t], sa, a0[t]);
         }
     }
     for (t = 0; t < NT; t++) {
-        float r = colibri_hsum512(acc[t]);
-        out[t * os] = fmt == COLIBRI_Q4 ? r - 8.0f * off[t] : r;
+        float r = colibri_hsum512(_mm512_add_ps(a0[t], a1[t]));
+        out[t * os] = fmt == COLIBRI_Q4 ? r - 8.0f * colibri_hsum512(o[t]) : r;
     }
 }
 

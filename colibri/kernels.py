@@ -12,6 +12,10 @@ the test oracle.
 Instruction set: the widest path this CPU and OS support is chosen at import (scalar, avx2,
 avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
 Threads: ``threads=None`` means ``default_threads()``; results do not depend on the count.
+A call whose work (weight bytes streamed x tokens) is below ``min_parallel_bytes()`` per
+thread uses fewer threads (one, without entering OpenMP, for the small matrices of a small
+model): a parallel region costs microseconds that small work cannot repay.
+``set_min_parallel_bytes`` or the environment variable ``COLIBRI_MIN_PARALLEL_BYTES`` tunes it.
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
@@ -29,6 +33,7 @@ from . import _kernels, quant
 
 __all__ = [
     "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
+    "min_parallel_bytes", "set_min_parallel_bytes",
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
     "read_bandwidth",
 ]
@@ -232,6 +237,24 @@ def _threads(threads: int | None) -> int:
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise ValueError(f"threads must be a positive int or None, found {threads!r}")
     return int(threads)
+
+
+def min_parallel_bytes() -> int:
+    """Work per thread (weight bytes streamed x tokens) below which a kernel adds no thread."""
+    return int(_kernels.get_min_parallel_bytes())
+
+
+def set_min_parallel_bytes(nbytes: int | None) -> None:
+    """Set min_parallel_bytes (>= 1; 1 parallelises everything, as the tests do), or None
+    for the default. Results do not depend on it, only the speed."""
+    if nbytes is None:
+        nbytes = DEFAULT_MIN_PARALLEL_BYTES
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
+        raise ValueError(f"min_parallel_bytes must be a positive int, found {nbytes!r}")
+    _kernels.set_min_parallel_bytes(int(nbytes))
+
+
+DEFAULT_MIN_PARALLEL_BYTES: int = int(_kernels.get_min_parallel_bytes())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,13 +486,20 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
     return nbytes / max(best, 1e-9) / 1e9
 
 
-def _apply_env_isa() -> None:
+def _apply_env() -> None:
     name = os.environ.get("COLIBRI_ISA", "").strip().lower()
     if name:
         try:
             set_isa(name)
         except ValueError as exc:
             raise ValueError(f"COLIBRI_ISA={name!r}: {exc}") from None
+    value = os.environ.get("COLIBRI_MIN_PARALLEL_BYTES", "").strip()
+    if value:
+        try:
+            set_min_parallel_bytes(int(value))
+        except ValueError:
+            raise ValueError(f"COLIBRI_MIN_PARALLEL_BYTES={value!r} is not a positive "
+                             f"integer") from None
 
 
-_apply_env_isa()
+_apply_env()

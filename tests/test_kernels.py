@@ -32,6 +32,16 @@ ISA_PARAMS = [
 F32 = np.float32
 
 
+@pytest.fixture(autouse=True)
+def parallel_everything():
+    """Every call with threads > 1 really runs in parallel (the default threshold would run
+    these small test matrices on one thread and leave the parallel paths untested)."""
+    previous = K.min_parallel_bytes()
+    K.set_min_parallel_bytes(1)
+    yield
+    K.set_min_parallel_bytes(previous)
+
+
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request):
     previous = K.get_isa()
@@ -243,6 +253,49 @@ def test_linear_bit_identical_across_threads(isa, fmt):
     y1 = K.linear(x, w, threads=1)
     for n in (2, 3):
         assert np.array_equal(K.linear(x, w, threads=n), y1), n
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_token_result_independent_of_batch(isa, fmt):
+    """A token's output has the same bits alone (decode) and inside a block of tokens
+    (prefill), at every position of the block: linear and the expert FFN."""
+    rng = rng_for("batch", fmt)
+    C = 128 if fmt in quant.QUANTIZED else 99
+    w, _ = make_weight(rng, (37, C), fmt, 32)
+    x = rng.standard_normal((11, C)).astype(F32)
+    block = K.linear(x, w, threads=2)
+    for t in range(x.shape[0]):
+        assert np.array_equal(K.linear(x[t:t + 1], w, threads=1)[0], block[t]), t
+    D, I, G = ffn_dims(fmt)
+    wg, wu, wd = make_experts(rng, 4, D, I, (fmt,) * 3, G)
+    x = rng.standard_normal((9, D)).astype(F32)
+    ids = np.argsort(rng.random((9, 4)), axis=1)[:, :2].astype(np.int32)
+    weights = rng.random((9, 2)).astype(F32)
+    block = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
+    for t in range(x.shape[0]):
+        one = K.expert_ffn(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], wg, wu, wd, threads=1)
+        assert np.array_equal(one[0], block[t]), t
+
+
+def test_min_parallel_bytes_changes_nothing_but_speed(isa):
+    rng = rng_for("threshold")
+    wg, wu, wd = make_experts(rng, 4, 64, 96, ("q4",) * 3, 32)
+    x = rng.standard_normal((6, 64)).astype(F32)
+    ids = np.argsort(rng.random((6, 4)), axis=1)[:, :2].astype(np.int32)
+    weights = rng.random((6, 2)).astype(F32)
+    w, _ = make_weight(rng, (50, 64), "q4", 32)
+    results = []
+    for nbytes in (1, 1 << 12, 1 << 40):
+        K.set_min_parallel_bytes(nbytes)
+        assert K.min_parallel_bytes() == nbytes
+        results.append((K.linear(x, w, threads=2),
+                        K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)))
+    for a, b in results[1:]:
+        assert np.array_equal(a, results[0][0]) and np.array_equal(b, results[0][1])
+    with pytest.raises(ValueError, match="positive"):
+        K.set_min_parallel_bytes(0)
+    K.set_min_parallel_bytes(None)
+    assert K.min_parallel_bytes() == K.DEFAULT_MIN_PARALLEL_BYTES
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

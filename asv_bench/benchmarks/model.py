@@ -1,0 +1,62 @@
+"""Benchmarks of a whole model: open, one decode step, a 128-token prefill, decode tokens/s,
+on a small synthetic Mixtral-like model (random weights, common.SMALL_MIXTRAL: hidden 512,
+expert intermediate 1024, 4 layers, 8 experts top-2, vocab 4096) at q4 and bf16.
+
+    asv continuous -b model main HEAD               # compare two commits
+    asv run --quick -b model --python=same          # one pass on the installed package
+"""
+import os
+
+import numpy as np
+
+import colibri
+from colibri.generate import decode_one
+
+from .common import THREADS, make_model, model_folder
+
+
+class Model:
+    params = (["q4", "bf16"], list(THREADS))
+    param_names = ["format", "threads"]
+    timeout = 600
+
+    def setup_cache(self):
+        folder = model_folder()
+        return {q: make_model(os.path.join(folder, f"small-{q}.colibri"), quant=q)
+                for q in ("q4", "bf16")}
+
+    def setup(self, paths, fmt, threads):
+        if threads > (os.cpu_count() or 1):
+            raise NotImplementedError(f"{threads} threads > {os.cpu_count()} CPUs")
+        self.model = colibri.load(paths[fmt], threads=threads)
+        self.prompt = np.random.default_rng(0).integers(0, self.model.vocab_size, 128)
+        self.cache = self.model.new_cache(ctx=1024)
+        self.model.forward(self.prompt[:16], cache=self.cache, last_only=True)
+
+    def teardown(self, paths, fmt, threads):
+        self.model.close()
+
+    def time_open(self, paths, fmt, threads):
+        colibri.load(paths[fmt], threads=threads).close()
+
+    def time_decode_step(self, paths, fmt, threads):
+        if self.cache.remaining < 1:
+            self.cache.truncate(16)
+        decode_one(self.model, 7, self.cache)
+
+    def time_prefill_128(self, paths, fmt, threads):
+        self.model.forward(self.prompt, cache=self.model.new_cache(ctx=128), last_only=True)
+
+    def peakmem_prefill_128(self, paths, fmt, threads):
+        self.model.forward(self.prompt, cache=self.model.new_cache(ctx=128), last_only=True)
+
+    def track_decode_tps(self, paths, fmt, threads):
+        """Tokens per second over 32 decode steps from a 16-token context."""
+        import time
+        cache = self.model.new_cache(ctx=64)
+        self.model.forward(self.prompt[:16], cache=cache, last_only=True)
+        t0 = time.perf_counter()
+        for tok in self.prompt[16:48]:
+            decode_one(self.model, int(tok), cache)
+        return 32 / (time.perf_counter() - t0)
+    track_decode_tps.unit = "tokens/s"
