@@ -26,6 +26,37 @@ from typing import Any, Callable, Mapping
 
 from ..errors import ColibriError
 
+
+# Checkpoint names the families share (per-layer keys relative to "model.layers.{i}."); each
+# family's NAME_MAP is these plus its own, so a family module shows only what is its own.
+LLAMA_NAMES = {
+    "tok_embeddings": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "attn.wq": "self_attn.q_proj.weight",
+    "attn.wk": "self_attn.k_proj.weight",
+    "attn.wv": "self_attn.v_proj.weight",
+    "attn.wo": "self_attn.o_proj.weight",
+}
+QK_NORM_NAMES = {
+    "attn.q_norm": "self_attn.q_norm.weight",
+    "attn.k_norm": "self_attn.k_norm.weight",
+}
+# Qwen-style routed experts (Qwen2-MoE, Qwen3-MoE, OLMoE)
+QWEN_EXPERT_NAMES = {
+    "moe.router": "mlp.gate.weight",
+    "moe.experts.w_gate": "mlp.experts.{e}.gate_proj.weight",
+    "moe.experts.w_up": "mlp.experts.{e}.up_proj.weight",
+    "moe.experts.w_down": "mlp.experts.{e}.down_proj.weight",
+}
+DENSE_MLP_NAMES = {
+    "mlp.w_gate": "mlp.gate_proj.weight",
+    "mlp.w_up": "mlp.up_proj.weight",
+    "mlp.w_down": "mlp.down_proj.weight",
+}
+
 LAYER_PREFIX = "model.layers.{i}."
 EXPERT_PROJS = ("w_gate", "w_up", "w_down")
 

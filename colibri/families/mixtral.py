@@ -8,19 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import Family, check_experts, common_arch, get_int
+from .base import LLAMA_NAMES, Family, check_experts, common_arch, get_int
 
 # canonical kind -> checkpoint key (per-layer keys relative to "model.layers.{i}.")
 NAME_MAP = {
-    "tok_embeddings": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn.wq": "self_attn.q_proj.weight",
-    "attn.wk": "self_attn.k_proj.weight",
-    "attn.wv": "self_attn.v_proj.weight",
-    "attn.wo": "self_attn.o_proj.weight",
+    **LLAMA_NAMES,
     # hub checkpoints say block_sparse_moe; transformers 5 module names say mlp
     "moe.router": ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
     "moe.experts.w_gate": "block_sparse_moe.experts.{e}.w1.weight",

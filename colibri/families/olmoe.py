@@ -9,24 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import ConfigError, Family, check_experts, common_arch, get_bool, get_float, get_int
+from .base import (LLAMA_NAMES, QK_NORM_NAMES, QWEN_EXPERT_NAMES, ConfigError, Family,
+                   check_experts, common_arch, get_bool, get_float, get_int)
 
 NAME_MAP = {
-    "tok_embeddings": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn.wq": "self_attn.q_proj.weight",
-    "attn.wk": "self_attn.k_proj.weight",
-    "attn.wv": "self_attn.v_proj.weight",
-    "attn.wo": "self_attn.o_proj.weight",
-    "attn.q_norm": "self_attn.q_norm.weight",
-    "attn.k_norm": "self_attn.k_norm.weight",
-    "moe.router": "mlp.gate.weight",
-    "moe.experts.w_gate": "mlp.experts.{e}.gate_proj.weight",
-    "moe.experts.w_up": "mlp.experts.{e}.up_proj.weight",
-    "moe.experts.w_down": "mlp.experts.{e}.down_proj.weight",
+    **LLAMA_NAMES,
+    **QK_NORM_NAMES,          # over the whole projection: (H*Dh,), (Hkv*Dh,)
+    **QWEN_EXPERT_NAMES,
 }
 
 

@@ -11,33 +11,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .base import (ConfigError, Family, check_experts, common_arch, get_bool, get_int,
-                   sparse_layers)
+from .base import (DENSE_MLP_NAMES, LLAMA_NAMES, QWEN_EXPERT_NAMES, ConfigError, Family,
+                   check_experts, common_arch, get_bool, get_int, sparse_layers)
 
 NAME_MAP = {
-    "tok_embeddings": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn.wq": "self_attn.q_proj.weight",
-    "attn.wk": "self_attn.k_proj.weight",
-    "attn.wv": "self_attn.v_proj.weight",
-    "attn.wo": "self_attn.o_proj.weight",
+    **LLAMA_NAMES,
     "attn.bq": "self_attn.q_proj.bias",
     "attn.bk": "self_attn.k_proj.bias",
     "attn.bv": "self_attn.v_proj.bias",
-    "moe.router": "mlp.gate.weight",
-    "moe.experts.w_gate": "mlp.experts.{e}.gate_proj.weight",
-    "moe.experts.w_up": "mlp.experts.{e}.up_proj.weight",
-    "moe.experts.w_down": "mlp.experts.{e}.down_proj.weight",
+    **QWEN_EXPERT_NAMES,
     "moe.shared.w_gate": "mlp.shared_expert.gate_proj.weight",
     "moe.shared.w_up": "mlp.shared_expert.up_proj.weight",
     "moe.shared.w_down": "mlp.shared_expert.down_proj.weight",
     "moe.shared_gate": "mlp.shared_expert_gate.weight",
-    "mlp.w_gate": "mlp.gate_proj.weight",
-    "mlp.w_up": "mlp.up_proj.weight",
-    "mlp.w_down": "mlp.down_proj.weight",
+    **DENSE_MLP_NAMES,
 }
 
 
