@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -201,9 +202,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     names = args.only or list(SMALL if args.small else FULL)
     say = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = run(Path(args.models), names, args.quants.split(","), _ints(args.threads),
                args.n_prompt, args.n_gen, args.reps, args.llama_src, not args.no_peers, say)
     print(format_table(rows))
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\nload average (1 min) {load0:.1f} at the start, {load1:.1f} at the end, on "
+          f"{os.cpu_count()} CPUs: figures taken on a busy machine understate the 2-thread "
+          f"rows most (docs/performance.md)")
     if args.json:
         from colibri.bench import json_ready
         Path(args.json).write_text(json.dumps({"rows": json_ready(rows),

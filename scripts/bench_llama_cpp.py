@@ -99,17 +99,17 @@ def make_gguf(hf: Path, out_dir: Path, src: Path, quants=("q4", "q8", "bf16"),
     name = name or hf.parent.name
     out_dir.mkdir(parents=True, exist_ok=True)
     bf16 = out_dir / f"{name}-BF16.gguf"
+    files = {q: out_dir / f"{name}-{GGUF_TYPES[q]}.gguf" for q in quants}
+    if all(p.exists() for p in files.values()):
+        return files
     if not bf16.exists():
         tmp = bf16.with_suffix(".gguf.tmp")
         subprocess.run([sys.executable, __file__, "_convert", str(src), str(hf), str(tmp)],
                        check=True)
         tmp.rename(bf16)
-    files = {}
-    for q in quants:
-        path = out_dir / f"{name}-{GGUF_TYPES[q]}.gguf"
+    for q, path in files.items():
         if q != "bf16" and not path.exists():
             quantize(bf16, path, GGUF_TYPES[q], threads)
-        files[q] = path
     return files
 
 
