@@ -16,6 +16,8 @@ A call whose work (weight bytes streamed x tokens) is below ``min_parallel_bytes
 thread uses fewer threads (one, without entering OpenMP, for the small matrices of a small
 model): a parallel region costs microseconds that small work cannot repay.
 ``set_min_parallel_bytes`` or the environment variable ``COLIBRI_MIN_PARALLEL_BYTES`` tunes it.
+Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is already set
+(idle OpenMP workers sleep instead of spinning; see the comment at the import).
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
@@ -29,7 +31,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _kernels, quant
+# OpenMP wait policy, read once by libgomp when the extension loads it (so: before the
+# import below). libgomp's default spins each idle worker for a while after every parallel
+# region; between kernel calls the spinning worker competes for a core with the thread doing
+# the Python/NumPy work, and with any other process. On a 2-core machine with one other busy
+# process, mixtral-mini q4 decode with 2 threads ran at 5.5 t/s with the default and 31 t/s
+# with PASSIVE (1 thread: 30-32 t/s; docs/performance.md). The user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from . import _kernels, quant  # noqa: E402  (after the wait policy)
 
 __all__ = [
     "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",

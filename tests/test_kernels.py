@@ -124,6 +124,18 @@ def test_env_forces_isa_at_import(tmp_path):
     assert res.returncode != 0 and "COLIBRI_ISA" in res.stderr
 
 
+def test_import_sets_passive_wait_policy_unless_set(tmp_path):
+    """Idle OpenMP workers must sleep, not spin (docs/performance.md); a user's value wins."""
+    code = "import os; from colibri import kernels; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    for preset, expect in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        run_env = env if preset is None else {**env, "OMP_WAIT_POLICY": preset}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=run_env, timeout=120, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == expect
+
+
 def test_default_threads(monkeypatch):
     monkeypatch.delenv("COLIBRI_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
