@@ -38,9 +38,9 @@ import torch  # noqa: E402
 
 KINDS = ["keyword", "identifier", "string", "docstring", "comment", "number", "punctuation",
          "whitespace", "special"]
-# No trailing space: "def " tokenizes as `def`, `" "`, which training text never has
-# (it has `def`, `" name"`), so the model would answer with a second space.
-PROMPTS = ["def", "import os\n", "class Stack:\n"]
+# "def " ends with a lone space token, which training text has only before other blanks
+# (it has `def`, `" name"`): a boundary problem of GPT-2-style BPE, kept in to show it.
+PROMPTS = ["def ", "import os\n", "class Stack:\n"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def routing_pass(model, stream: np.ndarray, context: int, byte_len: np.ndarray, 
     """Loss over the held-out windows (same windows as train_tiny_moe.evaluate) and the top-k
     experts of every input token in every layer: (T', L, K) int8, T' = tokens routed."""
     model.eval()
-    E, K = model.config.num_local_experts, model.config.num_experts_per_tok
+    K = model.config.num_experts_per_tok
     wins = tt.eval_windows(stream, context)[:max_windows]
     nll_sum, n_tok, n_bytes, chosen = 0.0, 0, 0, []
     for w in wins:

@@ -2,15 +2,16 @@
 """Train the tiny Mixtral-architecture model that ships with colibri.
 
 Corpus: the running interpreter's standard library source (``Lib/**/*.py``, PSF licence),
-without test suites, site-packages and two generated files; ~2 % of the files, chosen by a
-hash of their relative path, are held out. Tokenizer: byte-level BPE trained here with the
-`tokenizers` library on the training files only. Model: ``MixtralForCausalLM`` sized so that
-the converted ``.colibri`` file (experts q4, everything else f16) fits in 16 MB. Training:
-plain PyTorch (AdamW, warmup + cosine, grad clip, f32), random windows of the token stream,
-sized to a wall-clock budget measured on the machine it runs on.
+without test suites, site-packages and generated files (codec tables, pydoc topics); ~2 % of
+the files, chosen by a hash of their relative path, are held out. Tokenizer: byte-level BPE
+trained here with the `tokenizers` library on the training files only. Model:
+``MixtralForCausalLM``, sized by what 2 cores can train in 30 minutes; the size of its
+converted ``.colibri`` file (experts q4, the rest f16) is computed and asserted <= 16 MB.
+Training: plain PyTorch (AdamW, warmup-stable-decay, grad clip, f32), random windows of the
+token stream, as many steps as a wall-clock budget allows, measured on the machine it runs on.
 
     python scripts/train_tiny_moe.py --out DIR              # ~30 minutes on 2 cores
-    python scripts/train_tiny_moe.py --out DIR --steps N    # reproduce a run exactly
+    python scripts/train_tiny_moe.py --out DIR --steps N    # reproduce a run (it prints the flags)
     python scripts/train_tiny_moe.py --out DIR --minutes 2  # smoke run
 
 Writes DIR/hf/ (config.json, model.safetensors, tokenizer.json, tokenizer_config.json),
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Idle OpenMP threads must sleep, not spin: on a shared machine, spinning threads fight the
-# other processes for the cores and training runs 2-3x slower (measured). Set before torch loads.
+# other processes for the cores and training runs 2-15x slower (measured). Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
@@ -475,7 +476,7 @@ def train(args):
     history, val_curve = [], [{"step": 0, "train_tokens": 0, **probe}]
     step, tokens, stopped_early = 0, 0, False
     t_train = t_mark = time.time()
-    while plan is None or step < plan.total:
+    while (plan is None or step < plan.total) and (args.stop_after is None or step < args.stop_after):
         if time.time() >= train_deadline:
             stopped_early = True
             log(f"wall-clock budget reached at step {step}" + (f" of {plan.total}" if plan else ""))
@@ -504,9 +505,10 @@ def train(args):
             log(f"held-out (first 16 windows) loss {v['loss_per_token']:.3f} ppl {v['ppl_per_token']:.1f} "
                 f"bpb {v['bits_per_byte']:.3f}")
     if plan and not args.steps:
-        exact = plan == Plan.for_steps(plan.total, tc) and not stopped_early
-        log(f"reproduce with --steps {plan.total}" + ("" if exact else " (approximately: the plan changed "
-                                                              "after the decay had started or the budget ran out)"))
+        how = f"--steps {plan.total}" + (f" --stop-after {step}" if step < plan.total else "")
+        exact = plan == Plan.for_steps(plan.total, tc)
+        log(f"reproduce with {how}" + ("" if exact else " (approximately: the machine slowed down so much "
+                                                        "that the decay started early)"))
     train_seconds = time.time() - t_train
 
     # ---- final held-out evaluation and save
@@ -527,6 +529,8 @@ def train(args):
         "command": " ".join(["python", "scripts/train_tiny_moe.py"] + sys.argv[1:]),
         "steps": step, "planned_steps": plan.total if plan else None,
         "decay_start": plan.decay_start if plan else None, "stopped_by_budget": stopped_early,
+        "reproduce": (f"--steps {plan.total}" + (f" --stop-after {step}" if step < plan.total else ""))
+        if plan else None,
         "tokens_seen": tokens,
         "epochs": tokens / len(train_stream), "train_seconds": train_seconds,
         "total_seconds": time.time() - t_start,
@@ -577,6 +581,9 @@ def main(argv=None):
     ap.add_argument("--minutes", type=float, default=30.0, help="wall-clock budget, everything included")
     ap.add_argument("--steps", type=int, default=None,
                     help="number of optimizer steps (default: as many as fit in --minutes, measured)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop after this many steps, keeping the schedule of --steps (to reproduce a run "
+                         "that the wall-clock budget cut short)")
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
