@@ -16,6 +16,7 @@ from colibri.bench import (COLUMNS, bytes_per_token, format_markdown, json_ready
 from colibri.cli import main  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.format import ColibriFile  # noqa: E402
+from cli_helpers import one_line_error  # noqa: E402
 from hf_factory import TINY_CONFIGS  # noqa: E402
 
 
@@ -203,9 +204,7 @@ def test_cli_markdown(qwen2_q4, capsys):
 
 
 def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("colibri bench: error: "), err
-    return lines[0]
+    return one_line_error(err, "bench")
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -15,6 +15,8 @@ from colibri.cli import COMMANDS, main
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 
+from cli_helpers import one_line_error, run
+
 
 @pytest.fixture(scope="module")
 def model(hf_checkpoint, tmp_path_factory):
@@ -26,20 +28,6 @@ def model(hf_checkpoint, tmp_path_factory):
     return dst
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:              # argparse --help / --version / usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(err: str, command: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"colibri {command}: error: "), err
-    return lines[0]
 
 
 def test_version_and_commands(capsys):

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import colibri  # noqa: E402
-from colibri.cli import main  # noqa: E402
+from cli_helpers import run as run_cli  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.perplexity import (check_same_vocabulary, format_markdown, perplexity,  # noqa: E402
@@ -180,12 +180,7 @@ def test_vocabulary_must_match():
 # --------------------------------------------------------------------------------------------
 
 def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(["perplexity", *map(str, argv)])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "perplexity", *argv)
 
 
 def test_cli_markdown_and_json(files, capsys, tmp_path):

@@ -10,9 +10,12 @@ import pytest
 pytest.importorskip("transformers")
 
 from colibri import api  # noqa: E402
-from colibri.cli import COMMANDS, main  # noqa: E402
+from colibri.cli import COMMANDS  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.format import ColibriFile  # noqa: E402
+
+from cli_helpers import one_line_error  # noqa: E402
+from cli_helpers import run as run_cli  # noqa: E402
 from colibri.trace import trace  # noqa: E402
 
 PROMPT = "def fibonacci(n): return n"
@@ -40,19 +43,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     argv = [str(a) for a in argv]
     if argv[0] == "routes" and "--threads" not in argv:
         argv += ["--threads", "1"]       # 2 threads on a busy shared machine only wait
-    try:
-        code = main(argv)
-    except SystemExit as e:              # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(err: str, command: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"colibri {command}: error: "), err
-    return lines[0]
+    return run_cli(capsys, *argv)
 
 
 def test_registered():
