@@ -11,6 +11,11 @@ The maths follows transformers' Llama-family code (Mixtral, Qwen2-MoE, Qwen3-MoE
 The projections are callables (x (N, C) -> (N, R)) supplied by the model, so this module knows
 nothing about weight formats or kernels.
 
+Decode fast path: Attention.decode runs one token of one sequence through a KV cache when no
+slot is padding, with the same operations on the same shapes as __call__ (so the same bits)
+but no mask (a sliding window is a view of the last slots), q/k/v in one buffer, RoPE in place
+and every intermediate in a DecodeWork preallocated once per cache.
+
 Shape alphabet: B batch, T new tokens, L keys attended (cache length + T), D hidden,
 H / Hkv heads, G = H / Hkv, Dh head dim, R rotary dims.
 """
@@ -24,12 +29,14 @@ import numpy as np
 
 __all__ = [
     "rms_norm",
+    "rms_norm_row",
     "Rope",
     "rope_inv_freq",
     "apply_rope",
     "build_mask",
     "attend",
     "Attention",
+    "DecodeWork",
 ]
 
 # Cap on the float32 score block (B * H * T_chunk * L) of one attention step; a long prefill is
@@ -37,11 +44,36 @@ __all__ = [
 _SCORE_BYTES = 64 * 2**20
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis: x (..., N) f32, weight (N,) f32 -> (..., N) f32."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm over the last axis: x (..., N) f32, weight (N,) f32 -> (..., N) f32.
+
+    out: float32 array of x's shape to write into (may be x itself). The operations are those
+    of weight * (x * (1 / sqrt(mean(x^2) + eps))) in float32, with fewer temporaries.
+    """
     x = np.asarray(x, dtype=np.float32)
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return weight * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+    var = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    # np.mean's division, exactly: by the count as an intp, into the float32 sum
+    np.true_divide(var, np.intp(x.shape[-1]), out=var, casting="unsafe")
+    np.add(var, np.float32(eps), out=var)
+    np.sqrt(var, out=var)
+    np.true_divide(np.float32(1.0), var, out=var)
+    out = np.multiply(x, var, out=out)
+    return np.multiply(weight, out, out=out)
+
+
+def rms_norm_row(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray,
+                 tmp: np.ndarray) -> np.ndarray:
+    """rms_norm of one contiguous row x (N,) (or (1, N)) into out, bit-identical to rms_norm.
+
+    eps: np.float32; tmp: float32 scratch of x's shape. The statistics are numpy float32
+    scalars (a float32 sum divided by N is the same float32 whether divided in float32 or,
+    as np.mean does, in float64 and rounded: double rounding is innocuous for division).
+    """
+    np.square(x, out=tmp)
+    inv = np.float32(1.0) / np.sqrt(np.add.reduce(tmp, axis=None) / x.shape[-1] + eps)
+    np.multiply(x, inv, out=out)
+    return np.multiply(weight, out, out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +270,9 @@ class Attention:
 
     wq/wk/wv/wo: projections (biases included by the callables); q_norm/k_norm: float32
     weights of shape (H*Dh,)/(Hkv*Dh,) for qk_norm "full" or (Dh,) for "per_head".
+    wqkv: optionally the three input projections as one, x (N, C) -> [q | k | v] (N, H*Dh +
+    2*Hkv*Dh), used instead of wq/wk/wv (one pass over x, one call); it must give the same
+    values as the three.
     """
     wq: Projection
     wk: Projection
@@ -252,6 +287,7 @@ class Attention:
     k_norm: np.ndarray | None = None
     clip_qkv: float | None = None
     window: int | None = None                  # sliding window (slots), None = full attention
+    wqkv: Projection | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -268,7 +304,12 @@ class Attention:
         B, T, D = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         flat = x.reshape(B * T, D)
-        q, k, v = self.wq(flat), self.wk(flat), self.wv(flat)                 # (B*T, H*Dh) ...
+        if self.wqkv is not None:
+            qkv = self.wqkv(flat)                                             # (B*T, N)
+            nq, nk = H * Dh, Hkv * Dh
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        else:
+            q, k, v = self.wq(flat), self.wk(flat), self.wv(flat)             # (B*T, H*Dh) ...
         if self.qk_norm == "full":                 # OLMoE: over the whole projection
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
@@ -299,3 +340,136 @@ class Attention:
             k, v = cache.write(layer, k, v)                                   # (B, Hkv, L, Dh)
         o = attend(q, k, v, mask, self.scale)                                 # (B, T, H*Dh)
         return self.wo(o.reshape(B * T, -1)).reshape(B, T, -1)
+
+    # -- the decode fast path ------------------------------------------------------------------
+    def decode(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache, layer: int,
+               w: "DecodeWork") -> np.ndarray:
+        """One new token of one sequence through a KV cache, nothing masked: float32 (1, D).
+
+        The fast path of __call__ for B = T = 1 when every cached slot holds a real token (no
+        padding): no mask is built (a sliding window is a view of the last `window` slots) and
+        every intermediate lives in the preallocated buffers of `w` (DecodeWork). x float32
+        (1, D); cos/sin float32 (R/2,) of the token's position (Rope.cos_sin(pos)[0, 0, 0]); the
+        key and value go to slot cache.length. The result is w.o, valid until the next call.
+
+        The operations are __call__'s, on the same shapes (one matmul per query head), so the
+        result is bit-identical to it, except with a sliding window shorter than the context:
+        there the hidden slots are left out instead of masked to exp(-inf) = 0, which changes
+        the order of the softmax and value sums (rounding, ~1e-7 relative). (A score that
+        overflows to inf makes its head NaN in both paths; the masked path's guard of the max
+        only matters for fully masked rows, which this path never has.)
+        """
+        if self.wqkv is not None and w.proj_out:
+            self.wqkv(x, out=w.qkv_row)
+        elif w.proj_out:                                  # kernels.linear-style: write in place
+            self.wq(x, out=w.q_out)
+            self.wk(x, out=w.k_out)
+            self.wv(x, out=w.v_out)
+        elif self.wqkv is not None:
+            w.qkv_row[...] = self.wqkv(x)
+        else:
+            w.q_out[...] = self.wq(x)
+            w.k_out[...] = self.wk(x)
+            w.v_out[...] = self.wv(x)
+        if self.qk_norm == "full":                        # OLMoE: over the whole projection
+            rms_norm_row(w.q_out, self.q_norm, w.eps, w.q_out, w.tmp_q)
+            rms_norm_row(w.k_out, self.k_norm, w.eps, w.k_out, w.tmp_k)
+        if self.clip_qkv is not None:
+            c = np.float32(self.clip_qkv)
+            np.clip(w.qkv, -c, c, out=w.qkv)
+        if self.qk_norm == "per_head":                    # Qwen3: each head over Dh
+            _rms_norm_rows(w.q_heads, self.q_norm, w.eps, w.tmp_q_heads, w.var_q)
+            _rms_norm_rows(w.k_heads, self.k_norm, w.eps, w.tmp_k_heads, w.var_k)
+        # RoPE on the q and k heads at once, in place (apply_rope's operations)
+        x1, x2, ta, tb, tc = w.x1, w.x2, w.ta, w.tb, w.tc
+        np.multiply(x1, cos, out=ta)
+        np.multiply(x2, sin, out=tb)
+        np.multiply(x1, sin, out=tc)
+        np.multiply(x2, cos, out=x2)
+        np.add(x2, tc, out=x2)                            # x2*cos + x1*sin
+        np.subtract(ta, tb, out=x1)                       # x1*cos - x2*sin
+        n = cache.length + 1                              # slots attended, the new one included
+        start = n - self.window if self.window and n > self.window else 0
+        k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)         # (Hkv, L, Dh)
+        s = w.scores(n - start)                                             # (Hkv, G, 1, L)
+        np.matmul(w.q_groups, k[:, None].swapaxes(2, 3), out=s)
+        np.multiply(s, w.scale, out=s)
+        np.maximum.reduce(s, axis=-1, keepdims=True, out=w.top)
+        np.subtract(s, w.top, out=s)
+        np.exp(s, out=s)
+        np.add.reduce(s, axis=-1, keepdims=True, out=w.denom)
+        np.true_divide(s, w.denom, out=s)
+        np.matmul(s, v[:, None], out=w.att)                                 # (Hkv, G, 1, Dh)
+        if w.proj_out:
+            return self.wo(w.att_row, out=w.o)
+        w.o[...] = self.wo(w.att_row)
+        return w.o
+
+
+def _rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, sq: np.ndarray,
+                   var: np.ndarray) -> None:
+    """rms_norm(x, weight, eps, out=x) (same operations) with scratch sq (x's shape) and
+    var (..., 1) instead of temporaries."""
+    np.square(x, out=sq)
+    np.add.reduce(sq, axis=-1, keepdims=True, dtype=np.float32, out=var)
+    np.true_divide(var, np.intp(x.shape[-1]), out=var, casting="unsafe")
+    np.add(var, eps, out=var)
+    np.sqrt(var, out=var)
+    np.true_divide(np.float32(1.0), var, out=var)
+    np.multiply(x, var, out=x)
+    np.multiply(weight, x, out=x)
+
+
+class DecodeWork:
+    """Preallocated buffers of the decode fast path (Attention.decode), shared by the layers.
+
+    One set per KV cache (KVCache.scratch), so two caches decoding in two threads never share
+    a buffer. Besides attention's, it holds the model's per-layer vectors: the normed inputs
+    of attention and FFN (xa, xf), the FFN output (y) and a norm scratch (tmp).
+    Shape alphabet as in the module docstring; N = H*Dh + 2*Hkv*Dh.
+    """
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 rot_half: int, ctx: int, eps: float, proj_out: bool):
+        D, H, Hkv, Dh, h = hidden, n_heads, n_kv_heads, head_dim, rot_half
+        G, nq, nk = H // Hkv, H * Dh, Hkv * Dh
+        f32 = np.float32
+        self.key = (D, H, Hkv, Dh, h, float(eps), bool(proj_out))
+        self.eps = f32(eps)
+        self.scale = f32(Dh ** -0.5)
+        self.proj_out = proj_out
+        self.xa = np.empty((1, D), f32)               # attention input (normed)
+        self.xf = np.empty((1, D), f32)               # FFN input (normed)
+        self.y = np.empty((1, D), f32)                # FFN output
+        self.o = np.empty((1, D), f32)                # attention output
+        self.tmp = np.empty((1, D), f32)              # norm scratch
+        self.qkv = np.empty(nq + 2 * nk, f32)         # q | k | v of the new token
+        self.qkv_row = self.qkv.reshape(1, nq + 2 * nk)
+        self.q_out = self.qkv[:nq].reshape(1, nq)
+        self.k_out = self.qkv[nq:nq + nk].reshape(1, nk)
+        self.v_out = self.qkv[nq + nk:].reshape(1, nk)
+        self.tmp_q = np.empty((1, nq), f32)
+        self.tmp_k = np.empty((1, nk), f32)
+        self.tmp_q_heads, self.tmp_k_heads = self.tmp_q.reshape(H, Dh), self.tmp_k.reshape(Hkv, Dh)
+        self.var_q, self.var_k = np.empty((H, 1), f32), np.empty((Hkv, 1), f32)
+        self.q_heads = self.qkv[:nq].reshape(H, Dh)
+        self.k_heads = self.qkv[nq:nq + nk].reshape(Hkv, Dh)
+        self.v_heads = self.qkv[nq + nk:].reshape(Hkv, Dh)
+        self.q_groups = self.qkv[:nq].reshape(Hkv, G, 1, Dh)
+        qk = self.qkv[:nq + nk].reshape(H + Hkv, Dh)   # the rows RoPE rotates
+        self.x1, self.x2 = qk[:, :h], qk[:, h:2 * h]
+        self.ta, self.tb, self.tc = (np.empty((H + Hkv, h), f32) for _ in range(3))
+        self._scores = np.empty(H * ctx, f32)
+        self._n, self._s = -1, None
+        self.top = np.empty((Hkv, G, 1, 1), f32)
+        self.denom = np.empty((Hkv, G, 1, 1), f32)
+        self.att = np.empty((Hkv, G, 1, Dh), f32)       # head h = kv_head * G + g, as attend
+        self.att_row = self.att.reshape(1, nq)
+
+    def scores(self, n: int) -> np.ndarray:
+        """A contiguous (Hkv, G, 1, n) view of the score buffer (kept while n stays the same)."""
+        if n != self._n:
+            Hkv, G = self.top.shape[:2]
+            self._s = self._scores[:Hkv * G * n].reshape(Hkv, G, 1, n)
+            self._n = n
+        return self._s

@@ -34,7 +34,8 @@ class KVCache:
     """Keys and values of every layer for a batch of B sequences, S slots each.
 
     Attributes: k, v (lists over layers of float32 (B, Hkv, S, Dh)); valid (B, S) bool;
-    pos (B, S) int64 (RoPE position of each slot); length (slots in use, shared by the batch).
+    pos (B, S) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
+    scratch (a dict in which the model keeps its decode work buffers, see Model.forward).
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int):
@@ -50,6 +51,7 @@ class KVCache:
         self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, S)
         self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, S)
         self.length = 0
+        self.scratch: dict = {}     # work buffers a model reuses across steps (not copied)
 
     # -- sizes ------------------------------------------------------------------------------
     @property
@@ -66,9 +68,8 @@ class KVCache:
 
     def next_positions(self) -> np.ndarray:
         """int64 (B,): the RoPE position the next real token of each sequence gets."""
-        out = np.zeros(self.batch, dtype=np.int64)
         if self.length == 0:
-            return out
+            return np.zeros(self.batch, dtype=np.int64)
         pos = np.where(self.valid[:, :self.length], self.pos[:, :self.length], -1)
         return pos.max(axis=1) + 1
 
@@ -92,6 +93,19 @@ class KVCache:
         self.k[layer][:, :, start:start + t] = k
         self.v[layer][:, :, start:start + t] = v
         return self.k[layer][:, :, :start + t], self.v[layer][:, :, :start + t]
+
+    def write_one(self, layer: int, k: np.ndarray, v: np.ndarray, start: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """`write` for one token of sequence 0 (the decode fast path, batch 1).
+
+        k, v float32 (Hkv, Dh) go to slot `length`; returns views (Hkv, length+1-start, Dh) of
+        slots [start, length+1) of that sequence, without copies.
+        """
+        n = self.length
+        kl, vl = self.k[layer][0], self.v[layer][0]
+        kl[:, n] = k
+        vl[:, n] = v
+        return kl[:, start:n + 1], vl[:, start:n + 1]
 
     def commit(self, valid: np.ndarray, positions: np.ndarray) -> None:
         """Advance by T slots after a forward pass; valid bool (B, T), positions int (B, T)."""
@@ -132,6 +146,7 @@ class KVCache:
         new.valid = self.valid.copy()
         new.pos = self.pos.copy()
         new.length = self.length
+        new.scratch = {}
         return new
 
     def __repr__(self) -> str:

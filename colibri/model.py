@@ -8,6 +8,11 @@ bottom in data-flow order:
     embed -> per layer [RMSNorm -> attention (NumPy) -> + -> RMSNorm -> MoE or dense MLP -> +]
           -> RMSNorm -> head (kernels.linear) -> float32 logits
 
+A decode step (one token of one sequence, a cache without padding) takes a fast path with the
+same operations: no mask, the residual stream updated in place, every per-layer vector in the
+cache's preallocated DecodeWork (Model.fast_decode = False turns it off). q, k and v, adjacent in
+the file, are one kernel call (one WeightRef over the three matrices).
+
 Shape alphabet: B batch, S sequence (new tokens), T = B*S tokens, D hidden, V vocab,
 H / Hkv heads, Dh head dim, E experts, K experts per token, I expert intermediate,
 L keys attended, G scale groups.
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import kernels, quant
-from .attention import Attention, Rope, build_mask, rms_norm
+from .attention import Attention, DecodeWork, Rope, build_mask, rms_norm, rms_norm_row
 from .errors import ColibriError
 from .format import ColibriFile, QuantizedTensor
 from .kernels import WeightRef
@@ -66,6 +71,21 @@ def expert_ref(f: ColibriFile, buf: np.ndarray, layer: int, proj: str, n_experts
                      _row_stride(info.dtype, C, info.group_size), n_experts, stride)
 
 
+def _fused_ref(refs: list[WeightRef]) -> WeightRef | None:
+    """One WeightRef over matrices that lie back to back in the same buffer with the same
+    format and columns (their rows stacked, in order), or None when they do not."""
+    a = refs[0]
+    end = a.offset
+    for r in refs:
+        if (r.buf is not a.buf or r.dtype != a.dtype or r.cols != a.cols or r.n_experts != 1
+                or r.group_size != a.group_size or r.row_stride != a.row_stride
+                or r.offset != end):
+            return None
+        end += r.rows * r.row_stride
+    return WeightRef(a.buf, a.offset, a.dtype, sum(r.rows for r in refs), a.cols,
+                     a.group_size, a.row_stride)
+
+
 def _vector(f: ColibriFile, name: str) -> np.ndarray:
     """A small 1-D tensor (norm weight, bias) as float32."""
     t = f.tensor(name)
@@ -74,21 +94,51 @@ def _vector(f: ColibriFile, name: str) -> np.ndarray:
     return f.to_float32(name)
 
 
-_BLAS = None
+_BLAS_LIBS = None
+_BLAS_OWNERSHIP = None      # threadpoolctl's per-thread count of open limits (recent versions)
 
 
-def _blas_on_one_thread():
+class _BlasOnOneThread:
+    """threadpoolctl's `limit(limits=1, user_api="blas")` context without its bookkeeping of
+    every library's info: on entry each BLAS library not on one thread already is set to one,
+    on exit it gets its count back (and threadpoolctl's ownership count of OpenBLAS's shared
+    pool is kept as limit() keeps it). Measured warm: ~3 us a forward pass instead of ~16."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        global _BLAS_LIBS, _BLAS_OWNERSHIP
+        if _BLAS_LIBS is None:
+            import threadpoolctl
+            _BLAS_OWNERSHIP = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)
+            _BLAS_LIBS = list(threadpoolctl.ThreadpoolController().select(user_api="blas")
+                              .lib_controllers)
+        saved = []
+        for lib in _BLAS_LIBS:
+            n = lib.get_num_threads()
+            if n != 1:
+                lib.set_num_threads(1)
+                saved.append((lib, n))
+        self.saved = saved
+        if _BLAS_OWNERSHIP is not None:
+            _BLAS_OWNERSHIP.increment()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lib, n in self.saved:
+            lib.set_num_threads(n)
+        if _BLAS_OWNERSHIP is not None:
+            _BLAS_OWNERSHIP.decrement()
+
+
+def _blas_on_one_thread() -> _BlasOnOneThread:
     """A context in which NumPy's BLAS (the attention matmuls) runs on one thread.
 
     The kernels' OpenMP threads already occupy every core; BLAS worker threads spinning beside
     them steal those cores (measured: pp128 of the shipped model 3.3x slower at 1 kernel
-    thread, and ~100x slower at 2 when another process holds a core). Costs ~20 us a call.
+    thread, and ~100x slower at 2 when another process holds a core).
     """
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-        _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas")
+    return _BlasOnOneThread()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,19 +191,38 @@ class _Layer:
 
 
 class _Linear:
-    """x (N, C) -> x @ W^T (+ b) through kernels.linear; a projection for Attention."""
+    """x (N, C) -> x @ W^T (+ b) through kernels.linear; a projection for Attention.
+
+    out: float32 (N, R) to write into (the decode fast path passes its buffers)."""
 
     __slots__ = ("w", "b", "threads")
 
     def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int):
         self.w, self.b, self.threads = w, b, threads
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return kernels.linear(x, self.w, self.b, threads=self.threads)
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return kernels.linear(x, self.w, self.b, threads=self.threads, out=out)
+
+
+def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
+    """q, k, v projections as one _Linear when their matrices are adjacent in the file (the
+    converter writes them so) and all or none have a bias: one kernel call instead of three,
+    the same values (each output row is one row-kernel call, whatever the matrix around it)."""
+    ref = _fused_ref([p.w for p in projs])
+    biases = [p.b for p in projs]
+    if ref is None or (any(b is None for b in biases) and any(b is not None for b in biases)):
+        return None
+    bias = None if biases[0] is None else np.concatenate(biases).astype(np.float32, copy=False)
+    return _Linear(ref, bias, threads)
 
 
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None)`; see colibri.load."""
+
+    # Decode fast path (one sequence, one new token, a cache without padding): no mask, the
+    # residual stream updated in place, every per-layer vector in preallocated buffers (one
+    # DecodeWork per cache). False sends every step through the general path (tests compare).
+    fast_decode = True
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None):
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
@@ -185,6 +254,9 @@ class Model:
             raise ColibriError(f"{f.path}: router rule {a.get('router')!r} is not supported "
                                f"(supported: softmax_topk)")
         self.rope = Rope.from_arch(a)
+        self._eps32 = np.float32(self.eps)
+        self._work_args = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
+                           self.rope.rot_dim // 2)
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
         head = "tok_embeddings" if a.get("tie_word_embeddings") or "lm_head" not in f else "lm_head"
         self.head = weight_ref(f, buf, head)                                         # (V, D)
@@ -199,14 +271,14 @@ class Model:
             proj = lambda n, b: _Linear(weight_ref(f, buf, p + n), bias(b), t)  # noqa: E731
             qk_norm = a.get("qk_norm", "none")
             w = window if (layer_types is None or layer_types[i] == "sliding_attention") else None
+            wq, wk, wv = (proj(f"attn.w{n}", f"attn.b{n}") for n in "qkv")
             attn = Attention(
-                proj("attn.wq", "attn.bq"), proj("attn.wk", "attn.bk"),
-                proj("attn.wv", "attn.bv"), proj("attn.wo", "attn.bo"),
+                wq, wk, wv, proj("attn.wo", "attn.bo"),
                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
                 eps=self.eps, qk_norm=qk_norm,
                 q_norm=_vector(f, p + "attn.q_norm") if qk_norm != "none" else None,
                 k_norm=_vector(f, p + "attn.k_norm") if qk_norm != "none" else None,
-                clip_qkv=a.get("clip_qkv"), window=w)
+                clip_qkv=a.get("clip_qkv"), window=w, wqkv=_fused_linear((wq, wk, wv), t))
             if i in moe:
                 E = int(a["num_experts"])
                 shared = None
@@ -279,7 +351,10 @@ class Model:
             ids = ids.reshape(1, -1) if squeeze else ids
             if ids.size == 0:
                 raise ValueError(f"input_ids is empty (shape {np.asarray(input_ids).shape})")
-            lo, hi = int(ids.min()), int(ids.max())
+            if ids.size == 1:                                  # a decode step: no reductions
+                lo = hi = int(ids.reshape(-1)[0])
+            else:
+                lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(f"input_ids out of range [0, {self.vocab_size}): "
                                  f"min {lo}, max {hi} (vocab_size {self.vocab_size})")
@@ -329,8 +404,11 @@ class Model:
             valid = m[:, -S:]
         if positions is None:
             start = cache.next_positions() if cache is not None else np.zeros(B, np.int64)
-            pos = start[:, None] + np.cumsum(valid, axis=1) - 1
-            pos = np.maximum(pos, 0)
+            if S == 1 and attention_mask is None:             # one real token each: its start
+                pos = start[:, None]
+            else:
+                pos = start[:, None] + np.cumsum(valid, axis=1) - 1
+                pos = np.maximum(pos, 0)
         else:
             p = np.asarray(positions)
             if p.dtype.kind not in "iu":
@@ -344,6 +422,18 @@ class Model:
                 raise ValueError(f"positions must be >= 0, got min {int(p.min())}")
             pos = p.astype(np.int64)
         return data, squeeze, valid, pos
+
+    def _decode_work(self, cache: KVCache, valid: np.ndarray) -> DecodeWork | None:
+        """The cache's DecodeWork when a step of one token of one sequence may take the decode
+        fast path (that token and every cached slot real, i.e. nothing to mask), else None."""
+        if not self.fast_decode or not valid[0, 0] or not cache.valid[0, :cache.length].all():
+            return None
+        work = cache.scratch.get("decode")
+        key = self._work_args + (self.eps, True)
+        if work is None or work.key != key:
+            work = cache.scratch["decode"] = DecodeWork(*self._work_args, cache.ctx, self.eps,
+                                                        proj_out=True)
+        return work
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids=None, cache: KVCache | None = None, positions=None,
@@ -367,23 +457,32 @@ class Model:
         B, S = valid.shape
         D = self.hidden_size
         h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
-        # keys visible to the new tokens: the cache's slots, then the new ones
-        all_valid = valid if cache is None else np.concatenate(
-            [cache.valid[:, :cache.length], valid], axis=1)                  # (B, L)
+        work = self._decode_work(cache, valid) if B == 1 and S == 1 and cache is not None else None
+        if work is None:
+            # keys visible to the new tokens: the cache's slots, then the new ones
+            all_valid = valid if cache is None else np.concatenate(
+                [cache.valid[:, :cache.length], valid], axis=1)              # (B, L)
         masks: dict = {}
         cos, sin = self.rope.cos_sin(pos)                                     # (B, 1, S, R/2)
+        if work is not None:            # decode fast path: h1 (1, D) is the residual stream
+            h1, eps, cos1, sin1 = h.reshape(1, D), self._eps32, cos[0, 0, 0], sin[0, 0, 0]
         trace = RoutingTrace([], [], []) if return_routing else None
         t0 = tm.add("embed", t0)
         for i, layer in enumerate(self.layers):
-            w = layer.attn.window
-            if w not in masks:
-                masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
-            a = rms_norm(h, layer.attn_norm, self.eps)
-            h = h + layer.attn(a, cos, sin, masks[w], cache, i)
-            x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)       # (T, D)
+            if work is not None:        # same operations, in place, into work's buffers
+                a = rms_norm_row(h1, layer.attn_norm, eps, work.xa, work.tmp)
+                np.add(h1, layer.attn.decode(a, cos1, sin1, cache, i, work), out=h1)
+                x = rms_norm_row(h1, layer.ffn_norm, eps, work.xf, work.tmp)   # (1, D)
+            else:
+                w = layer.attn.window
+                if w not in masks:
+                    masks[w] = build_mask(all_valid, S, w)                    # (B, S, L)
+                a = rms_norm(h, layer.attn_norm, self.eps)
+                h = h + layer.attn(a, cos, sin, masks[w], cache, i)
+                x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)   # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(x, tm)
+                y, ids, wts, gate = layer.ffn(x, tm, out=None if work is None else work.y)
                 if trace is not None:
                     trace.layers.append(i)
                     trace.ids.append(ids.reshape(B, S, -1).astype(np.int32, copy=False))
@@ -396,11 +495,17 @@ class Model:
                                         .reshape(B, S, -1))
             else:
                 y = layer.ffn(x, tm)
-            h = h + y.reshape(B, S, D)
+            if work is not None:
+                np.add(h1, y, out=h1)
+            else:
+                h = h + y.reshape(B, S, D)
             t0 = time.perf_counter()
-        if last_only:
-            h = h[:, -1:]
-        h = rms_norm(h, self.final_norm, self.eps)
+        if work is not None:
+            h = rms_norm_row(h1, self.final_norm, eps, work.xa, work.tmp).reshape(1, 1, D)
+        else:
+            if last_only:
+                h = h[:, -1:]
+            h = rms_norm(h, self.final_norm, self.eps)
         n = h.shape[1]
         logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
                                 threads=self.threads).reshape(B, n, self.vocab_size)

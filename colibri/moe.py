@@ -74,10 +74,10 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
 
-    def __call__(self, x: np.ndarray, timings: Timings
+    def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """x float32 (T, D) -> (y (T, D) f32, ids (T, K) int32, weights (T, K) f32,
-        shared-gate values (T,) f32 or None)."""
+        shared-gate values (T,) f32 or None). out: float32 (T, D) for y (not x), or None."""
         t0 = time.perf_counter()
         logits = kernels.linear(x, self.router, threads=self.threads)                # (T, E)
         ids, weights = kernels.route_topk(logits, self.top_k, rule=self.rule,
@@ -85,7 +85,7 @@ class MoE:
                                           threads=self.threads)                      # (T, K)
         t0 = timings.add("router", t0)
         y = kernels.expert_ffn(x, ids, weights, self.w_gate, self.w_up, self.w_down,
-                               threads=self.threads)                                 # (T, D)
+                               threads=self.threads, out=out)                        # (T, D)
         t0 = timings.add("experts", t0)
         gate_values = None
         if self.shared is not None:

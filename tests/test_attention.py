@@ -5,8 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.attention import (Attention, Rope, apply_rope, attend, build_mask, rms_norm,
-                               rope_inv_freq)
+from colibri.attention import (Attention, DecodeWork, Rope, apply_rope, attend, build_mask,
+                               rms_norm, rms_norm_row, rope_inv_freq)
 from colibri.kv_cache import KVCache
 
 TOL = 2e-5
@@ -31,6 +31,31 @@ def test_rms_norm_matches_transformers():
     ref = OlmoeRMSNorm(48, eps=1e-5)
     ref.weight.data = torch.from_numpy(w)
     _close(rms_norm(x, w, 1e-5), ref(torch.from_numpy(x)).detach().numpy(), 1e-6)
+
+
+def _rms_norm_as_before(x, weight, eps):
+    """rms_norm as it was written first (np.mean); the rewrite must give the same bits."""
+    x = np.asarray(x, dtype=np.float32)
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return weight * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+
+
+@pytest.mark.parametrize("n", [7, 24, 64, 100, 1024, 1536, 2880])
+def test_rms_norm_in_place_and_row_versions_are_bit_identical(n):
+    rng = np.random.default_rng(n)
+    for i in range(20):
+        x = (rng.normal(size=(3, n)) * 10.0 ** rng.uniform(-4, 4)).astype(np.float32)
+        w = rng.normal(size=n).astype(np.float32)
+        eps = (1e-5, 1e-6, 1e-8)[i % 3]
+        want = _rms_norm_as_before(x, w, eps)
+        np.testing.assert_array_equal(rms_norm(x, w, eps), want)
+        y = x.copy()
+        assert rms_norm(y, w, eps, out=y) is y
+        np.testing.assert_array_equal(y, want)
+        out, tmp = np.empty((1, n), np.float32), np.empty((1, n), np.float32)
+        for r in range(3):
+            rms_norm_row(x[r:r + 1], w, np.float32(eps), out, tmp)
+            np.testing.assert_array_equal(out[0], want[r])
 
 
 def _llama_config(**rope):
@@ -264,3 +289,43 @@ def test_layer_matches_transformers_with_padding_and_cache(name):
     step = np.concatenate(pieces, axis=1)
     _close(step[valid], want[valid])
     np.testing.assert_array_equal(cache.next_positions(), pos[:, -1] + 1)
+
+
+# --------------------------------------------------------------------------------------------
+# the decode fast path (B = T = 1, nothing masked) against the general path
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mixtral", "mixtral_window", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_decode_fast_path_equals_general_path(name):
+    """Attention.decode gives __call__'s bits through a cache (same operations, same shapes),
+    except past a sliding window (hidden slots left out rather than masked): 1e-6 there."""
+    cfg, _, _, ours, rope = _build(name)
+    rng = np.random.default_rng(6)
+    T, ctx, Hkv, Dh = 11, 16, cfg.num_key_value_heads, ours.head_dim
+    x = rng.normal(size=(1, T, cfg.hidden_size)).astype(np.float32)
+    pos = np.arange(T)[None] + 2
+    general, fast = KVCache(2, 1, Hkv, ctx, Dh), KVCache(2, 1, Hkv, ctx, Dh)
+    work = DecodeWork(cfg.hidden_size, ours.n_heads, Hkv, Dh, rope.rot_dim // 2, ctx, ours.eps,
+                      proj_out=False)
+    cos, sin = rope.cos_sin(pos[:, :3])
+    for cache in (general, fast):                       # a prompt of 3, general path, layer 1
+        ours(x[:, :3], cos, sin, build_mask(np.ones((1, 3), bool), 3, ours.window), cache, 1)
+        cache.commit(np.ones((1, 3), bool), pos[:, :3])
+    windowed = 0
+    for t in range(3, T):
+        cos, sin = rope.cos_sin(pos[:, t:t + 1])
+        mask = build_mask(np.ones((1, t + 1), bool), 1, ours.window)
+        want = ours(x[:, t:t + 1], cos, sin, mask, general, 1)[0]
+        got = ours.decode(x[0, t:t + 1], cos[0, 0, 0], sin[0, 0, 0], fast, 1, work)
+        assert got.shape == want.shape
+        if ours.window and t + 1 > ours.window:
+            windowed += 1
+            _close(got, want, 1e-6)
+        else:
+            np.testing.assert_array_equal(got, want)
+        for cache in (general, fast):
+            cache.commit(np.ones((1, 1), bool), pos[:, t:t + 1])
+    np.testing.assert_array_equal(fast.k[1][:, :, :T], general.k[1][:, :, :T])
+    np.testing.assert_array_equal(fast.v[1][:, :, :T], general.v[1][:, :, :T])
+    assert not fast.k[0].any()                          # only the given layer was written
+    assert windowed == (T - ours.window if ours.window else 0)

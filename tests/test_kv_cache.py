@@ -84,3 +84,28 @@ def test_rejects_bad_sizes(bad):
     kw = dict(n_layers=1, batch=1, n_kv_heads=1, ctx=4, head_dim=2) | bad
     with pytest.raises(ValueError):
         KVCache(**kw)
+
+
+def test_write_one_is_write_for_one_token():
+    rng = np.random.default_rng(4)
+    a, b = KVCache(2, 1, 3, 8, 4), KVCache(2, 1, 3, 8, 4)
+    for step in range(5):
+        k, v = _kv(rng, 1, 3, 1, 4)
+        ka, va = a.write(1, k, v)
+        kb, vb = b.write_one(1, k[0, :, 0], v[0, :, 0])
+        np.testing.assert_array_equal(kb, ka[0])
+        np.testing.assert_array_equal(vb, va[0])
+        assert np.shares_memory(kb, b.k[1]) and np.shares_memory(vb, b.v[1])   # views
+        kw, vw = b.write_one(1, k[0, :, 0], v[0, :, 0], start=max(0, step - 1))
+        assert kw.shape == (3, step + 1 - max(0, step - 1), 4)
+        np.testing.assert_array_equal(kw, ka[0, :, max(0, step - 1):])
+        for c in (a, b):
+            c.commit(np.ones((1, 1), bool), np.array([[step]]))
+    np.testing.assert_array_equal(a.k[1], b.k[1])
+    assert not b.k[0].any()
+
+
+def test_scratch_is_per_cache():
+    c = KVCache(1, 1, 1, 4, 2)
+    c.scratch["x"] = np.zeros(3)
+    assert c.copy().scratch == {} and "x" in c.scratch
