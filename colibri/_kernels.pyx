@@ -19,6 +19,15 @@ entering OpenMP at all (_team, min_parallel_bytes). A kernel call opens at most 
 region: the expert FFN runs its stages (gather, gate/up, down + combine) as work-shared loops
 of one region, separated by barriers, over flat lists of equal work items.
 
+Activations: with activations="int8" a q8/q4 matrix (Wmat.int8) runs the int8 row kernel
+(_simd.h, "idot") on token rows quantized once per call into an Act8 (int8 codes, per
+32-block scales and sums, packed as the SIMD bodies want): linear quantizes x before its
+parallel loop; the expert FFN quantizes each gathered row (or x once, at T == 1) for gate /
+up, and each gate/up work item quantizes the h columns it produced for w_down (its tiles are
+then whole 32-blocks). Plain-format matrices keep the f32 path in the same call. The
+quantization is bit-identical on every path and the int8 dot follows the same determinism
+rule as the f32 one.
+
 Scratch: one grow-only per-process buffer (_take/_give), so a decode step allocates no
 scratch arrays; a concurrent second caller (another Python thread) gets a fresh one.
 
@@ -28,7 +37,7 @@ Sections: weights and ISA, linear, routing, dispatch, FFN, dequant, bandwidth.
 """
 from cython.parallel cimport parallel, prange
 from libc.stdlib cimport free, malloc
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.math cimport INFINITY, expf
 
 import numpy as np
@@ -45,6 +54,7 @@ cdef extern from "_simd.h" nogil:
         COLIBRI_Q8
         COLIBRI_Q4
         COLIBRI_MAX_NT
+        COLIBRI_INT8_NT
     ctypedef void (*colibri_dot_fn)(const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
                                     const float *x, Py_ssize_t x_stride,
                                     const float *xsum, Py_ssize_t xsum_stride,
@@ -52,6 +62,17 @@ cdef extern from "_simd.h" nogil:
     int colibri_isa_supported(int isa)
     int colibri_isa_best()
     colibri_dot_fn colibri_dot_for(int isa, int fmt)
+    ctypedef void (*colibri_idot_fn)(const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
+                                     const int8_t *q, Py_ssize_t q_stride, const float *d,
+                                     const int32_t *s, Py_ssize_t d_stride, int nt, float *out,
+                                     Py_ssize_t out_stride) noexcept nogil
+    colibri_idot_fn colibri_idot_for(int isa, int fmt)
+    void colibri_quantize_act(int isa, const float *x, Py_ssize_t b0, Py_ssize_t b1, int8_t *q,
+                              float *d, int32_t *s)
+    void colibri_quantize_pad(Py_ssize_t cols, int8_t *q, float *d, int32_t *s, Py_ssize_t npad)
+    void colibri_quantize_plain(int isa, const float *x, Py_ssize_t cols, int8_t *q, float *d)
+    void colibri_quantize_row(int isa, const float *x, Py_ssize_t cols, int8_t *q, float *d,
+                              int32_t *s, Py_ssize_t npad)
     int colibri_block_tokens(int fmt)
     uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)
     void colibri_decode_row(int fmt, const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
@@ -83,6 +104,7 @@ FORMATS = {"f32": COLIBRI_F32, "f16": COLIBRI_F16, "bf16": COLIBRI_BF16,
            "q8": COLIBRI_Q8, "q4": COLIBRI_Q4}
 ISA_NAMES = ("scalar", "avx2", "avx512")
 RULES = {"softmax_topk": 0, "topk_softmax": 1}
+ACTIVATIONS = ("f32", "int8")
 
 cdef int _isa = colibri_isa_best()
 
@@ -120,6 +142,18 @@ ctypedef struct Wmat:
     Py_ssize_t xsum_cols       # C / G for q4 (the offset fold needs per-group sums of x), else 0
     int block                  # tokens per pass of the row kernel (colibri_block_tokens)
     colibri_dot_fn dot         # row kernel of the current ISA
+    bint int8                  # activations="int8" and a q8/q4 format: idot, not dot
+    colibri_idot_fn idot       # int8-activation row kernel of the current ISA (int8 only)
+
+
+ctypedef struct Act8:
+    # token rows quantized to int8 for the int8 row kernels, in the packed layout of
+    # colibri_quantize_row (_simd.h): blocks paired, d and s permuted per chunk of 8
+    int8_t *q                  # (n, C rounded up to 64) codes, row stride qs
+    float *d                   # (n, dpad) block scales, row stride ds; dpad = C/32 rounded up
+    int32_t *s                 # (n, dpad) 8 * block sums of q       to 8, zero-padded
+    Py_ssize_t qs, ds          # row strides; 0: every token reads row 0
+    int isa                    # the path that quantizes (the same bits on every path)
 
 
 def _row_bytes(str dtype, cols, group):
@@ -199,9 +233,10 @@ def weight_span(w, str name="weight"):
     return checked[2], checked[9]
 
 
-cdef object _load(object w, str name, Wmat *m):
+cdef object _load(object w, str name, Wmat *m, bint int8=False):
     """Check w and fill m for the current ISA; return the typed view of the buffer, which
-    the caller keeps alive while the kernel runs."""
+    the caller keeps alive while the kernel runs. int8: activations="int8", which q8/q4
+    weights honour (m.int8); plain formats keep the f32 path."""
     buf, dtype, offset, rows, cols, group, row_stride, n_experts, expert_stride, _ = \
         _checked(w, name)
     cdef const uint8_t[::1] view = buf
@@ -218,7 +253,80 @@ cdef object _load(object w, str name, Wmat *m):
     m.dot = colibri_dot_for(_isa, m.fmt)
     if m.dot == NULL:
         raise RuntimeError(f"{name}: no row kernel for format {dtype} on ISA {_isa}")
+    m.int8 = int8 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4)
+    m.idot = NULL
+    if m.int8:
+        m.idot = colibri_idot_for(_isa, m.fmt)
+        if m.idot == NULL:
+            raise RuntimeError(f"{name}: no int8 row kernel for format {dtype} on ISA {_isa}")
+        m.block = COLIBRI_INT8_NT
+        m.xsum_cols = 0                      # the int8 kernels fold the q4 offset themselves
     return view
+
+
+def _activations(str activations):
+    """True for "int8", False for "f32"; ValueError naming the allowed values otherwise."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                         f"found {activations!r}")
+    return activations == "int8"
+
+
+cdef inline Py_ssize_t _dpad(Py_ssize_t C) noexcept nogil:
+    """Entries per token row of Act8.d / .s: C/32 rounded up to 8 (the SIMD bodies load the
+    scales of 8 blocks at a time)."""
+    return (C // 32 + 7) // 8 * 8
+
+
+cdef inline Act8 _act_at(const Act8 *a, Py_ssize_t p) noexcept nogil:
+    """a from token row p on."""
+    cdef Act8 r = a[0]
+    r.q = a.q + p * a.qs
+    r.d = a.d + p * a.ds
+    r.s = a.s + p * a.ds
+    return r
+
+
+cdef char *_carve_act8(char **cur, Act8 *a, Py_ssize_t n, Py_ssize_t C) noexcept nogil:
+    """Carve an Act8 of n rows of C columns from *cur (_act8_bytes(n, C))."""
+    cdef Py_ssize_t dp = _dpad(C)
+    a.qs = (C + 63) // 64 * 64
+    a.ds = dp
+    a.isa = _isa
+    a.q = <int8_t *>_carve(cur, n * a.qs)
+    a.d = <float *>_carve(cur, 4 * n * dp)
+    a.s = <int32_t *>_carve(cur, 4 * n * dp)
+    return cur[0]
+
+
+cdef inline Py_ssize_t _act8_bytes(Py_ssize_t n, Py_ssize_t C) noexcept nogil:
+    return n * ((C + 63) // 64 * 64 + 8 * _dpad(C)) + 3 * 64
+
+
+cdef void _quantize_serial(const float *x, Py_ssize_t n, Py_ssize_t C, const Act8 *a) noexcept nogil:
+    """Quantize the n rows of x (n, C) into a (rows 0..n-1), serially."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        colibri_quantize_row(a.isa, x + i * C, C, a.q + i * a.qs, a.d + i * a.ds, a.s + i * a.ds,
+                             a.ds)
+
+
+def quantize_activations(const float[:, ::1] x):
+    """q int8 (T, C), d float32 (T, C/32): x float32 (T, C) in Q8_0 blocks (_simd.h)."""
+    cdef Py_ssize_t T = x.shape[0], C = x.shape[1], i, nb = C // 32
+    if C % 32:
+        raise ValueError(f"quantize_activations: x has {C} columns, not a multiple of 32 "
+                         f"(the block size)")
+    q = np.zeros((T, C), dtype=np.int8)
+    d = np.zeros((T, nb), dtype=np.float32)
+    if T == 0 or C == 0:
+        return q, d
+    cdef int8_t[:, ::1] qv = q
+    cdef float[:, ::1] dv = d
+    with nogil:
+        for i in range(T):
+            colibri_quantize_plain(_isa, &x[i, 0], C, &qv[i, 0], &dv[i, 0])
+    return q, d
 
 
 cdef inline Py_ssize_t _tile_rows(Py_ssize_t R, Py_ssize_t row_bytes, int threads,
@@ -326,10 +434,11 @@ def _check_f32_out(out, tuple shape, str name):
 # linear: y (T, R) = x (T, C) @ W.T (+ bias)
 
 cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssize_t n,
-                       const float *xsum, const float *bias, float *y, Py_ssize_t y_stride,
-                       Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
-    """Rows r0..r1 of W (expert `expert`) against the n tokens of x (n, C), xsum (n, C/G):
-    y[t, r] = W[r] . x[t] (+ bias[r]), y with row stride y_stride.
+                       const float *xsum, Act8 a, const float *bias, float *y,
+                       Py_ssize_t y_stride, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """Rows r0..r1 of W (expert `expert`) against the n tokens of x (n, C), xsum (n, C/G)
+    (or, when w.int8, their quantized rows a): y[t, r] = W[r] . x[t] (+ bias[r]), y with
+    row stride y_stride.
     Token blocks outside, rows inside: the tile of rows is reused by every block from cache."""
     cdef const uint8_t *base = w.base + expert * w.expert_stride
     cdef Py_ssize_t C = w.cols, ss = w.xsum_cols, t0, r, t
@@ -338,8 +447,13 @@ cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssiz
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < w.block else w.block
         for r in range(r0, r1):
-            w.dot(base + r * w.row_stride, C, w.group, x + t0 * C, C,
-                  xsum + t0 * ss, ss, nt, y + t0 * y_stride + r, y_stride)
+            if w.int8:
+                w.idot(base + r * w.row_stride, C, w.group, a.q + t0 * a.qs, a.qs,
+                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, y + t0 * y_stride + r,
+                       y_stride)
+            else:
+                w.dot(base + r * w.row_stride, C, w.group, x + t0 * C, C,
+                      xsum + t0 * ss, ss, nt, y + t0 * y_stride + r, y_stride)
             if bias != NULL:
                 for t in range(nt):
                     y[(t0 + t) * y_stride + r] += bias[r]
@@ -354,11 +468,13 @@ cdef void _group_sums_serial(const float *x, Py_ssize_t n, Py_ssize_t cols, Py_s
         colibri_group_sums(x + i * cols, cols, group, xsum + i * (cols // group))
 
 
-def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert, int threads):
+def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert, int threads,
+           str activations="f32"):
     """out (T, R) = x (T, C) @ W[expert].T (+ bias (R,)); x float32, w a WeightRef."""
     _check_threads(threads)
+    cdef bint int8 = _activations(activations)
     cdef Wmat m
-    keep = _load(w, "w", &m)
+    keep = _load(w, "w", &m, int8)
     cdef Py_ssize_t T = x.shape[0], R = m.rows, C = m.cols
     if x.shape[1] != C:
         raise ValueError(f"x has {x.shape[1]} columns, the weight has cols {C}")
@@ -383,22 +499,32 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     cdef Py_ssize_t tr = _tile_rows(R, m.row_stride, nth, 1)
     cdef Py_ssize_t n_tiles = (R + tr - 1) // tr, i, r1
     cdef float *xs = NULL
+    cdef Act8 a
+    cdef char *cur
+    a.q, a.d, a.s, a.qs, a.ds, a.isa = NULL, NULL, NULL, 0, 0, 0
     scratch = None
-    if m.xsum_cols > 0:
+    if m.int8:
+        scratch = _take(_act8_bytes(T, C))
+        cur = _base(scratch)
+        _carve_act8(&cur, &a, T, C)
+    elif m.xsum_cols > 0:
         scratch = _take(T * m.xsum_cols * 4)
         xs = <float *>_base(scratch)
     try:
         with nogil:
-            if m.xsum_cols > 0:
+            if m.int8:
+                _quantize_serial(&x[0, 0], T, C, &a)
+            elif m.xsum_cols > 0:
                 _group_sums_serial(&x[0, 0], T, C, m.group, xs)
             if nth == 1:
-                _linear_rows(&m, expert, &x[0, 0], T, xs, bp, &out[0, 0], R, 0, R)
+                _linear_rows(&m, expert, &x[0, 0], T, xs, a, bp, &out[0, 0], R, 0, R)
             else:
                 for i in prange(n_tiles, num_threads=nth, schedule='dynamic'):
                     r1 = (i + 1) * tr
                     if r1 > R:
                         r1 = R
-                    _linear_rows(&m, expert, &x[0, 0], T, xs, bp, &out[0, 0], R, i * tr, r1)
+                    _linear_rows(&m, expert, &x[0, 0], T, xs, a, bp, &out[0, 0], R, i * tr,
+                                 r1)
     finally:
         if scratch is not None:
             _give(scratch)
@@ -594,12 +720,12 @@ def group_by_expert(const int32_t[:, ::1] ids, Py_ssize_t n_experts):
 
 cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *x,
                        Py_ssize_t xs, Py_ssize_t n, const float *xsg, Py_ssize_t ssg,
-                       const float *xsu, Py_ssize_t ssu, float *h, Py_ssize_t r0,
+                       const float *xsu, Py_ssize_t ssu, Act8 a, float *h, Py_ssize_t r0,
                        Py_ssize_t r1) noexcept nogil:
     """h[t, r] = silu(W_gate[e][r] . x[t]) * (W_up[e][r] . x[t]) for r in r0..r1, t < n;
     x (n, D) with row stride xs (0: every token is the same row), xsg / xsu the group sums
-    of x for gate / up with row strides ssg / ssu, h (n, I). Gate and up rows are read in the
-    same pass over a token block."""
+    of x for gate / up with row strides ssg / ssu, a the quantized x (for a matrix with
+    .int8), h (n, I). Gate and up rows are read in the same pass over a token block."""
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
     cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t
@@ -610,19 +736,28 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < block else block
         for r in range(r0, r1):
-            g.dot(bg + r * g.row_stride, D, g.group, x + t0 * xs, xs, xsg + t0 * ssg, ssg,
-                  nt, gv, 1)
-            u.dot(bu + r * u.row_stride, D, u.group, x + t0 * xs, xs, xsu + t0 * ssu, ssu,
-                  nt, uv, 1)
+            if g.int8:
+                g.idot(bg + r * g.row_stride, D, g.group, a.q + t0 * a.qs, a.qs,
+                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
+            else:
+                g.dot(bg + r * g.row_stride, D, g.group, x + t0 * xs, xs, xsg + t0 * ssg, ssg,
+                      nt, gv, 1)
+            if u.int8:
+                u.idot(bu + r * u.row_stride, D, u.group, a.q + t0 * a.qs, a.qs,
+                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
+            else:
+                u.dot(bu + r * u.row_stride, D, u.group, x + t0 * xs, xs, xsu + t0 * ssu, ssu,
+                      nt, uv, 1)
             for t in range(nt):
                 h[(t0 + t) * I + r] = colibri_silu(gv[t]) * uv[t]
         t0 += nt
 
 
-cdef int _load_ffn(w_gate, w_up, w_down, Wmat *g, Wmat *u, Wmat *d, list keep) except -1:
-    keep.append(_load(w_gate, "w_gate", g))
-    keep.append(_load(w_up, "w_up", u))
-    keep.append(_load(w_down, "w_down", d))
+cdef int _load_ffn(w_gate, w_up, w_down, Wmat *g, Wmat *u, Wmat *d, list keep,
+                   bint int8) except -1:
+    keep.append(_load(w_gate, "w_gate", g, int8))
+    keep.append(_load(w_up, "w_up", u, int8))
+    keep.append(_load(w_down, "w_down", d, int8))
     if (u.rows != g.rows or u.cols != g.cols or d.rows != g.cols or d.cols != g.rows
             or u.n_experts != g.n_experts or d.n_experts != g.n_experts):
         raise ValueError(
@@ -646,6 +781,9 @@ ctypedef struct Ffn:
     float *h                    # (TK, I) activations
     float *xsd                  # (TK, I/Gd) group sums of h for w_down (q4)
     float *og                   # (TK, D) expert outputs
+    bint qx                     # gate or up runs the int8 path: quantize the gathered rows
+    Act8 ax                     # (rows_x, D) quantized input (row stride 0 when T == 1)
+    Act8 ah                     # (TK, I) quantized h, when w_down runs the int8 path
     const int64_t *offsets      # (E+1,)
     const int32_t *slots        # (TK,) position -> slot t*K + k
     const int64_t *pos          # (TK,) slot -> position
@@ -668,11 +806,15 @@ cdef void _ffn_gather(const Ffn *f, Py_ssize_t p) noexcept nogil:
         colibri_group_sums(dst, f.D, f.g.group, f.xsg + p * f.ssg)
     if f.u.xsum_cols > 0:
         colibri_group_sums(dst, f.D, f.u.group, f.xsu + p * f.ssu)
+    if f.qx:
+        colibri_quantize_row(f.ax.isa, dst, f.D, f.ax.q + p * f.ax.qs, f.ax.d + p * f.ax.ds,
+                             f.ax.s + p * f.ax.ds, f.ax.ds)
 
 
 cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
     """Work item it: rows r0..r1 of gate and up of one active expert, for all its tokens;
-    then the group sums of the new h columns for w_down (tiles are whole groups)."""
+    then the group sums (q4) or the int8 blocks (int8 path) of the new h columns for w_down
+    (tiles are whole groups / blocks of 32)."""
     cdef Py_ssize_t e = f.active[it // f.nt_gu]
     cdef Py_ssize_t r0 = (it % f.nt_gu) * f.tr_gu, r1 = r0 + f.tr_gu, p0, n_e, p
     cdef Py_ssize_t Gd = f.d.group, sd = f.d.xsum_cols
@@ -681,10 +823,15 @@ cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
     p0 = f.offsets[e]
     n_e = f.offsets[e + 1] - p0
     _gateup_rows(&f.g, &f.u, e, f.xg + p0 * f.xg_stride, f.xg_stride, n_e,
-                 f.xsg + p0 * f.ssg, f.ssg, f.xsu + p0 * f.ssu, f.ssu, f.h + p0 * f.I, r0, r1)
+                 f.xsg + p0 * f.ssg, f.ssg, f.xsu + p0 * f.ssu, f.ssu, _act_at(&f.ax, p0),
+                 f.h + p0 * f.I, r0, r1)
     if sd > 0:
         for p in range(p0, p0 + n_e):
             colibri_group_sums(f.h + p * f.I + r0, r1 - r0, Gd, f.xsd + p * sd + r0 // Gd)
+    if f.d.int8:
+        for p in range(p0, p0 + n_e):
+            colibri_quantize_act(f.ah.isa, f.h + p * f.I, r0 // 32, r1 // 32,
+                                 f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds, f.ah.s + p * f.ah.ds)
 
 
 cdef void _ffn_down(const Ffn *f, Py_ssize_t it) noexcept nogil:
@@ -700,7 +847,8 @@ cdef void _ffn_down(const Ffn *f, Py_ssize_t it) noexcept nogil:
         e = f.active[j]
         p0 = f.offsets[e]
         _linear_rows(&f.d, e, f.h + p0 * f.I, f.offsets[e + 1] - p0,
-                     f.xsd + p0 * f.d.xsum_cols, NULL, f.og + p0 * f.D, f.D, r0, r1)
+                     f.xsd + p0 * f.d.xsum_cols, _act_at(&f.ah, p0), NULL, f.og + p0 * f.D,
+                     f.D, r0, r1)
     for t in range(f.T):
         yt = f.y + t * f.D
         for c in range(r0, r1):
@@ -747,9 +895,12 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     f.T, f.K, f.D, f.I = T, K, D, I
     cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
     cdef Py_ssize_t rows_x = 1 if one else TK
+    cdef bint qx = g.int8 or u.int8
     cdef Py_ssize_t nbytes = (8 * (E + 1) + 8 * E + 4 * TK + 8 * TK + 4 * E
                               + 4 * rows_x * (0 if one else D) + 4 * rows_x * (sg + su)
-                              + 4 * TK * (I + sd + D) + 8 * 64)
+                              + 4 * TK * (I + sd + D) + 8 * 64
+                              + (_act8_bytes(rows_x, D) if qx else 0)
+                              + (_act8_bytes(TK, I) if d.int8 else 0))
     buf = _take(nbytes)
     cdef char *cur = _base(buf)
     cdef int64_t *offsets = <int64_t *>_carve(&cur, 8 * (E + 1))
@@ -763,6 +914,13 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     f.h = <float *>_carve(&cur, 4 * TK * I)
     f.xsd = <float *>_carve(&cur, 4 * TK * sd)
     f.og = <float *>_carve(&cur, 4 * TK * D)
+    f.qx = qx
+    f.ax.q, f.ax.d, f.ax.s, f.ax.qs, f.ax.ds, f.ax.isa = NULL, NULL, NULL, 0, 0, 0
+    f.ah = f.ax
+    if qx:
+        _carve_act8(&cur, &f.ax, rows_x, D)
+    if d.int8:
+        _carve_act8(&cur, &f.ah, TK, I)
     f.x = &x[0, 0]
     f.weights = &weights[0, 0]
     f.y = &out[0, 0]
@@ -788,12 +946,21 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
                     colibri_group_sums(f.x, D, g.group, f.xsg)
                 if su > 0:
                     colibri_group_sums(f.x, D, u.group, f.xsu)
+                if qx:
+                    _quantize_serial(f.x, 1, D, &f.ax)
+                    f.ax.qs, f.ax.ds = 0, 0
                 n_gather = 0
             else:
                 f.xg, f.xg_stride, f.ssg, f.ssu = xg, D, sg, su
                 n_gather = TK
-            # gate/up tiles are whole groups of w_down's input, so each item can sum them
-            f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, d.group if sd > 0 else 1)
+            if d.int8:                           # the padding of h's packed rows
+                for p in range(TK):
+                    colibri_quantize_pad(I, f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds,
+                                         f.ah.s + p * f.ah.ds, f.ah.ds)
+            # gate/up tiles are whole groups of w_down's input (q4: group sums) or whole
+            # 32-blocks (int8 path), so each item can sum / quantize the h columns it made
+            f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth,
+                                 d.group if sd > 0 else (32 if d.int8 else 1))
             f.nt_gu = (I + f.tr_gu - 1) // f.tr_gu
             f.tr_dn = _tile_rows(D, d.row_stride * n_active, nth, 1)
             n_gu = n_active * f.nt_gu
@@ -804,12 +971,13 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
 
 
 def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,
-               w_gate, w_up, w_down, float[:, ::1] out, int threads):
+               w_gate, w_up, w_down, float[:, ::1] out, int threads, str activations="f32"):
     """out (T, D) = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); out may be x itself."""
     _check_threads(threads)
+    cdef bint int8 = _activations(activations)
     cdef Wmat g, u, d
     keep = []
-    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep)
+    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, int8)
     cdef Py_ssize_t T = x.shape[0], D = x.shape[1], K = ids.shape[1]
     cdef Py_ssize_t E = g.n_experts
     if D != g.cols:
@@ -827,13 +995,15 @@ def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, 
     _ffn(x, ids, weights, &g, &u, &d, out, threads)
 
 
-def swiglu(const float[:, ::1] x, w_gate, w_up, w_down, float[:, ::1] out, int threads):
+def swiglu(const float[:, ::1] x, w_gate, w_up, w_down, float[:, ::1] out, int threads,
+           str activations="f32"):
     """out (T, D) = W_down @ (silu(W_gate @ x) * (W_up @ x)) per token; one dense FFN (the
     expert FFN with every token on its single expert at weight 1, which is exact)."""
     _check_threads(threads)
+    cdef bint int8 = _activations(activations)
     cdef Wmat g, u, d
     keep = []
-    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep)
+    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, int8)
     if g.n_experts != 1:
         raise ValueError(f"swiglu takes single matrices, found n_experts {g.n_experts}")
     cdef Py_ssize_t T = x.shape[0], D = x.shape[1]

@@ -6,6 +6,11 @@ products run in float64 and are rounded to float32 once at the end. The kernels 
 in float32, so they agree with these up to rounding; where a rule is discrete (which experts
 a token picks, how ties break, how tokens are grouped) they agree exactly.
 
+The int8-activation twins (``quantize_activations_ref``, ``*_int8_ref``) follow the same rule:
+the quantization is float32 arithmetic done exactly as the kernels do it (bit-identical
+results), the integer dot products are exact, and only the float part (block scales times
+integer sums) runs in float64.
+
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of one weight matrix, G group size.
 """
@@ -20,10 +25,12 @@ if TYPE_CHECKING:                                   # no runtime import: kernels
 
 __all__ = [
     "dequantize_ref", "linear_ref", "route_topk_ref", "gumbel_ref", "group_by_expert_ref",
-    "expert_ffn_ref", "swiglu_ref", "silu_ref",
+    "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
+    "linear_int8_ref", "expert_ffn_int8_ref", "swiglu_int8_ref",
 ]
 
 _PLAIN_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+F32 = np.float32
 
 
 def _row_bytes(dtype: str, cols: int, group_size: int) -> int:
@@ -77,6 +84,117 @@ def linear_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
     if bias is not None:
         y = y + np.asarray(bias, dtype=np.float64)
     return y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 activations (activations="int8")
+
+
+def quantize_activations_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 (T, C), C a multiple of 32 -> q int8 (T, C), d float32 (T, C/32).
+
+    Per block of 32: amax = max |x|; d = amax / 127; id = 1 / d (0 if d == 0); q = rint(x * id),
+    every operation in float32 (so the kernels match bit for bit). A block with a NaN or inf:
+    d = NaN, q = 0. A block whose 1 / d overflows (d < 2^-128): d = 0, q = 0.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    T, C = x.shape
+    if C % 32:
+        raise ValueError(f"x has {C} columns, not a multiple of 32")
+    xb = x.reshape(T, C // 32, 32)
+    bad = ~np.isfinite(xb).all(axis=2)                                 # (T, C/32)
+    amax = np.where(np.isfinite(xb), np.abs(xb), F32(0)).max(axis=2, initial=F32(0))
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
+    zero = bad | ~np.isfinite(inv)
+    inv = np.where(zero, F32(0), inv)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.rint((xb * inv[:, :, None]).astype(F32))
+    q = np.where(zero[:, :, None], 0, q).astype(np.int8).reshape(T, C)
+    d = np.where(bad, F32(np.nan), np.where(zero, F32(0), d)).astype(F32)
+    return q, d
+
+
+def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """Integer codes int64 (R, C) (q8: the int8, q4: nibble - 8) and scales float32 (R, C/G)."""
+    raw = _rows(w, expert)
+    R, C = w.rows, w.cols
+    if w.dtype == "q8":
+        codes = raw[:, :C].view(np.int8).astype(np.int64)
+        scales = raw[:, C:].copy().view("<f2").astype(F32)
+    elif w.dtype == "q4":
+        packed = raw[:, :C // 2].reshape(R, C // 32, 16)
+        nib = np.concatenate([packed & 0x0F, packed >> 4], axis=2)
+        codes = nib.reshape(R, C).astype(np.int64) - 8
+        scales = raw[:, C // 2:].copy().view("<f2").astype(F32)
+    else:
+        raise ValueError(f"{w.dtype} has no integer codes")
+    return codes, scales
+
+
+def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, int8: bool) -> np.ndarray:
+    """x float32 (T, C) @ W[expert].T as float64 (T, R): the int8 path for a q4/q8 weight when
+    int8, else the exact product."""
+    if not (int8 and w.dtype in ("q8", "q4")):
+        return x32.astype(np.float64) @ dequantize_ref(w, expert).astype(np.float64).T
+    q, d = quantize_activations_ref(x32)
+    codes, scales = _codes_scales(w, expert)
+    T, C = q.shape
+    R, nb = w.rows, C // 32
+    isum = np.einsum("tbi,rbi->trb", q.reshape(T, nb, 32).astype(np.int64),
+                     codes.reshape(R, nb, 32))                       # exact (T, R, C/32)
+    s_blk = np.repeat(scales.astype(np.float64), w.group_size // 32, axis=1)   # (R, C/32)
+    with np.errstate(invalid="ignore"):
+        return np.einsum("rb,tb,trb->tr", s_blk, d.astype(np.float64), isum.astype(np.float64))
+
+
+def linear_int8_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
+                    expert: int = 0) -> np.ndarray:
+    """linear with activations="int8": x float32 (T, C) or (C,) -> float32 (T, R) or (R,).
+
+    q4/q8 weights: y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b with (q, d) =
+    quantize_activations_ref(x) and isum the exact integer dot of the block's codes with q;
+    the float part in float64. Other formats: linear_ref.
+    """
+    x32 = np.asarray(x, dtype=F32)
+    one = x32.ndim == 1
+    y = _matmul_act(np.atleast_2d(x32), w, expert, True)
+    if bias is not None:
+        y = y + np.asarray(bias, dtype=np.float64)
+    y = y.astype(F32)
+    return y[0] if one else y
+
+
+def _ffn_int8(x32: np.ndarray, w_gate, w_up, w_down, expert: int) -> np.ndarray:
+    """One expert's SwiGLU on rows x float32 (n, D) with activations="int8" -> float64 (n, D).
+
+    h is rounded to float32 (as the kernels hold it) before it is quantized for w_down."""
+    g = _matmul_act(x32, w_gate, expert, True)
+    u = _matmul_act(x32, w_up, expert, True)
+    h = (silu_ref(g) * u).astype(F32)
+    return _matmul_act(h, w_down, expert, True)
+
+
+def expert_ffn_int8_ref(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                        w_gate: "WeightRef", w_up: "WeightRef", w_down: "WeightRef"
+                        ) -> np.ndarray:
+    """expert_ffn with activations="int8": x float32 (T, D) -> float32 (T, D)."""
+    x32 = np.asarray(x, dtype=F32)
+    T, D = x32.shape
+    y = np.zeros((T, D), dtype=np.float64)
+    for e in np.unique(np.asarray(ids)):
+        tk = np.argwhere(np.asarray(ids) == e)                       # (n, 2): token, slot
+        out = _ffn_int8(x32[tk[:, 0]], w_gate, w_up, w_down, int(e))
+        for (t, k), row in zip(tk, out):
+            y[t] += float(weights[t, k]) * row
+    return y.astype(F32)
+
+
+def swiglu_int8_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef",
+                    w_down: "WeightRef") -> np.ndarray:
+    """swiglu with activations="int8": x float32 (T, D) -> float32 (T, D)."""
+    return _ffn_int8(np.asarray(x, dtype=F32), w_gate, w_up, w_down, 0).astype(F32)
 
 
 # ---------------------------------------------------------------------------------------------

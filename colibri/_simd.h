@@ -29,6 +29,17 @@
  * Every body computes one (row, token) output with the same operations in the same order
  * whatever nt is: a token's result does not depend on how many tokens share the call.
  * No body reads a byte outside the row or outside x: tails are scalar or masked.
+ *
+ * The int8 row kernel ("idot", activations="int8", q8/q4 rows only): the tokens arrive
+ * quantized like llama.cpp's Q8_0 (colibri_quantize_block: per 32-block an f32 scale d and
+ * 32 int8 q), and
+ *   out[t] = sum over 32-blocks b of (s_g(b) * d_t,b) * isum_t,b,
+ *   isum_t,b = sum over the block of code * q_t  (an exact int32; code = int8, or nibble - 8)
+ * The integer part is exact on every path; the float part's order is per path (scalar: block
+ * order; AVX2: 8 lanes, then a horizontal sum) and, as above, never depends on nt. Token
+ * rows are held in a packed layout (colibri_qpos / colibri_dpos) that lets the AVX2 body
+ * decode two q4 blocks with one load and reduce 8 blocks without crossing 128-bit lanes.
+ * The AVX-512 path runs the AVX2 int8 bodies (see colibri_idot_for).
  */
 #ifndef COLIBRI_SIMD_H
 #define COLIBRI_SIMD_H
@@ -72,6 +83,31 @@ typedef void (*colibri_dot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t gro
                                const float *x, ptrdiff_t x_stride,
                                const float *xsum, ptrdiff_t xsum_stride,
                                int nt, float *out, ptrdiff_t out_stride);
+
+/* The int8-activation row kernel: one q8/q4 weight row against nt token rows quantized by
+ * colibri_quantize_row: q (token t at q + t * q_stride), d and s (at + t * d_stride).
+ *   out[t * out_stride] = sum over blocks b of (s_g(b) * d_b) * isum_b,
+ *   isum_b = sum over the block of code * q, an exact int32 (code: int8, or nibble - 8). */
+typedef void (*colibri_idot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
+                                const int8_t *q, ptrdiff_t q_stride, const float *d,
+                                const int32_t *s, ptrdiff_t d_stride, int nt, float *out,
+                                ptrdiff_t out_stride);
+
+/* Tokens per pass of the int8 bodies: 4. Callgrind, 1024 x 4096, 12 tokens: q4 0.133
+ * instructions per multiply-add with 4 per pass, 0.139 with 3; q8 0.220 vs 0.226 (a token's
+ * integer partial sums take about 3 AVX2 registers between block pairs; 4 tokens spill a
+ * few, 3 decode each weight pair for fewer tokens). */
+#define COLIBRI_INT8_NT 4
+
+/* The int8 AVX2 q4 body prefetches the weight bytes this far ahead of the chunk it decodes
+ * (into the next rows: a matrix's rows are contiguous). It needs it, the f32 bodies do not:
+ * at ~0.2 instructions per multiply-add a q4 row is consumed faster than the hardware
+ * prefetcher alone streams it. Measured, 16384 x 4096 q4, one token, one thread on a
+ * shared machine (best of many): no prefetch 11 GB/s, 1 KiB ahead 15, 4 KiB 17-19, 8 KiB
+ * 21, 16 KiB 18 (read bandwidth 21-29). q8 (twice the bytes per multiply-add) ran at
+ * 23-25 GB/s with or without, so it does not prefetch. A prefetch never faults, so it
+ * cannot bring in a page past the matrix the way a load would. */
+#define COLIBRI_PREFETCH_BYTES 8192
 
 /* ------------------------------------------------------------------------------------------
  * Scalar element access (memcpy: rows are not aligned for their element type).
@@ -175,6 +211,70 @@ static inline void colibri_group_sums(const float *x, ptrdiff_t cols, ptrdiff_t 
         }
         xsum[g] = (s0 + s1) + (s2 + s3);
     }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Activations as int8 (the "int8" path, W4A8 / W8A8): llama.cpp's Q8_0 blocks of 32.
+ * Per block b of 32 elements: amax = max |x|; d = amax / 127 (f32); id = d != 0 ? 1 / d : 0;
+ * q = nearest-even round of x * id (f32 product), in [-127, 127]. A block holding a NaN or
+ * an inf gets d = NaN and q = 0, so every output using it is NaN (never a quiet finite
+ * number). A block whose 1 / d overflows (d < 2^-128: amax below ~3.7e-37, subnormal
+ * territory) gets d = 0 and q = 0, as if it were zero: its true contribution is below
+ * 1e-36 of the weight scale, and x * inf would give inf / NaN codes.
+ * s_b = 8 * sum of the block's q (int32): the q4 kernels fold the nibble's -8 out of their
+ * inner loop with it, sum_i (n_i - 8) q_i = sum_i n_i q_i - s_b, all exact integers.
+ * One scalar body for every ISA (it is O(C) per token against O(R C) for the dot products,
+ * and f32-exact operations make it bit-identical everywhere); the rounding adds and
+ * subtracts 1.5 * 2^23, exact nearest-even for |v| < 2^22 without a libm call.
+ *
+ * The row kernels read a token row in a packed layout (colibri_quantize_act):
+ *   q: blocks in pairs (2k, 2k+1), 64 bytes per pair: q_2k[0:16] q_2k+1[0:16] q_2k[16:32]
+ *      q_2k+1[16:32]; the row is C rounded up to 64 bytes. A q4 pair's 32 code bytes then
+ *      decode with one load: & 15 gives the first 32 bytes, >> 4 & 15 the second.
+ *   d, s: per chunk of 8 blocks in the order 0 2 4 6 1 3 5 7 (colibri_dpos), the lane order
+ *      in which the AVX2 reduction of 8 blocks' integer sums leaves them; the row is C/32
+ *      rounded up to 8 entries, zero past the last block.
+ * quantize_activations (the public function) returns the plain layout.
+ */
+static inline ptrdiff_t colibri_qpos(ptrdiff_t c)      /* packed position of element c */
+{
+    ptrdiff_t b = c >> 5, i = c & 31;
+    return 64 * (b >> 1) + 32 * (i >> 4) + 16 * (b & 1) + (i & 15);
+}
+
+static inline ptrdiff_t colibri_dpos(ptrdiff_t b)      /* packed position of block b's d, s */
+{
+    return (b & ~(ptrdiff_t)7) | ((b & 1) << 2) | ((b >> 1) & 3);
+}
+
+/* One block: q[0:16] to lo, q[16:32] to hi; returns d, sets *s. */
+static inline float colibri_quantize_block_scalar(const float *xb, int8_t *lo, int8_t *hi,
+                                                  int32_t *s)
+{
+    const float magic = 12582912.0f;            /* 1.5 * 2^23 */
+    float amax = 0.0f, db, id;
+    int bad = 0, sum = 0, i;
+    for (i = 0; i < 32; i++) {
+        float a = fabsf(xb[i]);
+        bad |= !(a <= 3.402823466e+38f);         /* NaN or inf */
+        amax = a > amax ? a : amax;
+    }
+    db = amax / 127.0f;
+    id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (bad || id > 3.402823466e+38f) {
+        memset(lo, 0, 16);
+        memset(hi, 0, 16);
+        *s = 0;
+        return bad ? NAN : 0.0f;
+    }
+    for (i = 0; i < 32; i++) {
+        float v = (xb[i] * id + magic) - magic;
+        int qi = (int)v;
+        (i < 16 ? lo : hi - 16)[i] = (int8_t)qi;
+        sum += qi;
+    }
+    *s = 8 * sum;
+    return db;
 }
 
 /* SiLU, written so that very negative inputs give -0 (exp overflows to inf), never NaN. */
@@ -285,6 +385,52 @@ static void colibri_dot_q4_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t 
 {
     (void)xsum; (void)ss;     /* the scalar body subtracts the offset per element */
     colibri_dot_quant_scalar(COLIBRI_Q4, row, cols, group, x, xs, nt, out, os);
+}
+
+/* int8 activations, the specification: per token, per 32-block, the exact integer dot of the
+ * codes with q, then acc += (s * d) * isum in block order (one f32 accumulator). */
+static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
+                                      ptrdiff_t group, const int8_t *q, ptrdiff_t qs,
+                                      const float *d, ptrdiff_t ds, int nt, float *out,
+                                      ptrdiff_t os)
+{
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
+    ptrdiff_t b, nb = cols / 32;
+    int t, i;
+    for (t = 0; t < nt; t++) {
+        const int8_t *qt = q + t * qs;
+        float acc = 0.0f;
+        for (b = 0; b < nb; b++) {
+            int32_t isum = 0;
+            for (i = 0; i < 32; i++) {
+                ptrdiff_t c = 32 * b + i;
+                int code = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c]
+                                             : colibri_q4_nibble(row, c) - 8;
+                isum += code * qt[colibri_qpos(c)];
+            }
+            float sg = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
+            acc += (sg * d[t * ds + colibri_dpos(b)]) * (float)isum;
+        }
+        out[t * os] = acc;
+    }
+}
+
+static void colibri_idot_q8_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
+                                   const int8_t *q, ptrdiff_t qs, const float *d,
+                                   const int32_t *s, ptrdiff_t ds, int nt, float *out,
+                                   ptrdiff_t os)
+{
+    (void)s;
+    colibri_idot_quant_scalar(COLIBRI_Q8, row, cols, group, q, qs, d, ds, nt, out, os);
+}
+
+static void colibri_idot_q4_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
+                                   const int8_t *q, ptrdiff_t qs, const float *d,
+                                   const int32_t *s, ptrdiff_t ds, int nt, float *out,
+                                   ptrdiff_t os)
+{
+    (void)s;                  /* the scalar body subtracts the offset per element */
+    colibri_idot_quant_scalar(COLIBRI_Q4, row, cols, group, q, qs, d, ds, nt, out, os);
 }
 
 /* Sum (mod 2^64) of a byte buffer as little-endian u64 words, plus the last n % 8 bytes
@@ -543,6 +689,270 @@ COLIBRI_DEF_QUANT(colibri_dot_q8_avx2, COLIBRI_Q8, COLIBRI_AVX2_FN,
 COLIBRI_DEF_QUANT(colibri_dot_q4_avx2, COLIBRI_Q4, COLIBRI_AVX2_FN,
                   colibri_dot_quant_avx2_body)
 
+/* int8 activations (AVX2), on the packed token rows of colibri_quantize_row. Integer part,
+ * per pair of 32-blocks (j, j+1) and token, llama.cpp's technique with the layout chosen so
+ * that nothing crosses a 128-bit lane:
+ *   q4: the pair's 32 code bytes, one load: lo = v & 15 (block j elements 0..15 | block j+1
+ *       elements 0..15), hi = v >> 4 & 15 (elements 16..31 of each), matching the packed
+ *       q; vpmaddubsw(lo, q_lo) + vpmaddubsw(hi, q_hi): 16 s16 (|.| <= 4 * 15 * 127,
+ *       exact); vpmaddwd with ones -> 8 s32, lane half 0 block j, 1 block j+1. The -8 is
+ *       folded out per block with s = 8 * sum q (colibri_quantize_block).
+ *   q8: lo / hi = the halves of both blocks (two 16-byte loads each); vpmaddubsw(|w|,
+ *       sign(q, w)) per half (|.| <= 2 * 128 * 127 < 2^15, exact); vpmaddwd with ones, add.
+ * Three vphaddd levels over the 4 pairs of a chunk of 8 blocks leave the 8 block sums
+ * isum_b as one int32 vector in lane order 0 2 4 6 1 3 5 7, the order of the packed d, s;
+ * the weight scales are permuted once per chunk to match. The float part is lane-wise:
+ *   acc = fma(float(isum - s (q4)), scale * d, acc)    per chunk of 8 blocks
+ *   out = hsum(acc)
+ * Integer sums are exact and the float operations of one token do not depend on nt, so a
+ * token gets the same bits alone or in a block. A weight pair is decoded once for all nt
+ * tokens. The last chunk may hold fewer than 8 blocks (zero vectors stand in; the padded d
+ * and s are 0) and an odd last block is loaded alone (16 bytes: never past the row).
+ */
+COLIBRI_AVX2_INLINE void colibri_ipair_avx2(const int fmt, const uint8_t *wq, const int two,
+                                            __m256i *lo, __m256i *hi)
+{
+    /* codes of blocks j (and j+1 when two) at wq: lo/hi as described above */
+    const __m256i m15 = _mm256_set1_epi8(15);
+    if (fmt == COLIBRI_Q4) {
+        __m256i v = two ? _mm256_loadu_si256((const __m256i *)wq)
+                        : _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                  _mm_loadu_si128((const __m128i *)wq), 0);
+        *lo = _mm256_and_si256(v, m15);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+    } else {
+        __m128i a0 = _mm_loadu_si128((const __m128i *)wq);
+        __m128i a1 = _mm_loadu_si128((const __m128i *)(wq + 16));
+        if (two) {
+            *lo = _mm256_inserti128_si256(_mm256_castsi128_si256(a0),
+                                          _mm_loadu_si128((const __m128i *)(wq + 32)), 1);
+            *hi = _mm256_inserti128_si256(_mm256_castsi128_si256(a1),
+                                          _mm_loadu_si128((const __m128i *)(wq + 48)), 1);
+        } else {
+            *lo = _mm256_inserti128_si256(_mm256_setzero_si256(), a0, 0);
+            *hi = _mm256_inserti128_si256(_mm256_setzero_si256(), a1, 0);
+        }
+    }
+}
+
+/* isum[t] = the int32 block sums of the chunk's blocks (n <= 8 of them; 0 past n) for NT
+ * tokens, lane order 0 2 4 6 1 3 5 7; wq: the codes of the chunk's first block, q: token
+ * 0's packed q at that block. */
+COLIBRI_AVX2_INLINE void colibri_ichunk_avx2(const int fmt, const uint8_t *wq, const int8_t *q,
+                                             ptrdiff_t qs, const int n, __m256i ones,
+                                             __m256i *isum, const int NT)
+{
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;            /* bytes per 32 codes */
+    __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];
+    int k, t;
+    for (k = 0; k < 4; k++) {                                    /* pair k: blocks 2k, 2k+1 */
+        __m256i lo = _mm256_setzero_si256(), hi = lo, alo = lo, ahi = lo;
+        if (2 * k < n) colibri_ipair_avx2(fmt, wq + 2 * k * bpb, 2 * k + 1 < n, &lo, &hi);
+        if (fmt == COLIBRI_Q8) { alo = _mm256_sign_epi8(lo, lo); ahi = _mm256_sign_epi8(hi, hi); }
+        for (t = 0; t < NT; t++) {
+            const int8_t *qt = q + t * qs + 64 * k;
+            __m256i p = _mm256_setzero_si256();
+            if (2 * k < n) {
+                __m256i ql = _mm256_loadu_si256((const __m256i *)qt);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(qt + 32));
+                if (fmt == COLIBRI_Q4) {
+                    p = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ql),
+                                                           _mm256_maddubs_epi16(hi, qh)), ones);
+                } else {
+                    p = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(ql, lo)), ones),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(qh, hi)), ones));
+                }
+            }
+            if (k & 1)
+                h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);
+            else
+                v[k >> 1][t] = p;
+        }
+    }
+    for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);
+}
+
+/* The scales of a chunk's blocks in lane order 0 2 4 6 1 3 5 7. Fast path (the main loop,
+ * no call and no stack copy, so the loop keeps its constants in registers), by group size:
+ *   mode 0, group 32: the chunk's 8 scales, one load, permuted;
+ *   mode 1, group 64, 128, 256: the chunk starts a group (b0 is a multiple of 8) and
+ *           spans 8 >> lg of them: those scales (never past the row), lane l takes
+ *           scale (block of lane l) >> lg;
+ *   mode 2, group a multiple of 512: the chunk lies inside one group: one scale. */
+COLIBRI_AVX2_INLINE __m256 colibri_iscales_avx2(const uint8_t *scales, ptrdiff_t b0, int mode,
+                                                int lg, __m256i idx)
+{
+    if (mode == 0)
+        return _mm256_permutevar8x32_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * b0))), idx);
+    if (mode == 1) {                  /* the 8 >> lg scales of the chunk, exactly */
+        const uint8_t *p = scales + 2 * (b0 >> lg);
+        __m128i raw;
+        if (lg == 1) {
+            raw = _mm_loadl_epi64((const __m128i *)p);
+        } else if (lg == 2) {
+            int32_t v;
+            memcpy(&v, p, 4);
+            raw = _mm_cvtsi32_si128(v);
+        } else {
+            raw = _mm_cvtsi32_si128((int)colibri_ld_u16(p));
+        }
+        return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(raw), idx);
+    }
+    return _mm256_set1_ps(_cvtsh_ss(colibri_ld_u16(scales + 2 * (b0 >> lg))));
+}
+
+/* Any group size, blocks b0 .. b0 + n - 1 (n <= 8), 0 past n: the chunks the fast path does
+ * not take (the last one, and every chunk of a group size that is not 32 * 2^k). */
+COLIBRI_AVX2_INLINE __m256 colibri_iscales_any_avx2(const uint8_t *scales, ptrdiff_t b0, int n,
+                                                    ptrdiff_t group)
+{
+    const ptrdiff_t bpg = group / 32;
+    uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    ptrdiff_t g = b0 / bpg, r = b0 % bpg;
+    int j;
+    for (j = 0; j < n; j++) {
+        h[colibri_dpos(j)] = colibri_ld_u16(scales + 2 * g);
+        if (++r == bpg) { r = 0; g++; }
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* acc[t] += float(isum[t] - s (q4)) * (sv * d) for the chunk at block b0 */
+COLIBRI_AVX2_INLINE void colibri_iacc_avx2(const int fmt, const __m256i *isum, __m256 sv,
+                                           const float *d, const int32_t *s, ptrdiff_t ds,
+                                           ptrdiff_t b0, __m256 *acc, const int NT)
+{
+    int t;
+    for (t = 0; t < NT; t++) {
+        __m256i i = isum[t];
+        if (fmt == COLIBRI_Q4)
+            i = _mm256_sub_epi32(i, _mm256_loadu_si256((const __m256i *)(s + t * ds + b0)));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i),
+                                 _mm256_mul_ps(sv, _mm256_loadu_ps(d + t * ds + b0)), acc[t]);
+    }
+}
+
+/* MODE (a compile-time constant, from the group size; see colibri_iscales_avx2): 0 group 32,
+ * 1 group 64 / 128 / 256, 2 group 512 * k, 3 any other multiple of 32 (the generic scales). */
+COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *row,
+                                                ptrdiff_t cols, ptrdiff_t group,
+                                                const int8_t *q, ptrdiff_t qs, const float *d,
+                                                const int32_t *s, ptrdiff_t ds, float *out,
+                                                ptrdiff_t os, const int NT, const int MODE)
+{
+    const ptrdiff_t nb = cols / 32, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
+    const ptrdiff_t bpg = group / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);      /* lane -> block */
+    int lg = 0, t;
+    ptrdiff_t b0;
+    __m256 acc[COLIBRI_MAX_NT];
+    __m256i isum[COLIBRI_MAX_NT];
+    while (((ptrdiff_t)1 << lg) < bpg) lg++;
+    if (MODE == 1) idx = _mm256_srlv_epi32(idx, _mm256_set1_epi32(lg));
+    for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (b0 = 0; MODE != 3 && b0 + 8 <= nb; b0 += 8) {
+        const __m256 sv = colibri_iscales_avx2(scales, b0, MODE, lg, idx);
+        if (fmt == COLIBRI_Q4) {                      /* the chunk's 2 lines, ahead */
+            const char *pf = (const char *)(row + b0 * bpb) + COLIBRI_PREFETCH_BYTES;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+        }
+        colibri_ichunk_avx2(fmt, row + b0 * bpb, q + 32 * b0, qs, 8, ones, isum, NT);
+        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
+    }
+    for (; b0 < nb; b0 += 8) {                        /* the rest: the last 1..7 blocks, or all */
+        const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;
+        const __m256 sv = colibri_iscales_any_avx2(scales, b0, n, group);
+        colibri_ichunk_avx2(fmt, row + b0 * bpb, q + 32 * b0, qs, n, ones, isum, NT);
+        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
+    }
+    for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);
+}
+
+#define COLIBRI_IQUANT_CASES(BODY, FMT, MODE)                                               \
+    switch (nt) {                                                                           \
+    case 1: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 1, MODE); break;          \
+    case 2: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 2, MODE); break;          \
+    case 3: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 3, MODE); break;          \
+    default: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 4, MODE); break;         \
+    }
+
+/* One entry point per format; the group size picks the scale MODE, nt the unrolled body. */
+#define COLIBRI_DEF_IQUANT(NAME, FMT, ATTR, BODY)                                            \
+    ATTR void NAME(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group, const int8_t *q,   \
+                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds, int nt,   \
+                   float *out, ptrdiff_t os)                                                \
+    {                                                                                       \
+        const ptrdiff_t bpg = group / 32;                                                   \
+        if (bpg == 1) {                                                                     \
+            COLIBRI_IQUANT_CASES(BODY, FMT, 0)                                              \
+        } else if (bpg & (bpg - 1)) {                                                       \
+            COLIBRI_IQUANT_CASES(BODY, FMT, 3)                                              \
+        } else if (bpg <= 8) {                                                              \
+            COLIBRI_IQUANT_CASES(BODY, FMT, 1)                                              \
+        } else {                                                                            \
+            COLIBRI_IQUANT_CASES(BODY, FMT, 2)                                              \
+        }                                                                                   \
+    }
+
+COLIBRI_DEF_IQUANT(colibri_idot_q8_avx2, COLIBRI_Q8, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+COLIBRI_DEF_IQUANT(colibri_idot_q4_avx2, COLIBRI_Q4, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+
+/* colibri_quantize_block_scalar in AVX2, bit for bit: the same f32 operations (max |x|,
+ * amax / 127, 1 / d, x * id), and vcvtps2dq rounds to nearest even as the scalar magic-number
+ * add does (both in the default rounding mode). */
+COLIBRI_AVX2_FN float colibri_quantize_block_avx2(const float *xb, int8_t *lo, int8_t *hi,
+                                                  int32_t *s)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 fmax = _mm256_set1_ps(3.402823466e+38f);
+    __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
+    __m256 a2 = _mm256_and_ps(x2, absmask), a3 = _mm256_and_ps(x3, absmask);
+    __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a0, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a1, fmax, _CMP_LE_OQ)),
+                              _mm256_and_ps(_mm256_cmp_ps(a2, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a3, fmax, _CMP_LE_OQ)));
+    __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    __m256 vid;
+    __m256i r0, r1, r2, r3, p, t;
+    __m128i t4;
+    float amax, db, id;
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    amax = _mm_cvtss_f32(m4);
+    db = amax / 127.0f;
+    id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (_mm256_movemask_ps(ok) != 0xFF || id > 3.402823466e+38f) {
+        memset(lo, 0, 16);
+        memset(hi, 0, 16);
+        *s = 0;
+        return _mm256_movemask_ps(ok) != 0xFF ? NAN : 0.0f;
+    }
+    vid = _mm256_set1_ps(id);
+    r0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vid));
+    r1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vid));
+    r2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vid));
+    r3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vid));
+    /* packs interleave 128-bit lanes: 0..3 4..7 of each r end in dword order 0 4 1 5 2 6 3 7 */
+    p = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(p, 1));
+    t = _mm256_add_epi32(_mm256_add_epi32(r0, r1), _mm256_add_epi32(r2, r3));
+    t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    *s = 8 * _mm_cvtsi128_si32(t4);
+    return db;
+}
+
 COLIBRI_AVX2_FN uint64_t colibri_read_sum_avx2(const uint8_t *p, size_t n)
 {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
@@ -785,6 +1195,76 @@ static colibri_dot_fn colibri_dot_for(int isa, int fmt)
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX2) return avx2[fmt];
     if (isa == COLIBRI_ISA_AVX512) return avx512[fmt];
+#endif
+    return NULL;
+}
+
+/* One block of activations on path isa (the AVX2 body also serves AVX-512): the same bits. */
+static inline float colibri_quantize_block(int isa, const float *xb, int8_t *lo, int8_t *hi,
+                                           int32_t *s)
+{
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+        return colibri_quantize_block_avx2(xb, lo, hi, s);
+#endif
+    (void)isa;
+    return colibri_quantize_block_scalar(xb, lo, hi, s);
+}
+
+/* Blocks b0 .. b1 - 1 of the row x (C floats) into the packed row (q, d, s). */
+static inline void colibri_quantize_act(int isa, const float *x, ptrdiff_t b0, ptrdiff_t b1, int8_t *q,
+                                        float *d, int32_t *s)
+{
+    ptrdiff_t b;
+    for (b = b0; b < b1; b++) {
+        int8_t *lo = q + 64 * (b >> 1) + 16 * (b & 1);
+        d[colibri_dpos(b)] = colibri_quantize_block(isa, x + 32 * b, lo, lo + 32,
+                                                    s + colibri_dpos(b));
+    }
+}
+
+/* A whole token row into the packed layout, with the padding (the partner of an odd last
+ * block: q 0; d, s up to npad entries: 0). */
+static inline void colibri_quantize_pad(ptrdiff_t cols, int8_t *q, float *d, int32_t *s,
+                                        ptrdiff_t npad)
+{
+    ptrdiff_t b, nb = cols / 32;
+    if (nb & 1) {
+        memset(q + 64 * (nb >> 1) + 16, 0, 16);
+        memset(q + 64 * (nb >> 1) + 48, 0, 16);
+    }
+    for (b = nb; b < npad; b++) { d[colibri_dpos(b)] = 0.0f; s[colibri_dpos(b)] = 0; }
+}
+
+static inline void colibri_quantize_row(int isa, const float *x, ptrdiff_t cols, int8_t *q,
+                                        float *d, int32_t *s, ptrdiff_t npad)
+{
+    colibri_quantize_act(isa, x, 0, cols / 32, q, d, s);
+    colibri_quantize_pad(cols, q, d, s, npad);
+}
+
+/* The plain layout (quantize_activations): q (cols), d (cols / 32). */
+static inline void colibri_quantize_plain(int isa, const float *x, ptrdiff_t cols, int8_t *q,
+                                          float *d)
+{
+    ptrdiff_t b;
+    int32_t s;
+    for (b = 0; b < cols / 32; b++)
+        d[b] = colibri_quantize_block(isa, x + 32 * b, q + 32 * b, q + 32 * b + 16, &s);
+}
+
+/* The int8-activation row kernel of (isa, fmt); NULL unless fmt is q8 or q4. The AVX-512
+ * path runs the AVX2 bodies (every AVX-512 CPU has AVX2): an AVX-512-specific int8 body
+ * (VNNI's vpdpbusd) could not be tested on the machines this was written on, so it does
+ * not exist yet. */
+static colibri_idot_fn colibri_idot_for(int isa, int fmt)
+{
+    if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
+    if (isa == COLIBRI_ISA_SCALAR)
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;
 #endif
     return NULL;
 }

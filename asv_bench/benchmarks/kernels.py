@@ -8,12 +8,23 @@ streamed per second, best of 5).
 Shapes (rows x cols of one matrix): mixtral-mini attention 1024 x 1024, its expert gate/up
 3584 x 1024 and down 1024 x 3584; OLMoE-1B-7B experts 1024 x 2048 / 2048 x 1024 (64 experts,
 top-8; 16 experts here so the setup stays small: a decode step reads 8 of them either way).
+
+`activations` ("f32", "int8"): the kernels' activations option; "int8" only changes q4/q8
+weights (a bf16 case with "int8" would repeat the f32 one, so it is skipped).
 """
 import numpy as np
 
 from colibri import kernels as K
 
 from .common import ISAS, THREADS, best_seconds, nbytes, use, weight
+
+ACTIVATIONS = ("f32", "int8")
+
+
+def use_activations(fmt: str, activations: str) -> None:
+    """Skip (NotImplementedError) a plain-format case with "int8": the same path as "f32"."""
+    if activations == "int8" and fmt not in ("q4", "q8"):
+        raise NotImplementedError(f"activations='int8' does not change {fmt} weights")
 
 LINEAR_SHAPES = {"attn-1024x1024": (1024, 1024), "gate-3584x1024": (3584, 1024),
                  "down-1024x3584": (1024, 3584), "head-32000x1024": (32000, 1024)}
@@ -22,61 +33,73 @@ FFN_GEOMETRY = {"mixtral-mini": (8, 2, 1024, 3584), "olmoe": (16, 8, 2048, 1024)
 
 class Linear:
     """Decode GEMV: one token against one matrix."""
-    params = (list(LINEAR_SHAPES), ["q4", "q8", "bf16"], list(ISAS), list(THREADS))
-    param_names = ["shape", "format", "isa", "threads"]
+    params = (list(LINEAR_SHAPES), ["q4", "q8", "bf16"], list(ISAS), list(THREADS),
+              list(ACTIVATIONS))
+    param_names = ["shape", "format", "isa", "threads", "activations"]
     timeout = 300
 
-    def setup(self, shape, fmt, isa, threads):
+    def setup(self, shape, fmt, isa, threads, activations):
         use(isa, threads)
+        use_activations(fmt, activations)
+        self.act = activations
         R, C = LINEAR_SHAPES[shape]
         self.w = weight((R, C), fmt)
         self.x = np.random.default_rng(1).standard_normal((1, C)).astype(np.float32)
         self.out = np.empty((1, R), np.float32)
         self.threads = threads
 
+    def _run(self):
+        K.linear(self.x, self.w, threads=self.threads, out=self.out, activations=self.act)
+
     def time_linear(self, *params):
-        K.linear(self.x, self.w, threads=self.threads, out=self.out)
+        self._run()
 
     def peakmem_linear(self, *params):
-        K.linear(self.x, self.w, threads=self.threads, out=self.out)
+        self._run()
 
     def track_linear_gbs(self, *params):
-        s = best_seconds(lambda: K.linear(self.x, self.w, threads=self.threads, out=self.out),
-                         repeat=5, number=5)
+        s = best_seconds(self._run, repeat=5, number=5)
         return nbytes(self.w) / s / 1e9
     track_linear_gbs.unit = "GB/s"
 
 
 class LinearPrefill:
     """128 tokens against one matrix (the prefill path: token blocks reuse each row)."""
-    params = (["attn-1024x1024", "gate-3584x1024"], ["q4", "bf16"], list(ISAS), list(THREADS))
-    param_names = ["shape", "format", "isa", "threads"]
+    params = (["attn-1024x1024", "gate-3584x1024"], ["q4", "bf16"], list(ISAS), list(THREADS),
+              list(ACTIVATIONS))
+    param_names = ["shape", "format", "isa", "threads", "activations"]
     timeout = 300
 
-    def setup(self, shape, fmt, isa, threads):
+    def setup(self, shape, fmt, isa, threads, activations):
         use(isa, threads)
+        use_activations(fmt, activations)
+        self.act = activations
         R, C = LINEAR_SHAPES[shape]
         self.w = weight((R, C), fmt)
         self.x = np.random.default_rng(1).standard_normal((128, C)).astype(np.float32)
         self.threads = threads
 
+    def _run(self):
+        K.linear(self.x, self.w, threads=self.threads, activations=self.act)
+
     def time_linear_128(self, *params):
-        K.linear(self.x, self.w, threads=self.threads)
+        self._run()
 
     def track_gmacs(self, *params):
-        s = best_seconds(lambda: K.linear(self.x, self.w, threads=self.threads), repeat=3)
+        s = best_seconds(self._run, repeat=3)
         return self.w.rows * self.w.cols * 128 / s / 1e9
     track_gmacs.unit = "GMAC/s"
 
 
 class ExpertFFN:
     """The routed experts of one MoE layer, decode (T=1) and prefill (T=128), q4."""
-    params = (list(FFN_GEOMETRY), [1, 128], list(ISAS), list(THREADS))
-    param_names = ["geometry", "tokens", "isa", "threads"]
+    params = (list(FFN_GEOMETRY), [1, 128], list(ISAS), list(THREADS), list(ACTIVATIONS))
+    param_names = ["geometry", "tokens", "isa", "threads", "activations"]
     timeout = 600
 
-    def setup(self, geometry, tokens, isa, threads):
+    def setup(self, geometry, tokens, isa, threads, activations):
         use(isa, threads)
+        self.act = activations
         E, Kk, D, I = FFN_GEOMETRY[geometry]
         self.wg, self.wu = weight((E, I, D), "q4", 1), weight((E, I, D), "q4", 2)
         self.wd = weight((E, D, I), "q4", 3)
@@ -90,7 +113,7 @@ class ExpertFFN:
 
     def _run(self):
         K.expert_ffn(self.x, self.ids, self.weights, self.wg, self.wu, self.wd,
-                     threads=self.threads)
+                     threads=self.threads, activations=self.act)
 
     def time_expert_ffn(self, *params):
         self._run()
@@ -98,7 +121,7 @@ class ExpertFFN:
     def peakmem_expert_ffn(self, *params):
         self._run()
 
-    def track_expert_ffn_gbs(self, geometry, tokens, isa, threads):
+    def track_expert_ffn_gbs(self, *params):
         """Expert weight bytes per second (decode: the bandwidth figure that matters)."""
         return self.bytes / best_seconds(self._run, repeat=5) / 1e9
     track_expert_ffn_gbs.unit = "GB/s"
