@@ -33,13 +33,21 @@ def default_model_path() -> Path:
     return path
 
 
-def load(path: str | os.PathLike | None = None, threads: int | None = None) -> Model:
+def load(path: str | os.PathLike | None = None, threads: int | None = None,
+         activations: str = "f32") -> Model:
     """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
 
     path: the .colibri file (None: the bundled model, see default_model_path()).
     threads: kernel threads (default: physical cores, OMP_NUM_THREADS/COLIBRI_NUM_THREADS).
+    activations: what the q4/q8 weight matrices are multiplied with.
+        "f32" (default): the activations as they are; exact to the stored weights (W4A16).
+        "int8": each token's activations quantized in blocks of 32 values with one f32 scale
+        (as llama.cpp's Q8_0) and dotted with the weight codes in integer arithmetic: several
+        times fewer instructions per weight, at a small accuracy cost measured in
+        docs/accuracy.md. Routers and f32/f16/bf16 matrices always see f32 activations.
     """
-    return Model(default_model_path() if path is None else path, threads=threads)
+    return Model(default_model_path() if path is None else path, threads=threads,
+                 activations=activations)
 
 
 def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,

@@ -51,7 +51,7 @@ from .errors import ColibriError
 from .format import ColibriFile
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",
-           "peak_rss_bytes", "json_ready", "DEFAULT_BANDWIDTH_BYTES"]
+           "format_machine_notes", "peak_rss_bytes", "json_ready", "DEFAULT_BANDWIDTH_BYTES"]
 
 # Buffer of the bandwidth measurement: far beyond what the caches hold (a 64 MiB array already
 # reads at DRAM speed on the reference machine, docs/benchmarks.md), small enough to allocate
@@ -223,25 +223,44 @@ def _test_name(kind: str, n: int, depth: int) -> str:
     return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
 
 
+def _as_activations(x: str | Sequence[str]) -> list[str]:
+    items = [x] if isinstance(x, str) else list(x)
+    bad = [a for a in items if a not in kernels.ACTIVATIONS]
+    if bad or not items:
+        raise ValueError(f"activations must be among {', '.join(kernels.ACTIVATIONS)}, "
+                         f"got {x!r}")
+    return items
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:                          # not available on this platform
+        return None
+
+
 def run_bench(model_path: str | os.PathLike | None = None, *,
               n_prompt: int | Sequence[int] = 128, n_gen: int | Sequence[int] = 64,
               threads: int | Sequence[int] | None = None, reps: int = 5, depth: int = 0,
-              warmup: bool = True, seed: int = 0,
+              warmup: bool = True, seed: int = 0, activations: str | Sequence[str] = "f32",
               bandwidth_bytes: int = DEFAULT_BANDWIDTH_BYTES,
               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Run pp/tg tests on a .colibri model; one dict per (threads, test).
+    """Run pp/tg tests on a .colibri model; one dict per (activations, threads, test).
 
     model_path: the file (None: the bundled model, colibri.api.default_model_path()).
     n_prompt / n_gen: prompt lengths for pp tests / decode steps for tg tests (an int or a
         list; 0 skips that kind of test). threads: an int, a list, or None (physical cores).
     reps: timed repetitions per test (>= 1), after one untimed warm-up unless warmup=False.
     depth: tokens already in the KV cache when a test starts (llama-bench -d).
-    seed: of the random token ids. bandwidth_bytes: buffer of the read-bandwidth measurement
+    seed: of the random token ids. activations: "f32" (exact), "int8" (quantized activations
+        for q4/q8 weights, see colibri.load), or a list of both.
+    bandwidth_bytes: buffer of the read-bandwidth measurement
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).
 
     Each row: model facts (model_facts), the test (test, n_prompt, n_gen, n_depth, n_threads,
-    isa, reps), samples_s / samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
+    activations, isa, reps), load_average (1-minute, when the test started: other work on the
+    machine shows here), omp_wait_policy, samples_s / samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
     peak_rss_bytes, stage_seconds (summed over the timed repetitions), time_share (router /
     experts / attention / head / other, fractions of wall time), bytes_per_token (+ _detail),
     read_bandwidth_gbs, ceiling_ts (bandwidth / bytes per token) and ceiling_fraction
@@ -253,6 +272,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     prompts = [p for p in _as_list(n_prompt, "n_prompt", 0) if p > 0]
     gens = [n for n in _as_list(n_gen, "n_gen", 0) if n > 0]
     thread_counts = _as_list(threads, "threads", 1)
+    acts = _as_activations(activations)
     if not prompts and not gens:
         raise ValueError("nothing to run: n_prompt and n_gen are both 0")
     if isinstance(reps, bool) or not isinstance(reps, (int, np.integer)) or reps < 1:
@@ -268,9 +288,9 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
         per_token = bytes_per_token(cf)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rows: list[dict[str, Any]] = []
-    for t in thread_counts:
+    for a, t in ((a, t) for a in acts for t in thread_counts):
         t0 = time.perf_counter()
-        model = load(path, threads=t)
+        model = load(path, threads=t, activations=a)
         open_ms = (time.perf_counter() - t0) * 1e3
         need = depth + max(prompts + gens)
         if need > model.max_context:
@@ -282,7 +302,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
             tests = [("pp", n, _pp_once) for n in prompts] + [("tg", n, _tg_once) for n in gens]
             for kind, n, once in tests:
                 name = _test_name(kind, n, depth)
-                say(f"bench: {facts['model']} threads {t} {name}")
+                say(f"bench: {facts['model']} threads {t} activations {a} {name}")
+                load_avg = _load_average()
                 rng = np.random.default_rng(seed)
                 if warmup:
                     once(model, n, depth, rng)
@@ -296,7 +317,9 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 rows.append({
                     **facts, "test": name, "n_prompt": n if kind == "pp" else 0,
                     "n_gen": n if kind == "tg" else 0, "n_depth": depth, "n_threads": t,
-                    "isa": kernels.get_isa(), "reps": reps, "warmup": warmup,
+                    "activations": a, "isa": kernels.get_isa(), "reps": reps,
+                    "warmup": warmup, "load_average": load_avg,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                     "samples_s": samples, "samples_ts": tps,
                     "avg_ts": float(np.mean(tps)),
                     "stddev_ts": float(np.std(tps, ddof=1)) if reps > 1 else 0.0,
@@ -347,7 +370,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-COLUMNS = ("model", "size", "params", "active", "format", "threads", "test", "t/s",
+COLUMNS = ("model", "size", "params", "active", "format", "acts", "threads", "test", "t/s",
            "peak RSS", "router", "experts", "attn", "head", "other")
 _RIGHT = {"size", "params", "active", "threads", "t/s", "peak RSS", "router", "experts",
           "attn", "head", "other"}
@@ -357,7 +380,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
     sh = r["time_share"]
     return [f"{r['model']} ({r['family']})" if r.get("family") else r["model"],
             _size(r["size_bytes"]), _count(r["n_params"]), _count(r["n_params_active"]),
-            r["format"], str(r["n_threads"]), r["test"],
+            r["format"], r.get("activations", "f32"), str(r["n_threads"]), r["test"],
             f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", _size(r["peak_rss_bytes"]),
             _pct(sh["router"]), _pct(sh["experts"]), _pct(sh["attention"]), _pct(sh["head"]),
             _pct(sh["other"])]
@@ -385,6 +408,7 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
         opens.setdefault(r["n_threads"], r["open_ms"])
     lines.append("open: " + ", ".join(f"{ms:.1f} ms (threads {t})" for t, ms in opens.items()))
     lines += format_roofline(rows)
+    lines += format_machine_notes(rows)
     r0 = rows[0]
     lines.append(f"colibri {r0['colibri_version']}, ISA {r0['isa']}; {r0['reps']} repetitions"
                  f"{' after 1 warm-up' if r0['warmup'] else ''}, mean ± sd; pp = one forward "
@@ -404,7 +428,10 @@ def format_roofline(rows: Iterable[dict[str, Any]]) -> list[str]:
                           ("attention", "router", "experts", "shared", "dense", "norms", "head",
                            "embedding") if d[k])
         k = r.get("n_experts_used")
-        line = (f"roofline, threads {r['n_threads']}, {r['test']}: {d['total'] / 1e6:.3g} MB of "
+        acts = r.get("activations", "f32")
+        line = (f"roofline, threads {r['n_threads']}, "
+                + (f"activations {acts}, " if acts != "f32" else "")
+                + f"{r['test']}: {d['total'] / 1e6:.3g} MB of "
                 f"weights per token ({parts}"
                 + (f"; experts = top-{k} of {r['n_experts']} per MoE layer" if k else "") + ")")
         if r.get("read_bandwidth_gbs"):
@@ -418,6 +445,28 @@ def format_roofline(rows: Iterable[dict[str, Any]]) -> list[str]:
     if small:
         out.append(f"note: {d['total'] / 1e6:.3g} MB per token fits in the CPU caches, so the "
                    f"DRAM ceiling does not bind a model this small")
+    return out
+
+
+def format_machine_notes(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """The load average seen when the tests started, and a warning when more threads did not
+    read memory faster (other processes hold the cores: thread scaling is then not the
+    machine's)."""
+    rows = list(rows)
+    out = []
+    loads = [r["load_average"] for r in rows if r.get("load_average") is not None]
+    if loads:
+        out.append(f"load average (1 min) when the tests started: {min(loads):.2f}"
+                   + (f"-{max(loads):.2f}" if max(loads) > min(loads) else "")
+                   + f" (this process counts 1 while it runs); OMP_WAIT_POLICY "
+                   f"{rows[0].get('omp_wait_policy') or 'unset'}")
+    bw = sorted({(r["n_threads"], r["read_bandwidth_gbs"]) for r in rows
+                 if r.get("read_bandwidth_gbs")})
+    for (t0, b0), (t1, b1) in zip(bw, bw[1:]):
+        if b1 <= 1.1 * b0:
+            out.append(f"warning: read bandwidth with {t1} threads ({b1:.1f} GB/s) is not above "
+                       f"{t0} thread{'s' if t0 > 1 else ''} ({b0:.1f} GB/s): other work shares "
+                       f"the cores, so the {t1}-thread rows do not show this machine's scaling")
     return out
 
 

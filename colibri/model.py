@@ -195,13 +195,14 @@ class _Linear:
 
     out: float32 (N, R) to write into (the decode fast path passes its buffers)."""
 
-    __slots__ = ("w", "b", "threads")
+    __slots__ = ("w", "b", "threads", "activations")
 
-    def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int):
-        self.w, self.b, self.threads = w, b, threads
+    def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int, activations: str):
+        self.w, self.b, self.threads, self.activations = w, b, threads, activations
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return kernels.linear(x, self.w, self.b, threads=self.threads, out=out)
+        return kernels.linear(x, self.w, self.b, threads=self.threads, out=out,
+                              activations=self.activations)
 
 
 def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
@@ -213,21 +214,27 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
     if ref is None or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
     bias = None if biases[0] is None else np.concatenate(biases).astype(np.float32, copy=False)
-    return _Linear(ref, bias, threads)
+    return _Linear(ref, bias, threads, projs[0].activations)
 
 
 class Model:
-    """A loaded .colibri model. `Model(path_or_file, threads=None)`; see colibri.load."""
+    """A loaded .colibri model. `Model(path_or_file, threads=None, activations="f32")`; see
+    colibri.load."""
 
     # Decode fast path (one sequence, one new token, a cache without padding): no mask, the
     # residual stream updated in place, every per-layer vector in preallocated buffers (one
     # DecodeWork per cache). False sends every step through the general path (tests compare).
     fast_decode = True
 
-    def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None):
-        self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
+    def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
+                 activations: str = "f32"):
         if threads is not None and (int(threads) != threads or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if activations not in kernels.ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, "
+                             f"got {activations!r}")
+        self.activations = activations
+        self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
         self.threads = int(threads) if threads is not None else kernels.default_threads()
         a = self.arch = dict(self.file.arch)
         self.config = self.file.config
@@ -268,7 +275,8 @@ class Model:
         for i in range(self.n_layers):
             p = f"layers.{i}."
             bias = lambda n: _vector(f, p + n) if (p + n) in f else None   # noqa: E731
-            proj = lambda n, b: _Linear(weight_ref(f, buf, p + n), bias(b), t)  # noqa: E731
+            proj = lambda n, b: _Linear(weight_ref(f, buf, p + n), bias(b), t,  # noqa: E731
+                                        self.activations)
             qk_norm = a.get("qk_norm", "none")
             w = window if (layer_types is None or layer_types[i] == "sliding_attention") else None
             wq, wk, wv = (proj(f"attn.w{n}", f"attn.b{n}") for n in "qkv")
@@ -291,10 +299,11 @@ class Model:
                           *(expert_ref(f, buf, i, n, E) for n in ("w_gate", "w_up", "w_down")),
                           top_k=int(a["num_experts_per_tok"]),
                           norm_topk_prob=bool(a.get("norm_topk_prob")), threads=t,
-                          shared=shared, shared_gate=gate)
+                          shared=shared, shared_gate=gate, activations=self.activations)
             else:
                 ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}")
-                                 for n in ("w_gate", "w_up", "w_down")), threads=t)
+                                 for n in ("w_gate", "w_up", "w_down")), threads=t,
+                                activations=self.activations)
             self.layers.append(_Layer(_vector(f, p + "attn_norm"), attn,
                                       _vector(f, p + "ffn_norm"), ffn))
 
@@ -508,7 +517,8 @@ class Model:
             h = rms_norm(h, self.final_norm, self.eps)
         n = h.shape[1]
         logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
-                                threads=self.threads).reshape(B, n, self.vocab_size)
+                                threads=self.threads, activations=self.activations
+                                ).reshape(B, n, self.vocab_size)
         tm.add("head", t0)
         if cache is not None:
             cache.commit(valid, pos)
@@ -547,4 +557,6 @@ class Model:
         a = self.arch
         return (f"Model({a.get('family')}, layers={self.n_layers}, hidden={self.hidden_size}, "
                 f"experts={a.get('num_experts')} top-{a.get('num_experts_per_tok')}, "
-                f"vocab={self.vocab_size}, threads={self.threads}, file={self.file.path})")
+                f"vocab={self.vocab_size}, threads={self.threads}"
+                + (f", activations={self.activations}" if self.activations != "f32" else "")
+                + f", file={self.file.path})")

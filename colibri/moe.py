@@ -73,6 +73,7 @@ class MoE:
     shared: tuple[WeightRef, WeightRef, WeightRef] | None = None
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
+    activations: str = "f32"       # of the experts (the router always sees f32 activations)
 
     def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -85,12 +86,14 @@ class MoE:
                                           threads=self.threads)                      # (T, K)
         t0 = timings.add("router", t0)
         y = kernels.expert_ffn(x, ids, weights, self.w_gate, self.w_up, self.w_down,
-                               threads=self.threads, out=out)                        # (T, D)
+                               threads=self.threads, out=out,
+                               activations=self.activations)                         # (T, D)
         t0 = timings.add("experts", t0)
         gate_values = None
         if self.shared is not None:
             g, u, d = self.shared
-            s = kernels.swiglu(x, g, u, d, threads=self.threads)                     # (T, D)
+            s = kernels.swiglu(x, g, u, d, threads=self.threads,
+                               activations=self.activations)                         # (T, D)
             if self.shared_gate is not None:
                 z = kernels.linear(x, self.shared_gate, threads=self.threads)[:, 0]  # (T,)
                 gate_values = (np.float32(1.0) / (np.float32(1.0) + np.exp(-z))).astype(np.float32)
@@ -107,10 +110,12 @@ class DenseMLP:
     w_up: WeightRef
     w_down: WeightRef
     threads: int
+    activations: str = "f32"
 
     def __call__(self, x: np.ndarray, timings: Timings) -> np.ndarray:
         """x float32 (T, D) -> float32 (T, D)."""
         t0 = time.perf_counter()
-        y = kernels.swiglu(x, self.w_gate, self.w_up, self.w_down, threads=self.threads)
+        y = kernels.swiglu(x, self.w_gate, self.w_up, self.w_down, threads=self.threads,
+                           activations=self.activations)
         timings.add("dense", t0)
         return y

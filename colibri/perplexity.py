@@ -177,12 +177,12 @@ class PerplexityResult:
 # inputs
 # ---------------------------------------------------------------------------------------------
 
-def _model(m, threads: int | None):
+def _model(m, threads: int | None, activations: str = "f32"):
     """(Model, opened_here) for a Model or a path."""
     from .model import Model
     if isinstance(m, Model):
         return m, False
-    return Model(m, threads=threads), True
+    return Model(m, threads=threads, activations=activations), True
 
 
 def check_same_vocabulary(model, base) -> None:
@@ -241,11 +241,14 @@ def _token_ids(model, data) -> np.ndarray:
 
 def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None = None,
                stride: int | None = None, batch: int = 1, base=None,
-               threads: int | None = None,
+               threads: int | None = None, activations: str = "f32",
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` over `data`, and KL statistics against `base` when given.
 
     model, base: a Model or the path of a .colibri file (opened with `threads`, closed after).
+    activations: of `model` when it is a path ("f32" or "int8", see colibri.load); the base
+        always runs with exact f32 activations, so `base` = the same file measures what int8
+        activations cost.
     data: text (tokenized with the model's tokenizer) or token ids int (T,).
     ctx: window length (default: min(512, the model's context)); stride: None for
         llama-perplexity's scheme (second half of non-overlapping windows), or the step of
@@ -256,7 +259,7 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     """
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    m, own_m = _model(model, threads)
+    m, own_m = _model(model, threads, activations)
     b, own_b = (None, False) if base is None else _model(base, threads)
     try:
         if b is not None:

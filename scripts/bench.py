@@ -102,7 +102,7 @@ def _fits_transformers(hf: Path) -> bool:
 
 def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int],
         n_prompt: int, n_gen: int, reps: int, llama_src: str | None, peers: bool,
-        say=print) -> list[dict]:
+        say=print, activations: tuple[str, ...] = ("f32",)) -> list[dict]:
     from colibri.bench import run_bench
 
     import bench_llama_cpp as lcpp
@@ -125,8 +125,9 @@ def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int
             if not path.exists():
                 say(f"{path}: missing (scripts/make_bench_models.py), skipped")
                 continue
+            acts = [a for a in activations if q in ("q4", "q8") or a == "f32"]
             for r in run_bench(path, n_prompt=n_prompt, n_gen=n_gen, threads=threads,
-                               reps=reps, progress=say):
+                               reps=reps, progress=say, activations=acts):
                 rows.append({**r, "engine": "colibri", "name": name, "quant": q})
             if use_llama:
                 gguf = lcpp.make_gguf(hf, root / "gguf", src, (q,), name=name)[q]
@@ -144,17 +145,26 @@ def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """colibri t/s / peer t/s for each (model, quant, threads, test) both engines ran."""
+    """colibri t/s / peer t/s for each (model, quant, threads, test) both engines ran, one
+    per colibri activations setting."""
     key = lambda r: (r["name"], r["quant"], r["n_threads"], r["test"])   # noqa: E731
-    col = {key(r): r for r in rows if r["engine"] == "colibri"}
+    col: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["engine"] == "colibri":
+            col.setdefault(key(r), []).append(r)
     out = []
     for r in rows:
-        if r["engine"] != "colibri" and key(r) in col:
-            c = col[key(r)]
+        for c in col.get(key(r), []) if r["engine"] != "colibri" else []:
             out.append({"name": r["name"], "quant": r["quant"], "n_threads": r["n_threads"],
-                        "test": r["test"], "peer": r["engine"], "colibri_ts": c["avg_ts"],
+                        "test": r["test"], "peer": r["engine"],
+                        "activations": c.get("activations", "f32"), "colibri_ts": c["avg_ts"],
                         "peer_ts": r["avg_ts"], "ratio": c["avg_ts"] / r["avg_ts"]})
     return out
+
+
+def _engine(r: dict) -> str:
+    acts = r.get("activations", "f32") if r["engine"] == "colibri" else "f32"
+    return r["engine"] + ("" if acts == "f32" else f" ({acts} act.)")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -169,16 +179,17 @@ def format_table(rows: list[dict]) -> str:
         bpt, bw = r.get("bytes_per_token"), bandwidth.get(r["n_threads"])
         frac = (f"{r['avg_ts'] * bpt / (bw * 1e9):.2f}"
                 if r["test"].startswith("tg") and bpt and bw else "")
-        lines.append(f"| {r['name']} | {r['quant']} | {r['engine']} | {r['n_threads']} | "
+        lines.append(f"| {r['name']} | {r['quant']} | {_engine(r)} | {r['n_threads']} | "
                      f"{r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | "
                      f"{bpt / 1e6 if bpt else float('nan'):.1f} | "
                      f"{bw if bw else float('nan'):.1f} | {frac} |")
     rat = ratios(rows)
     if rat:
-        lines += ["", "| model | bits | threads | test | colibri t/s | peer t/s | colibri / peer |",
-                  "|---|---|--:|---|--:|--:|--:|"]
+        lines += ["", "| model | bits | activations | threads | test | colibri t/s | peer t/s | "
+                  "colibri / peer |", "|---|---|---|--:|---|--:|--:|--:|"]
         for r in rat:
-            lines.append(f"| {r['name']} | {r['quant']} | {r['n_threads']} | {r['test']} | "
+            lines.append(f"| {r['name']} | {r['quant']} | {r['activations']} | "
+                         f"{r['n_threads']} | {r['test']} | "
                          f"{r['colibri_ts']:.2f} | {r['peer_ts']:.2f} ({r['peer']}) | "
                          f"{r['ratio']:.2f} |")
     return "\n".join(lines)
@@ -192,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help=f"{', '.join(SMALL)}")
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--activations", default="f32,int8",
+                    help="colibri activations to run (int8 applies to q4/q8 files only)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--n-prompt", type=int, default=128)
     ap.add_argument("--n-gen", type=int, default=64)
@@ -204,7 +217,8 @@ def main(argv=None) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = run(Path(args.models), names, args.quants.split(","), _ints(args.threads),
-               args.n_prompt, args.n_gen, args.reps, args.llama_src, not args.no_peers, say)
+               args.n_prompt, args.n_gen, args.reps, args.llama_src, not args.no_peers, say,
+               tuple(args.activations.split(",")))
     print(format_table(rows))
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\nload average (1 min) {load0:.1f} at the start, {load1:.1f} at the end, on "

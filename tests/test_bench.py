@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from colibri import kernels  # noqa: E402
-from colibri.bench import (COLUMNS, bytes_per_token, format_markdown, json_ready,  # noqa: E402
-                           run_bench)
+from colibri.bench import (COLUMNS, bytes_per_token, format_machine_notes,  # noqa: E402
+                           format_markdown, json_ready, run_bench)
 from colibri.cli import main  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.format import ColibriFile  # noqa: E402
@@ -139,8 +139,37 @@ def test_depth_no_warmup_and_no_bandwidth(qwen2_q4):
     assert "pp3 @ d5" in text and "roofline" not in text      # no tg row, no roofline line
 
 
+def test_activations_rows(qwen2_q4):
+    rows = run_bench(qwen2_q4, n_prompt=3, n_gen=2, threads=1, reps=1, bandwidth_bytes=0,
+                     activations=["f32", "int8"])
+    assert [(r["activations"], r["test"]) for r in rows] == [
+        ("f32", "pp3"), ("f32", "tg2"), ("int8", "pp3"), ("int8", "tg2")]
+    assert all(r["load_average"] is None or r["load_average"] >= 0 for r in rows)
+    lines = format_markdown(rows).splitlines()
+    at = COLUMNS.index("acts")
+    table = [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:] if l.startswith("|")]
+    assert [cells[at] for cells in table] == ["f32", "f32", "int8", "int8"]
+    assert any(l.startswith("load average (1 min) when the tests started") for l in lines)
+
+
+def _bw_rows(bw1, bw2):
+    return [{"n_threads": t, "read_bandwidth_gbs": bw, "load_average": 1.5,
+             "omp_wait_policy": "PASSIVE"} for t, bw in ((1, bw1), (2, bw2))]
+
+
+def test_machine_notes_warn_when_threads_do_not_scale():
+    busy = format_machine_notes(_bw_rows(20.0, 19.0))
+    assert busy[0].startswith("load average (1 min) when the tests started: 1.50")
+    assert "OMP_WAIT_POLICY PASSIVE" in busy[0]
+    assert len(busy) == 2 and busy[1].startswith("warning: read bandwidth with 2 threads "
+                                                 "(19.0 GB/s) is not above 1 thread (20.0 GB/s)")
+    assert len(format_machine_notes(_bw_rows(20.0, 35.0))) == 1          # scaled: no warning
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(reps=0), "reps"),
+    (dict(activations="int4"), "activations must be among f32, int8"),
+    (dict(activations=[]), "activations must be among"),
     (dict(threads=[1, 0]), "threads"),
     (dict(n_prompt=0, n_gen=0), "nothing to run"),
     (dict(n_prompt=-1), "n_prompt"),
@@ -217,6 +246,7 @@ def _one_line(err: str) -> str:
     (["-o", "csv"], "invalid choice: 'csv'"),
     (["-p", "1000"], "context is 256"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["-a", "f32,f16"], "activations must be among f32, int8"),
 ])
 def test_cli_argument_errors(qwen2_q4, capsys, argv, match):
     try:

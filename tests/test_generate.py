@@ -270,6 +270,20 @@ def test_cli_generate_embeddings_and_errors(model, tmp_path, capsys):
         _run_cli([str(model.file.path), "--embeddings", str(tmp_path / "bad.npy")])
 
 
+def test_cli_generate_int8_activations(capsys):
+    """--activations int8 reaches the model: the shipped (q4) model's greedy text equals
+    colibri.load(activations="int8").generate, and the option is checked."""
+    path = api.default_model_path()
+    assert _run_cli([str(path), "-p", "def f(x):", "-n", "8", "--temp", "0", "--threads", "1",
+                     "--activations", "int8"]) == 0
+    with api.load(path, threads=1, activations="int8") as m:
+        assert m.activations == "int8" and "activations=int8" in repr(m)
+        assert capsys.readouterr().out == m.generate("def f(x):", max_new_tokens=8) + "\n"
+    with pytest.raises(SystemExit):
+        _run_cli([str(path), "-p", "x", "--activations", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_default_model_path(monkeypatch, tmp_path):
     p = api.default_model_path()                 # ships with the package
     assert p.name == "tiny-moe.colibri" and p.is_file()

@@ -7,6 +7,9 @@ with colibri.convert, and run on the same batch of left-padded prompts by both:
     to transformers' router top-k;
   - f16 / bf16 / q8 / q4: max logit error, top-1 agreement and mean KL against the f32
     transformers logits, each within the bound docs/accuracy.md documents for the format;
+  - int8 activations (q8 / q4 files run with activations="int8"): the same measures, with
+    the bounds docs/accuracy.md documents, and within INT8_TOL of transformers given the
+    file's weights (what the int8 activations alone cost);
   - prefill == token by token, batch > 1 == separate runs, 1 thread == 2 threads.
 """
 from __future__ import annotations
@@ -34,7 +37,12 @@ BOUNDS = {
     "q8": (2e-1, 0.90, 1e-3, 0.95),
     "q4": (1.0, 0.55, 1e-1, 0.85),
     "q4-all": (1.5, 0.30, 4e-1, 0.70),
+    "q8-int8": (2e-1, 0.90, 1e-3, 0.95),
+    "q4-int8": (1.0, 0.55, 1e-1, 0.85),
+    "q4-all-int8": (1.5, 0.30, 4e-1, 0.70),
 }
+INT8 = "-int8"           # suffix: the same file, run with activations="int8"
+INT8_TOL = 5e-2          # max relative logit error of int8 activations vs exact f32 ones
 FORMATS = {   # name -> convert() keyword arguments
     "f16": dict(dtype="f16"),
     "bf16": dict(dtype="bf16"),
@@ -42,6 +50,7 @@ FORMATS = {   # name -> convert() keyword arguments
     "q4": dict(dtype="f32", quant="q4"),
     "q4-all": dict(dtype="f32", quant="q4", quantize="experts,shared,attn,head,dense"),
 }
+FORMATS.update({f + INT8: FORMATS[f] for f in ("q8", "q4", "q4-all")})
 
 LENGTHS = (11, 7, 3)     # prompt lengths of the batch (left padded to 11)
 EVAL_SHAPE = (4, 32)     # prompts x tokens on which the formats' accuracy is measured
@@ -195,11 +204,12 @@ class Ref:
     def model(self, fmt: str = "f32", threads: int = 1) -> api.Model:
         key = f"{fmt}/{threads}"
         if key not in self.models:
-            dst = self.out_dir / f"{self.family}-{fmt}.colibri"
+            dst = self.out_dir / f"{self.family}-{fmt.removesuffix(INT8)}.colibri"
             if not dst.exists():
                 kwargs = dict(dtype="f32") if fmt == "f32" else FORMATS[fmt]
                 convert(self.path, dst, progress=False, **kwargs)
-            self.models[key] = api.load(dst, threads=threads)
+            self.models[key] = api.load(dst, threads=threads,
+                                        activations="int8" if fmt.endswith(INT8) else "f32")
         return self.models[key]
 
 
@@ -284,6 +294,14 @@ def test_format_matches_transformers_with_the_same_weights(ref, fmt):
     want, want_routing = Ref.hf_forward(oracle, ref.ids, ref.mask)
     got, trace = api.forward(m, ref.ids, attention_mask=ref.mask, return_routing=True)
     err = _rel_err(got[ref.valid], want[ref.valid])
+    if fmt.endswith(INT8):        # not exact: quantized activations; a routing flip allowed
+        same = np.mean([np.mean(np.all(np.sort(g[ref.valid], -1) == np.sort(w[ref.valid], -1),
+                                       axis=-1)) for (w, _), g in zip(want_routing, trace.ids)])
+        print(f"\n[int8] {ref.family:9s} {fmt:11s} rel_err_vs_same_weights={err:.3e} "
+              f"routing_agreement={same:.3f}")
+        assert err <= INT8_TOL, f"{ref.family} {fmt}: error vs the same weights {err:.2e}"
+        assert same >= 0.9, f"{ref.family} {fmt}: routing agreement {same:.3f}"
+        return
     assert err <= F32_TOL, f"{ref.family} {fmt}: error vs transformers on the same weights {err:.2e}"
     for (want_ids, _), got_ids in zip(want_routing, trace.ids):
         np.testing.assert_array_equal(got_ids[ref.valid], want_ids[ref.valid])
@@ -337,9 +355,25 @@ def test_thread_count_does_not_change_logits(ref):
     one = api.forward(ref.model("f32", threads=1), ref.ids, attention_mask=ref.mask)
     two = api.forward(ref.model("f32", threads=2), ref.ids, attention_mask=ref.mask)
     np.testing.assert_array_equal(one, two)
-    q1 = api.forward(ref.model("q4", threads=1), ref.ids, attention_mask=ref.mask)
-    q2 = api.forward(ref.model("q4", threads=2), ref.ids, attention_mask=ref.mask)
-    np.testing.assert_array_equal(q1, q2)
+    for fmt in ("q4", "q4" + INT8):
+        q1 = api.forward(ref.model(fmt, threads=1), ref.ids, attention_mask=ref.mask)
+        q2 = api.forward(ref.model(fmt, threads=2), ref.ids, attention_mask=ref.mask)
+        np.testing.assert_array_equal(q1, q2)
+
+
+def test_int8_activations_take_another_path(ref):
+    """activations="int8" really quantizes the activations of q4/q8 matrices (the logits
+    move, within INT8_TOL), and leaves a file without q4/q8 matrices exactly as it is."""
+    exact = api.forward(ref.model("q4"), ref.ids, attention_mask=ref.mask)
+    int8 = api.forward(ref.model("q4" + INT8), ref.ids, attention_mask=ref.mask)
+    assert 0 < _rel_err(int8[ref.valid], exact[ref.valid]) <= INT8_TOL
+    plain = ref.model("f32").file.path
+    with api.load(plain, activations="int8") as m:
+        np.testing.assert_array_equal(api.forward(m, ref.ids, attention_mask=ref.mask),
+                                      api.forward(ref.model("f32"), ref.ids,
+                                                  attention_mask=ref.mask))
+    with pytest.raises(ValueError, match="activations must be one of f32, int8, got 'int4'"):
+        api.load(plain, activations="int4")
 
 
 def test_input_embeds_equal_ids(ref):

@@ -162,6 +162,19 @@ def test_q4_against_f32(files, ids):
     assert "KL(base ‖ model)" in text and "same top" in text and "(base)" in text
 
 
+def test_int8_activations_against_the_same_file(files, ids, capsys, tmp_path):
+    """activations="int8" applies to the model only: the same q4 file as its own base
+    measures what the int8 activations cost (KL > 0, small), and the CLI passes -a on."""
+    res = perplexity(files.q4, ids, ctx=16, base=files.q4, threads=1, activations="int8")
+    assert 0 < res.kl.mean < 0.05 and res.kl.same_top > 0.8
+    with colibri.load(files.q4, threads=1, activations="int8") as m:
+        np.testing.assert_array_equal(perplexity(m, ids, ctx=16, threads=1).nll, res.nll)
+    np.save(tmp_path / "ids.npy", ids)
+    code, out, _ = run(capsys, files.q4, "-f", tmp_path / "ids.npy", "--ctx", 16, "--kl-base",
+                       files.q4, "-a", "int8", "-o", "json")
+    assert code == 0 and json.loads(out)["kl"]["kl_mean"] > 0
+
+
 def test_vocabulary_must_match():
     def fake(v, tok):
         return SimpleNamespace(vocab_size=v, file=SimpleNamespace(

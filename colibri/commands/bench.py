@@ -24,6 +24,18 @@ def int_list(minimum: int):
     return parse
 
 
+def act_list(text: str) -> list[str]:
+    """argparse type: 'f32' or 'f32,int8' -> [names] (colibri.kernels.ACTIVATIONS)."""
+    from ..kernels import ACTIVATIONS
+
+    values = text.split(",")
+    bad = [v for v in values if v not in ACTIVATIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: activations must be among "
+                                         f"{', '.join(ACTIVATIONS)}")
+    return values
+
+
 def register(subparsers, parents=()) -> None:
     from ..bench import DEFAULT_BANDWIDTH_BYTES
 
@@ -49,6 +61,10 @@ def register(subparsers, parents=()) -> None:
                    help="timed repetitions of each test (default: %(default)s)")
     p.add_argument("-d", "--depth", type=int, default=0, metavar="D",
                    help="tokens already in the KV cache when a test starts (default: 0)")
+    p.add_argument("-a", "--activations", type=act_list, default=["f32"], metavar="A",
+                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights) "
+                        "or int8 (quantized per 32 values, faster), a list allowed (f32,int8) "
+                        "(default: f32)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md",
                    help="markdown table or JSON list of results (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
@@ -77,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         rows = run_bench(args.model if args.model is not None else default_model_path(),
                          n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads,
                          reps=args.repetitions, depth=args.depth, warmup=not args.no_warmup,
-                         seed=args.seed, bandwidth_bytes=args.bw_mib * 2**20,
+                         seed=args.seed, activations=args.activations,
+                         bandwidth_bytes=args.bw_mib * 2**20,
                          progress=(lambda line: print(line, file=sys.stderr, flush=True))
                          if show else None)
     except ValueError as e:          # arguments the model cannot take (e.g. beyond its context)

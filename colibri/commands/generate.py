@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from ..errors import ColibriError
+from ..kernels import ACTIVATIONS
 
 
 def register(subparsers, parents=()) -> None:
@@ -38,6 +39,10 @@ def register(subparsers, parents=()) -> None:
                    help="random seed (default: a fresh one each run)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="kernel threads (default: physical cores)")
+    p.add_argument("--activations", choices=ACTIVATIONS, default="f32",
+                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights) "
+                        "or int8 (quantized per 32 values like llama.cpp; faster) "
+                        "(default: %(default)s)")
     p.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="KV cache size in tokens (default: prompt + N)")
     p.add_argument("--chat", action="store_true",
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from ..api import default_model_path, load
 
     _check(args)
-    model = load(args.model if args.model is not None else default_model_path(), threads=args.threads)
+    model = load(args.model if args.model is not None else default_model_path(), threads=args.threads,
+                 activations=args.activations)
     embeds = _load_embeddings(args.embeddings, model.hidden_size) if args.embeddings else None
     if args.prompt is not None and model.tokenizer is None:
         raise ColibriError(f"{model.file.path} has no tokenizer, so a text prompt cannot be "

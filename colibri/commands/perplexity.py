@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ColibriError
+from ..kernels import ACTIVATIONS
 
 
 def register(subparsers, parents=()) -> None:
@@ -41,6 +42,10 @@ def register(subparsers, parents=()) -> None:
                    help="windows per forward pass (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="kernel threads (default: physical cores)")
+    p.add_argument("-a", "--activations", choices=ACTIVATIONS, default="f32",
+                   help="activations of MODEL's q4/q8 matmuls: f32 (exact) or int8 (faster); "
+                        "the base always runs f32, so --kl-base MODEL measures the cost of int8 "
+                        "(default: %(default)s)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md",
                    help="markdown tables or JSON (default: %(default)s)")
     p.set_defaults(func=run)
@@ -82,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         res = perplexity(model, data, ctx=args.ctx, stride=args.stride, batch=args.batch,
-                         base=args.kl_base, threads=args.threads,
+                         base=args.kl_base, threads=args.threads, activations=args.activations,
                          progress=progress if show else None)
     except ValueError as e:          # e.g. a text shorter than one window, stride >= ctx
         raise ColibriError(str(e)) from e
