@@ -456,8 +456,9 @@ def format_machine_notes(rows: Iterable[dict[str, Any]]) -> list[str]:
     out = []
     loads = [r["load_average"] for r in rows if r.get("load_average") is not None]
     if loads:
-        out.append(f"load average (1 min) when the tests started: {min(loads):.2f}"
-                   + (f"-{max(loads):.2f}" if max(loads) > min(loads) else "")
+        lo, hi = f"{min(loads):.2f}", f"{max(loads):.2f}"
+        out.append(f"load average (1 min) when the tests started: {lo}"
+                   + (f"-{hi}" if hi != lo else "")
                    + f" (this process counts 1 while it runs); OMP_WAIT_POLICY "
                    f"{rows[0].get('omp_wait_policy') or 'unset'}")
     bw = sorted({(r["n_threads"], r["read_bandwidth_gbs"]) for r in rows
