@@ -1,6 +1,7 @@
 """Benchmarks of a whole model: open, one decode step, a 128-token prefill, decode tokens/s,
 on a small synthetic Mixtral-like model (random weights, common.SMALL_MIXTRAL: hidden 512,
-expert intermediate 1024, 4 layers, 8 experts top-2, vocab 4096) at q4 and bf16.
+expert intermediate 1024, 4 layers, 8 experts top-2, vocab 4096) at q4 and bf16, with the
+q4 matrices on f32 (exact) or int8 activations.
 
     asv continuous -b model main HEAD               # compare two commits
     asv run --quick -b model --python=same          # one pass on the installed package
@@ -16,8 +17,8 @@ from .common import THREADS, make_model, model_folder
 
 
 class Model:
-    params = (["q4", "bf16"], list(THREADS))
-    param_names = ["format", "threads"]
+    params = (["q4", "bf16"], list(THREADS), ["f32", "int8"])
+    param_names = ["format", "threads", "activations"]
     timeout = 600
 
     def setup_cache(self):
@@ -25,32 +26,37 @@ class Model:
         return {q: make_model(os.path.join(folder, f"small-{q}.colibri"), quant=q)
                 for q in ("q4", "bf16")}
 
-    def setup(self, paths, fmt, threads):
+    def setup(self, paths, fmt, threads, activations):
         if threads > (os.cpu_count() or 1):
             raise NotImplementedError(f"{threads} threads > {os.cpu_count()} CPUs")
-        self.model = colibri.load(paths[fmt], threads=threads)
+        if activations != "f32" and fmt != "q4":
+            raise NotImplementedError("int8 activations apply to q4/q8 matrices only")
+        # f32 without the keyword: commits before the option still run this suite
+        kw = {} if activations == "f32" else {"activations": activations}
+        self.model = colibri.load(paths[fmt], threads=threads, **kw)
         self.prompt = np.random.default_rng(0).integers(0, self.model.vocab_size, 128)
         self.cache = self.model.new_cache(ctx=1024)
         self.model.forward(self.prompt[:16], cache=self.cache, last_only=True)
 
-    def teardown(self, paths, fmt, threads):
-        self.model.close()
+    def teardown(self, paths, fmt, threads, activations):
+        if getattr(self, "model", None) is not None:      # None: setup skipped the case
+            self.model.close()
 
-    def time_open(self, paths, fmt, threads):
+    def time_open(self, paths, fmt, threads, activations):
         colibri.load(paths[fmt], threads=threads).close()
 
-    def time_decode_step(self, paths, fmt, threads):
+    def time_decode_step(self, paths, fmt, threads, activations):
         if self.cache.remaining < 1:
             self.cache.truncate(16)
         decode_one(self.model, 7, self.cache)
 
-    def time_prefill_128(self, paths, fmt, threads):
+    def time_prefill_128(self, paths, fmt, threads, activations):
         self.model.forward(self.prompt, cache=self.model.new_cache(ctx=128), last_only=True)
 
-    def peakmem_prefill_128(self, paths, fmt, threads):
+    def peakmem_prefill_128(self, paths, fmt, threads, activations):
         self.model.forward(self.prompt, cache=self.model.new_cache(ctx=128), last_only=True)
 
-    def track_decode_tps(self, paths, fmt, threads):
+    def track_decode_tps(self, paths, fmt, threads, activations):
         """Tokens per second over 32 decode steps from a 16-token context."""
         import time
         cache = self.model.new_cache(ctx=64)
