@@ -51,7 +51,7 @@ from . import _kernels, quant  # noqa: E402  (after the wait policy)
 
 __all__ = [
     "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
-    "min_parallel_bytes", "set_min_parallel_bytes",
+    "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
     "read_bandwidth", "ACTIVATIONS", "quantize_activations",
 ]
@@ -274,6 +274,26 @@ def set_min_parallel_bytes(nbytes: int | None) -> None:
 
 
 DEFAULT_MIN_PARALLEL_BYTES: int = int(_kernels.get_min_parallel_bytes())
+
+
+def gemm_min_tokens() -> int:
+    """Tokens per matrix (linear: T; expert FFN: one expert's tokens) from which a matrix on
+    f32 activations takes the prefill path: a panel of rows decoded once to f32, then a
+    register-blocked micro-kernel over all the tokens (docs/performance.md)."""
+    return int(_kernels.get_gemm_min_tokens())
+
+
+def set_gemm_min_tokens(n: int | None) -> None:
+    """Set gemm_min_tokens (>= 1; a huge value keeps every call on the row kernel), or None
+    for the default. Both paths are exact to the weights; they sum in different orders."""
+    if n is None:
+        n = DEFAULT_GEMM_MIN_TOKENS
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"gemm_min_tokens must be a positive int, found {n!r}")
+    _kernels.set_gemm_min_tokens(int(n))
+
+
+DEFAULT_GEMM_MIN_TOKENS: int = int(_kernels.get_gemm_min_tokens())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1196,3 +1196,23 @@ def test_activations_argument_errors():
         K.swiglu(x, wg.expert(0), wu.expert(0), wd.expert(0), activations="bf16")
     with pytest.raises(ValueError, match="'f32', 'int8'"):
         _kernels.linear(x, w, None, np.empty((2, 8), F32), 0, 1, "int4")
+
+
+def test_gemm_min_tokens_public_setting():
+    """kernels.set_gemm_min_tokens switches the prefill path: above the threshold a token's
+    result equals its decode (row kernel) bits; None restores the default; bad values fail."""
+    rng = np.random.default_rng(5)
+    w = K.WeightRef.from_array(rng.standard_normal((40, 96)).astype(np.float32), "q4", 32)
+    x = rng.standard_normal((8, 96)).astype(np.float32)
+    alone = np.concatenate([K.linear(x[i:i + 1], w, threads=1) for i in range(8)])
+    try:
+        K.set_gemm_min_tokens(1 << 40)
+        assert K.gemm_min_tokens() == 1 << 40
+        np.testing.assert_array_equal(K.linear(x, w, threads=1), alone)
+    finally:
+        K.set_gemm_min_tokens(None)
+    assert K.gemm_min_tokens() == K.DEFAULT_GEMM_MIN_TOKENS == GEMM_MIN
+    np.testing.assert_allclose(K.linear(x, w, threads=1), alone, rtol=1e-5, atol=1e-5)
+    for bad in (0, -3, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="gemm_min_tokens must be a positive int"):
+            K.set_gemm_min_tokens(bad)
