@@ -373,8 +373,11 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     Notes
     -----
     Parallel over tiles of output rows; each tile is read from memory once for all T tokens
-    (blocks of a few tokens share each pass over a weight row). Either path gives the same
-    bits for any thread count and whether a token is alone or in a block of tokens.
+    (blocks of a few tokens share each pass over a weight row). From gemm_min_tokens()
+    tokens on, f32 activations take the prefill path (a panel of rows decoded once to f32,
+    then a register-blocked micro-kernel): exact to the weights too, but summed in another
+    order, so a token alone and inside such a block may differ in the last bits. Every path
+    gives the same bits for any thread count.
     """
     x = _f32("x", x, (1, 2))
     one = x.ndim == 1
