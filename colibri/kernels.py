@@ -312,12 +312,16 @@ def _f32(name: str, a: np.ndarray, ndim: tuple[int, ...]) -> np.ndarray:
 
 
 def _ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
-    """Expert ids (T, K) of any integer dtype -> int32, range-checked."""
+    """Expert ids (T, K) of any integer dtype -> int32. The range is checked once, by the
+    compiled kernel (ValueError naming the first bad id and its position), before any
+    memory is touched. Values that do not fit int32 are rejected here."""
     ids = np.asarray(ids)
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"ids must be integers, found {ids.dtype}")
     if ids.ndim != 2:
         raise ValueError(f"ids must be (T, K), found shape {ids.shape}")
+    if ids.dtype == np.int32:
+        return np.ascontiguousarray(ids)
     if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
         raise ValueError(f"expert ids must be in 0..{n_experts - 1}, found values in "
                          f"{ids.min()}..{ids.max()}")

@@ -1216,3 +1216,24 @@ def test_gemm_min_tokens_public_setting():
     for bad in (0, -3, 2.5, True, "4"):
         with pytest.raises(ValueError, match="gemm_min_tokens must be a positive int"):
             K.set_gemm_min_tokens(bad)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8])
+@pytest.mark.parametrize("bad, where", [(8, (1, 0)), (-1, (0, 1))])
+def test_expert_ffn_rejects_out_of_range_ids(dtype, bad, where):
+    """An id outside 0..E-1 is a ValueError before any weight is read, whatever its dtype
+    (int32 ids, what route_topk returns, are checked once, in the compiled kernel)."""
+    if bad < 0 and np.dtype(dtype).kind == "u":
+        pytest.skip("unsigned ids cannot be negative")
+    rng = np.random.default_rng(9)
+    E, D, I = 8, 64, 32
+    ws = [K.WeightRef.from_array(rng.standard_normal(s).astype(np.float32), "q4", 32)
+          for s in ((E, I, D), (E, I, D), (E, D, I))]
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3]], dtype=dtype)
+    ids[where] = bad
+    w = np.full((2, 2), 0.5, np.float32)
+    with pytest.raises(ValueError, match=f"{bad}"):
+        K.expert_ffn(x, ids, w, *ws, threads=1)
+    with pytest.raises(ValueError, match=f"{bad}"):
+        K.group_by_expert(ids, E)
