@@ -308,9 +308,10 @@ cdef object _load(object w, str name, Wmat *m, bint int8=False):
     return view
 
 
-def _activations(str activations):
-    """True for "int8", False for "f32"; ValueError naming the allowed values otherwise."""
-    if activations not in ACTIVATIONS:
+def _activations(activations):
+    """True for "int8", False for "f32"; ValueError naming the allowed values otherwise
+    (for any object: the one check of the argument, kernels.py passes it through)."""
+    if not isinstance(activations, str) or activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                          f"found {activations!r}")
     return activations == "int8"
@@ -577,7 +578,7 @@ cdef void _group_sums_serial(const float *x, Py_ssize_t n, Py_ssize_t cols, Py_s
 
 
 def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert, int threads,
-           str activations="f32"):
+           activations="f32"):
     """out (T, R) = x (T, C) @ W[expert].T (+ bias (R,)); x float32, w a WeightRef."""
     _check_threads(threads)
     cdef bint int8 = _activations(activations)
@@ -1140,7 +1141,7 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
 
 
 def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,
-               w_gate, w_up, w_down, float[:, ::1] out, int threads, str activations="f32"):
+               w_gate, w_up, w_down, float[:, ::1] out, int threads, activations="f32"):
     """out (T, D) = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); out may be x itself."""
     _check_threads(threads)
     cdef bint int8 = _activations(activations)
@@ -1165,7 +1166,7 @@ def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, 
 
 
 def swiglu(const float[:, ::1] x, w_gate, w_up, w_down, float[:, ::1] out, int threads,
-           str activations="f32"):
+           activations="f32"):
     """out (T, D) = W_down @ (silu(W_gate @ x) * (W_up @ x)) per token; one dense FFN (the
     expert FFN with every token on its single expert at weight 1, which is exact)."""
     _check_threads(threads)

@@ -59,7 +59,7 @@ __all__ = [
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
 WEIGHT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8", "q4")
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax")
-ACTIVATIONS: tuple[str, ...] = ("f32", "int8")
+ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,13 +328,6 @@ def _ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int32)
 
 
-def _activations(activations: str) -> str:
-    if not isinstance(activations, str) or activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                         f"found {activations!r}")
-    return activations
-
-
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     if out is None:
         return np.empty(shape, dtype=np.float32)
@@ -389,7 +382,7 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     b = None if bias is None else _f32("bias", bias, (1,))
     y = _out(out, (w.rows,) if one else (x2.shape[0], w.rows))
     _kernels.linear(x2, w, b, y.reshape(x2.shape[0], w.rows), int(expert), _threads(threads),
-                    _activations(activations))
+                    activations)
     return y
 
 
@@ -492,7 +485,7 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: Weig
     weights = _f32("weights", weights, (2,))
     y = _out(out, x.shape)
     _kernels.expert_ffn(x, ids, weights, w_gate, w_up, w_down, y, _threads(threads),
-                        _activations(activations))
+                        activations)
     return y
 
 
@@ -514,7 +507,7 @@ def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
     """
     x = _f32("x", x, (2,))
     y = np.empty(x.shape, dtype=np.float32)
-    _kernels.swiglu(x, w_gate, w_up, w_down, y, _threads(threads), _activations(activations))
+    _kernels.swiglu(x, w_gate, w_up, w_down, y, _threads(threads), activations)
     return y
 
 

@@ -31,6 +31,18 @@ LINEAR_SHAPES = {"attn-1024x1024": (1024, 1024), "gate-3584x1024": (3584, 1024),
 FFN_GEOMETRY = {"mixtral-mini": (8, 2, 1024, 3584), "olmoe": (16, 8, 2048, 1024)}  # E, K, D, I
 
 
+def setup_linear(bench, shape: str, fmt: str, isa: str, threads: int, activations: str,
+                 tokens: int) -> None:
+    """The common setup of the linear benchmarks: bench.w (shape, fmt), bench.x (tokens, C),
+    bench.threads, bench.act; skips the cases use() / use_activations() skip."""
+    use(isa, threads)
+    use_activations(fmt, activations)
+    R, C = LINEAR_SHAPES[shape]
+    bench.w = weight((R, C), fmt)
+    bench.x = np.random.default_rng(1).standard_normal((tokens, C)).astype(np.float32)
+    bench.threads, bench.act = threads, activations
+
+
 class Linear:
     """Decode GEMV: one token against one matrix."""
     params = (list(LINEAR_SHAPES), ["q4", "q8", "bf16"], list(ISAS), list(THREADS),
@@ -39,14 +51,8 @@ class Linear:
     timeout = 300
 
     def setup(self, shape, fmt, isa, threads, activations):
-        use(isa, threads)
-        use_activations(fmt, activations)
-        self.act = activations
-        R, C = LINEAR_SHAPES[shape]
-        self.w = weight((R, C), fmt)
-        self.x = np.random.default_rng(1).standard_normal((1, C)).astype(np.float32)
-        self.out = np.empty((1, R), np.float32)
-        self.threads = threads
+        setup_linear(self, shape, fmt, isa, threads, activations, tokens=1)
+        self.out = np.empty((1, self.w.rows), np.float32)
 
     def _run(self):
         K.linear(self.x, self.w, threads=self.threads, out=self.out, activations=self.act)
@@ -71,13 +77,7 @@ class LinearPrefill:
     timeout = 300
 
     def setup(self, shape, fmt, isa, threads, activations):
-        use(isa, threads)
-        use_activations(fmt, activations)
-        self.act = activations
-        R, C = LINEAR_SHAPES[shape]
-        self.w = weight((R, C), fmt)
-        self.x = np.random.default_rng(1).standard_normal((128, C)).astype(np.float32)
-        self.threads = threads
+        setup_linear(self, shape, fmt, isa, threads, activations, tokens=128)
 
     def _run(self):
         K.linear(self.x, self.w, threads=self.threads, activations=self.act)
