@@ -7,7 +7,7 @@ bounds of every weight with the GIL held, allocate outputs and scratch, then ent
 in _simd.h: the row kernel (one weight row against up to COLIBRI_MAX_NT tokens, dequantizing
 in registers) and, for prefill, the GEMM path (a panel of rows dequantized once to f32 in
 per-thread scratch, then a register-blocked micro-kernel over all the matrix's tokens).
-Nothing inside a prange can fail: every check happens before it.
+Nothing inside a pool job can fail: every check happens before it.
 
 Paths: a matrix applied to fewer than gemm_min_tokens tokens (linear: T; expert FFN: that
 expert's tokens) runs on the row kernel, from that count on on the GEMM path. Both are
@@ -23,11 +23,11 @@ the same bits inside any two blocks of gemm_min_tokens or more; between the two 
 long prefill) its results may differ in the last bits (both within the f32 dot-product error
 bound of the float64 reference).
 
-Threads: work too small to pay for a parallel region (a few microseconds of fork/join on an
-idle machine, far more when the cores are shared) runs on fewer threads, down to one without
-entering OpenMP at all (_team, min_parallel_bytes). A kernel call opens at most one parallel
-region: the expert FFN runs its stages (gather, gate/up, down + combine) as work-shared loops
-of one region, separated by barriers, over flat lists of equal work items.
+Threads: the work runs on colibri's thread pool (_pool.h) as jobs of equal work items, which
+the caller and the workers claim one at a time; a job returns when every item is done, so a
+late worker costs nothing. Work too small to pay for a job runs on fewer threads, down to one
+without touching the pool (_team, min_parallel_bytes). The expert FFN runs its stages
+(gather, gate/up, down + combine) as three jobs over flat lists of work items.
 
 Activations: with activations="int8" a q8/q4 matrix (Wmat.int8) runs the int8 row kernel
 (_simd.h, "idot") on token rows quantized once per call into an Act8 (int8 codes, per
@@ -46,7 +46,6 @@ Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per toke
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size, NT tokens per pass.
 Sections: weights and ISA, linear, routing, dispatch, FFN, dequant, bandwidth.
 """
-from cython.parallel cimport parallel, prange
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.math cimport INFINITY, expf
@@ -103,37 +102,18 @@ cdef extern from "_simd.h" nogil:
                                      float *panel) noexcept nogil
     colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
 
-# Cython's prange inside a `with parallel()` block is an `omp for nowait`: the stages of the
-# expert FFN need an explicit barrier between them (an orphaned directive binds to the
-# enclosing region; without OpenMP it is a no-op, and so is the region).
-cdef extern from *:
-    """
-    static void colibri_barrier(void)
-    {
-    #ifdef _OPENMP
-    #pragma omp barrier
-    #endif
-    }
-    """
-    void colibri_barrier() nogil
-
-# The calling thread's number in the current team (0 outside a parallel region): it picks
-# the thread's slice of the GEMM scratch.
-cdef extern from *:
-    """
-    #ifdef _OPENMP
-    #include <omp.h>
-    #endif
-    static int colibri_thread_num(void)
-    {
-    #ifdef _OPENMP
-        return omp_get_thread_num();
-    #else
-        return 0;
-    #endif
-    }
-    """
-    int colibri_thread_num() nogil
+# The thread pool (_pool.h): colibri_pool_run(nth, fn, ctx, n) calls fn(ctx, i) for i < n on
+# up to nth threads and returns when all have returned; colibri_worker_num() is the running
+# thread's number (0..nth-1), which picks its slice of per-thread scratch.
+cdef extern from "_pool.h" nogil:
+    ctypedef void (*colibri_task_fn)(void *ctx, Py_ssize_t item) noexcept nogil
+    void colibri_pool_run(int nth, colibri_task_fn fn, void *ctx, Py_ssize_t n)
+    int colibri_worker_num()
+    int colibri_pool_threaded()
+    int colibri_pool_spin_us
+    long colibri_pool_backoffs
+    enum:
+        COLIBRI_POOL_MAX_THREADS
 
 # A row tile of a weight matrix is about this many bytes: it stays in L1/L2 while every
 # token block of the call passes over it, so the weights stream from memory once.
@@ -392,9 +372,9 @@ cdef inline Py_ssize_t _tile_rows(Py_ssize_t R, Py_ssize_t row_bytes, int thread
 # ---------------------------------------------------------------------------------------------
 # threads: how many a piece of work is worth
 
-# A parallel region costs a few microseconds (wake the team, join it), and much more when
-# another process holds a core: below about this many bytes of weight streamed (times tokens)
-# per thread, an extra thread loses more than it saves. Measured: docs/performance.md.
+# A pool job costs a few microseconds (publish it, wake a sleeping worker, wait for the items
+# workers took): below about this many bytes of weight streamed (times tokens) per thread,
+# an extra thread loses more than it saves. Measured: docs/performance.md.
 cdef Py_ssize_t _min_bytes = 1 << 18
 
 
@@ -408,6 +388,30 @@ def set_min_parallel_bytes(Py_ssize_t nbytes):
 
 def get_min_parallel_bytes():
     return _min_bytes
+
+
+def set_spin_us(int us):
+    """How long (microseconds) an idle pool worker spins before it sleeps; >= 0."""
+    global colibri_pool_spin_us
+    if us < 0:
+        raise ValueError(f"spin_us must be >= 0, found {us}")
+    colibri_pool_spin_us = us
+
+
+def pool_backoffs():
+    """Times a spinning worker found itself preempted (the cores shared with other busy
+    processes) and stopped spinning for a while."""
+    return colibri_pool_backoffs
+
+
+def get_spin_us():
+    return colibri_pool_spin_us
+
+
+def threaded():
+    """True when the build has the thread pool (POSIX threads), False when kernels run on the
+    calling thread only."""
+    return bool(colibri_pool_threaded())
 
 
 cdef inline int _team(double work, int threads) noexcept nogil:
@@ -498,8 +502,8 @@ cdef inline char *_carve(char **cur, Py_ssize_t nbytes) noexcept nogil:
 
 
 def _check_threads(int threads):
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, found {threads}")
+    if not 1 <= threads <= COLIBRI_POOL_MAX_THREADS:
+        raise ValueError(f"threads must be in 1..{COLIBRI_POOL_MAX_THREADS}, found {threads}")
 
 
 def _check_f32_out(out, tuple shape, str name):
@@ -550,7 +554,7 @@ cdef void _linear_rows_gemm(const Wmat *w, Py_ssize_t expert, const float *x, Py
     size), each over the panels of COLIBRI_GEMM_NR rows (see _simd.h): a pass's x is read
     from cache by every panel of the tile; each panel is decoded once per pass."""
     cdef const uint8_t *base = w.base + expert * w.expert_stride
-    cdef float *panel = w.gemm_scratch + colibri_thread_num() * COLIBRI_GEMM_SCRATCH
+    cdef float *panel = w.gemm_scratch + colibri_worker_num() * COLIBRI_GEMM_SCRATCH
     cdef Py_ssize_t C = w.cols, rs = w.row_stride, p, t0, t1, s, ns, r, t
     cdef int nr
     ns = (n + COLIBRI_GEMM_NB - 1) // COLIBRI_GEMM_NB
@@ -575,6 +579,25 @@ cdef void _group_sums_serial(const float *x, Py_ssize_t n, Py_ssize_t cols, Py_s
     cdef Py_ssize_t i
     for i in range(n):
         colibri_group_sums(x + i * cols, cols, group, xsum + i * (cols // group))
+
+
+ctypedef struct LinearJob:
+    # one linear call on the pool: work item i = rows i*tr .. (i+1)*tr of the matrix
+    const Wmat *m
+    Py_ssize_t expert, T, R, tr
+    const float *x
+    const float *xs
+    Act8 a
+    const float *bias
+    float *y
+
+
+cdef void _linear_task(void *ctx, Py_ssize_t i) noexcept nogil:
+    cdef const LinearJob *j = <const LinearJob *>ctx
+    cdef Py_ssize_t r1 = (i + 1) * j.tr
+    if r1 > j.R:
+        r1 = j.R
+    _linear_rows(j.m, j.expert, j.x, j.T, j.xs, j.a, j.bias, j.y, j.R, i * j.tr, r1)
 
 
 def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert, int threads,
@@ -608,7 +631,8 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     cdef Py_ssize_t gbytes = 0 if m.int8 else _gemm_bytes(T, nth)     # int8: row kernel
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
                                     COLIBRI_GEMM_NR if gbytes else 1)
-    cdef Py_ssize_t n_tiles = (R + tr - 1) // tr, i, r1
+    cdef Py_ssize_t n_tiles = (R + tr - 1) // tr
+    cdef LinearJob job
     cdef float *xs = NULL
     cdef Act8 a
     cdef char *cur
@@ -634,12 +658,9 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
             if nth == 1:
                 _linear_rows(&m, expert, &x[0, 0], T, xs, a, bp, &out[0, 0], R, 0, R)
             else:
-                for i in prange(n_tiles, num_threads=nth, schedule='dynamic'):
-                    r1 = (i + 1) * tr
-                    if r1 > R:
-                        r1 = R
-                    _linear_rows(&m, expert, &x[0, 0], T, xs, a, bp, &out[0, 0], R, i * tr,
-                                 r1)
+                job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, &x[0, 0], T, xs, a
+                job.bias, job.y, job.R, job.tr = bp, &out[0, 0], R, tr
+                colibri_pool_run(nth, _linear_task, &job, n_tiles)
     finally:
         if scratch is not None:
             _give(scratch)
@@ -741,6 +762,25 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
         ids[i] = ij
 
 
+ctypedef struct RouteJob:
+    # route_topk on the pool: work item t = token t
+    const float *logits
+    Py_ssize_t E, k
+    int rule
+    bint norm, noisy
+    uint64_t seed
+    float *p
+    float *key
+    int32_t *ids
+    float *w
+
+
+cdef void _route_task(void *ctx, Py_ssize_t t) noexcept nogil:
+    cdef const RouteJob *j = <const RouteJob *>ctx
+    _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, t,
+                 j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k)
+
+
 def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_topk_prob,
                noise_seed, int threads):
     """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E)."""
@@ -769,6 +809,7 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     cdef float *p = scratch
     cdef float *key = scratch + T * E
     cdef int nth = _team(<double>T * E * 64, threads)      # ~64 B of work per logit
+    cdef RouteJob job
     try:
         with nogil:
             if nth == 1:
@@ -776,9 +817,10 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
                     _route_token(&logits[t, 0], E, k, rcode, norm_topk_prob, noisy, seed, t,
                                  p + t * E, key + t * E, &iv[t, 0], &wv[t, 0])
             else:
-                for t in prange(T, num_threads=nth, schedule='static'):
-                    _route_token(&logits[t, 0], E, k, rcode, norm_topk_prob, noisy, seed, t,
-                                 p + t * E, key + t * E, &iv[t, 0], &wv[t, 0])
+                job.logits, job.E, job.k, job.rule, job.norm = &logits[0, 0], E, k, rcode, norm_topk_prob
+                job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
+                job.ids, job.w = &iv[0, 0], &wv[0, 0]
+                colibri_pool_run(nth, _route_task, &job, T)
     finally:
         free(scratch)
     return ids, wts
@@ -879,7 +921,7 @@ cdef void _gateup_rows_gemm(const Wmat *g, const Wmat *u, Py_ssize_t e, const fl
     h = silu(h) * up."""
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
-    cdef float *panel = g.gemm_scratch + colibri_thread_num() * COLIBRI_GEMM_SCRATCH
+    cdef float *panel = g.gemm_scratch + colibri_worker_num() * COLIBRI_GEMM_SCRATCH
     cdef float *up = panel + (COLIBRI_GEMM_SCRATCH - COLIBRI_GEMM_NB * COLIBRI_GEMM_NR)
     cdef Py_ssize_t D = g.cols, I = g.rows, p, t0, t1, s, ns, t, i
     cdef float *ht
@@ -1009,27 +1051,24 @@ cdef void _ffn_down(const Ffn *f, Py_ssize_t it) noexcept nogil:
                 yt[c] = yt[c] + wk * ot[c]
 
 
+cdef void _ffn_gather_task(void *f, Py_ssize_t it) noexcept nogil:
+    _ffn_gather(<const Ffn *>f, it)
+
+
+cdef void _ffn_gateup_task(void *f, Py_ssize_t it) noexcept nogil:
+    _ffn_gateup(<const Ffn *>f, it)
+
+
+cdef void _ffn_down_task(void *f, Py_ssize_t it) noexcept nogil:
+    _ffn_down(<const Ffn *>f, it)
+
+
 cdef void _ffn_run(Ffn *f, Py_ssize_t n_gather, Py_ssize_t n_gu, Py_ssize_t n_dn,
                    int nth) noexcept nogil:
-    """The three stages; with nth > 1 one parallel region, a barrier after each stage."""
-    cdef Py_ssize_t it
-    if nth == 1:
-        for it in range(n_gather):
-            _ffn_gather(f, it)
-        for it in range(n_gu):
-            _ffn_gateup(f, it)
-        for it in range(n_dn):
-            _ffn_down(f, it)
-        return
-    with parallel(num_threads=nth):
-        for it in prange(n_gather, schedule='static'):
-            _ffn_gather(f, it)
-        colibri_barrier()
-        for it in prange(n_gu, schedule='dynamic'):
-            _ffn_gateup(f, it)
-        colibri_barrier()
-        for it in prange(n_dn, schedule='dynamic'):
-            _ffn_down(f, it)
+    """The three stages, one pool job each (a job returns when all its items are done)."""
+    colibri_pool_run(nth, _ffn_gather_task, f, n_gather)
+    colibri_pool_run(nth, _ffn_gateup_task, f, n_gu)
+    colibri_pool_run(nth, _ffn_down_task, f, n_dn)
 
 
 cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,
@@ -1190,6 +1229,18 @@ def swiglu(const float[:, ::1] x, w_gate, w_up, w_down, float[:, ::1] out, int t
 # =============================================================================================
 # dequant (a test and debugging helper: the kernels above never build a dequantized matrix)
 
+ctypedef struct DequantJob:
+    const Wmat *m
+    const uint8_t *base
+    float *out
+
+
+cdef void _dequant_task(void *ctx, Py_ssize_t r) noexcept nogil:
+    cdef const DequantJob *j = <const DequantJob *>ctx
+    colibri_decode_row(j.m.fmt, j.base + r * j.m.row_stride, j.m.cols, j.m.group,
+                       j.out + r * j.m.cols)
+
+
 def dequantize(w, Py_ssize_t expert, int threads):
     """float32 (R, C): the matrix of expert `expert`, decoded with the scalar path."""
     _check_threads(threads)
@@ -1199,33 +1250,45 @@ def dequantize(w, Py_ssize_t expert, int threads):
         raise ValueError(f"expert {expert} out of range for a weight of {m.n_experts} experts")
     out = np.empty((m.rows, m.cols), dtype=np.float32)
     cdef float[:, ::1] ov = out
-    cdef const uint8_t *base = m.base + expert * m.expert_stride
-    cdef Py_ssize_t r
+    cdef DequantJob job
+    job.m, job.base, job.out = &m, m.base + expert * m.expert_stride, &ov[0, 0]
     with nogil:
-        for r in prange(m.rows, num_threads=threads, schedule='static'):
-            colibri_decode_row(m.fmt, base + r * m.row_stride, m.cols, m.group, &ov[r, 0])
+        colibri_pool_run(threads, _dequant_task, &job, m.rows)
     return out
 
 
 # =============================================================================================
 # memory read bandwidth
 
+ctypedef struct ReadJob:
+    const uint8_t *p
+    Py_ssize_t n, part
+    int isa
+    uint64_t sums[COLIBRI_POOL_MAX_THREADS]
+
+
+cdef void _read_task(void *ctx, Py_ssize_t i) noexcept nogil:
+    cdef ReadJob *j = <ReadJob *>ctx
+    cdef Py_ssize_t lo = i * j.part, hi = lo + j.part
+    if hi > j.n:
+        hi = j.n
+    j.sums[i] = colibri_read_sum(j.isa, j.p + lo, <size_t>(hi - lo))
+
+
 def read_sum(const uint8_t[::1] buf, int threads):
     """Sum of buf as u64 words (wrapping), each thread streaming one contiguous part."""
     _check_threads(threads)
-    cdef Py_ssize_t n = buf.shape[0], i, lo, hi
+    cdef Py_ssize_t n = buf.shape[0], i
     cdef uint64_t total = 0
-    cdef int isa = _isa
+    cdef ReadJob job
     if n == 0:
         return 0
     cdef Py_ssize_t part = (n + threads - 1) // threads
     part = (part + 4095) // 4096 * 4096                # page-aligned parts
-    cdef Py_ssize_t nparts = (n + part - 1) // part
+    cdef Py_ssize_t nparts = (n + part - 1) // part    # <= threads
+    job.p, job.n, job.part, job.isa = &buf[0], n, part, _isa
     with nogil:
-        for i in prange(nparts, num_threads=threads, schedule='static'):
-            lo = i * part
-            hi = lo + part
-            if hi > n:
-                hi = n
-            total += colibri_read_sum(isa, &buf[lo], <size_t>(hi - lo))
+        colibri_pool_run(threads, _read_task, &job, nparts)
+    for i in range(nparts):
+        total += job.sums[i]
     return int(total)

@@ -100,15 +100,20 @@ typedef void (*colibri_idot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t gr
  * few, 3 decode each weight pair for fewer tokens). */
 #define COLIBRI_INT8_NT 4
 
-/* The int8 AVX2 q4 body prefetches the weight bytes this far ahead of the chunk it decodes
+/* The int8 AVX2 bodies prefetch the weight bytes this far ahead of the chunk they decode
  * (into the next rows: a matrix's rows are contiguous), and each row's scales as far ahead
- * (see colibri_idot_avx2_body). It needs it, the f32 bodies do not:
+ * (see colibri_idot_avx2_body), into L2 (_MM_HINT_T1). They need it, the f32 bodies do not:
  * at ~0.2 instructions per multiply-add a q4 row is consumed faster than the hardware
  * prefetcher alone streams it. Measured, 16384 x 4096 q4, one token, one thread on a
  * shared machine (best of many): no prefetch 11 GB/s, 1 KiB ahead 15, 4 KiB 17-19, 8 KiB
- * 21, 16 KiB 18 (read bandwidth 21-29). q8 (twice the bytes per multiply-add) ran at
- * 23-25 GB/s with or without, so it does not prefetch. A prefetch never faults, so it
- * cannot bring in a page past the matrix the way a load would. */
+ * 21, 16 KiB 18 (read bandwidth 21-29), all into L1 (_MM_HINT_T0). Into L2 instead, the
+ * decode expert FFN (T = 1, random experts of every layer, from the mapped file; EPYC,
+ * docs/performance.md change 13): olmoe-16L q4 1 thread 12.8 -> 16.9 GB/s, 2
+ * threads 19.6 -> 24.5; mixtral-mini q4 13.9 -> 17.2, 19.1 -> 22.5 (the L2 has more misses
+ * in flight than the L1); 4 or 16 KiB ahead no better; NTA as T0; T2 as T1 or a little
+ * less. q8 (4 lines per chunk) then gained as well: mixtral-mini q8 17.0 -> 19.4 GB/s (1
+ * thread), 18.6 -> 23.6 (2). A prefetch never faults, so it cannot bring in a page past the
+ * matrix the way a load would. */
 #define COLIBRI_PREFETCH_BYTES 8192
 
 /* ------------------------------------------------------------------------------------------
@@ -858,15 +863,19 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
     for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (b0 = 0; MODE != 3 && b0 + 8 <= nb; b0 += 8) {
         const __m256 sv = colibri_iscales_avx2(scales, b0, MODE, lg, idx);
-        if (fmt == COLIBRI_Q4) {                      /* the chunk's 2 lines, ahead */
+        {                                       /* the chunk's 2 (q4) or 4 (q8) lines, ahead */
             const char *pf = (const char *)(row + b0 * bpb) + COLIBRI_PREFETCH_BYTES;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            _mm_prefetch(pf, _MM_HINT_T1);
+            _mm_prefetch(pf + 64, _MM_HINT_T1);
+            if (fmt == COLIBRI_Q8) {
+                _mm_prefetch(pf + 128, _MM_HINT_T1);
+                _mm_prefetch(pf + 192, _MM_HINT_T1);
+            }
         }
         colibri_ichunk_avx2(fmt, row + b0 * bpb, q + 32 * b0, qs, 8, ones, isum, NT);
         colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
     }
-    if (fmt == COLIBRI_Q4 && MODE != 3) {
+    if (MODE != 3) {
         /* The chunk prefetches above request the code bytes of the whole chunks only; the
          * rest of the row ahead (codes of a partial last chunk, and the scales: every 64
          * bytes and the row's last byte) is requested here, after the codes, so that every
@@ -878,11 +887,11 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
          * down 11 -> 13, the decode expert FFN (T=1, K=2) 11.2-11.7 -> 12.6-12.8, the
          * 32000 x 1024 head from a cold cache 10-11 -> 12-14. Issuing these before the
          * chunk loop (ahead of the row's codes) measured no better than none on the down
-         * rows; 4, 12 or 16 KiB ahead, or _MM_HINT_T1, no better than 8 KiB T0. */
+         * rows. (Those figures are for L1 prefetches; see COLIBRI_PREFETCH_BYTES for L2.) */
         const char *p0 = (const char *)(row + (nb & ~(ptrdiff_t)7) * bpb) + COLIBRI_PREFETCH_BYTES;
         const char *p1 = (const char *)(scales + 2 * (cols / group)) + COLIBRI_PREFETCH_BYTES;
-        for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T0);
-        _mm_prefetch(p1 - 1, _MM_HINT_T0);
+        for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T1);
+        _mm_prefetch(p1 - 1, _MM_HINT_T1);
     }
     for (; b0 < nb; b0 += 8) {                        /* the rest: the last 1..7 blocks, or all */
         const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;

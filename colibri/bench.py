@@ -260,7 +260,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
 
     Each row: model facts (model_facts), the test (test, n_prompt, n_gen, n_depth, n_threads,
     activations, isa, reps), load_average (1-minute, when the test started: other work on the
-    machine shows here), omp_wait_policy, samples_s / samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
+    machine shows here), spin_us and pool_backoffs (the thread pool's spin time, and how often its
+    workers found themselves preempted during the test: cores shared), samples_s / samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
     peak_rss_bytes, stage_seconds (summed over the timed repetitions), time_share (router /
     experts / attention / head / other, fractions of wall time), bytes_per_token (+ _detail),
     read_bandwidth_gbs, ceiling_ts (bandwidth / bytes per token) and ceiling_fraction
@@ -304,6 +305,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 name = _test_name(kind, n, depth)
                 say(f"bench: {facts['model']} threads {t} activations {a} {name}")
                 load_avg = _load_average()
+                backoffs0 = kernels.pool_backoffs()
                 rng = np.random.default_rng(seed)
                 if warmup:
                     once(model, n, depth, rng)
@@ -319,7 +321,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     "n_gen": n if kind == "tg" else 0, "n_depth": depth, "n_threads": t,
                     "activations": a, "isa": kernels.get_isa(), "reps": reps,
                     "warmup": warmup, "load_average": load_avg,
-                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                    "spin_us": kernels.spin_us(),
+                    "pool_backoffs": kernels.pool_backoffs() - backoffs0,
                     "samples_s": samples, "samples_ts": tps,
                     "avg_ts": float(np.mean(tps)),
                     "stddev_ts": float(np.std(tps, ddof=1)) if reps > 1 else 0.0,
@@ -459,8 +462,14 @@ def format_machine_notes(rows: Iterable[dict[str, Any]]) -> list[str]:
         lo, hi = f"{min(loads):.2f}", f"{max(loads):.2f}"
         out.append(f"load average (1 min) when the tests started: {lo}"
                    + (f"-{hi}" if hi != lo else "")
-                   + f" (this process counts 1 while it runs); OMP_WAIT_POLICY "
-                   f"{rows[0].get('omp_wait_policy') or 'unset'}")
+                   + f" (this process counts 1 while it runs); worker spin "
+                   f"{rows[0].get('spin_us')} us")
+    preempted = [r for r in rows if r.get("pool_backoffs")]
+    if preempted:
+        tests = ", ".join(f"{r['test']} at {r['n_threads']} threads" for r in preempted)
+        out.append(f"warning: worker threads were preempted while waiting for work ({tests}): "
+                   f"other processes share the cores, so multi-thread rows do not show this "
+                   f"machine's scaling")
     bw = sorted({(r["n_threads"], r["read_bandwidth_gbs"]) for r in rows
                  if r.get("read_bandwidth_gbs")})
     for (t0, b0), (t1, b1) in zip(bw, bw[1:]):

@@ -12,12 +12,16 @@ the test oracle.
 Instruction set: the widest path this CPU and OS support is chosen at import (scalar, avx2,
 avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
 Threads: ``threads=None`` means ``default_threads()``; results do not depend on the count.
+The kernels run on colibri's own thread pool (``_pool.h``): the calling thread works too and
+returns as soon as every work item is done, so it never waits for a worker that is asleep
+or descheduled. Idle workers spin for ``spin_us()`` microseconds (so the next kernel call of
+a decode step finds them awake), then sleep; a worker that finds itself preempted while
+spinning (the cores shared with other busy processes) stops spinning for a while.
+``set_spin_us`` or the environment variable ``COLIBRI_SPIN_US`` tunes it (0: sleep at once).
 A call whose work (weight bytes streamed x tokens) is below ``min_parallel_bytes()`` per
-thread uses fewer threads (one, without entering OpenMP, for the small matrices of a small
-model): a parallel region costs microseconds that small work cannot repay.
-``set_min_parallel_bytes`` or the environment variable ``COLIBRI_MIN_PARALLEL_BYTES`` tunes it.
-Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is already set
-(idle OpenMP workers sleep instead of spinning; see the comment at the import).
+thread uses fewer threads (one, without touching the pool, for the small matrices of a small
+model). ``set_min_parallel_bytes`` or the environment variable ``COLIBRI_MIN_PARALLEL_BYTES``
+tunes it.
 
 Activations: the quantized-weight kernels (linear, expert_ffn, swiglu) take
 ``activations="f32"`` (the default: x in float32, exact products with the decoded weights)
@@ -39,21 +43,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# OpenMP wait policy, read once by libgomp when the extension loads it (so: before the
-# import below). libgomp's default spins each idle worker for a while after every parallel
-# region; between kernel calls the spinning worker competes for a core with the thread doing
-# the Python/NumPy work, and with any other process. On a 2-core machine with one other busy
-# process, mixtral-mini q4 decode with 2 threads ran at 5.5 t/s with the default and 31 t/s
-# with PASSIVE (1 thread: 30-32 t/s; docs/performance.md). The user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from . import _kernels, quant  # noqa: E402  (after the wait policy)
+from . import _kernels, quant
 
 __all__ = [
     "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
     "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
-    "read_bandwidth", "ACTIVATIONS", "quantize_activations",
+    "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
+    "DEFAULT_SPIN_US", "pool_backoffs",
 ]
 
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
@@ -568,6 +565,30 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
     return nbytes / max(best, 1e-9) / 1e9
 
 
+DEFAULT_SPIN_US: int = int(_kernels.get_spin_us())
+
+
+def spin_us() -> int:
+    """Microseconds an idle worker thread spins before it sleeps (see set_spin_us)."""
+    return _kernels.get_spin_us()
+
+
+def set_spin_us(us: int | None) -> None:
+    """Set how long an idle worker spins (waiting for the next kernel call) before sleeping.
+
+    Spinning keeps the workers awake between the kernel calls of a decode step (a sleeping
+    worker takes tens of microseconds to wake, per call); sleeping frees the core for other
+    processes. 0 sleeps at once. None restores the default (``DEFAULT_SPIN_US``).
+    """
+    _kernels.set_spin_us(DEFAULT_SPIN_US if us is None else int(us))
+
+
+def pool_backoffs() -> int:
+    """How many times, since import, a spinning worker found itself preempted (the cores
+    shared with other busy processes) and stopped spinning for a while (0.2 s)."""
+    return int(_kernels.pool_backoffs())
+
+
 def _apply_env() -> None:
     name = os.environ.get("COLIBRI_ISA", "").strip().lower()
     if name:
@@ -575,6 +596,12 @@ def _apply_env() -> None:
             set_isa(name)
         except ValueError as exc:
             raise ValueError(f"COLIBRI_ISA={name!r}: {exc}") from None
+    value = os.environ.get("COLIBRI_SPIN_US", "").strip()
+    if value:
+        try:
+            set_spin_us(int(value))
+        except ValueError:
+            raise ValueError(f"COLIBRI_SPIN_US={value!r} is not an integer >= 0") from None
     value = os.environ.get("COLIBRI_MIN_PARALLEL_BYTES", "").strip()
     if value:
         try:

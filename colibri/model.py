@@ -134,7 +134,7 @@ class _BlasOnOneThread:
 def _blas_on_one_thread() -> _BlasOnOneThread:
     """A context in which NumPy's BLAS (the attention matmuls) runs on one thread.
 
-    The kernels' OpenMP threads already occupy every core; BLAS worker threads spinning beside
+    The kernels' threads already occupy every core; BLAS worker threads spinning beside
     them steal those cores (measured: pp128 of the shipped model 3.3x slower at 1 kernel
     thread, and ~100x slower at 2 when another process holds a core).
     """

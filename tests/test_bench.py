@@ -152,15 +152,22 @@ def test_activations_rows(qwen2_q4):
     assert any(l.startswith("load average (1 min) when the tests started") for l in lines)
 
 
-def _bw_rows(bw1, bw2):
-    return [{"n_threads": t, "read_bandwidth_gbs": bw, "load_average": 1.5,
-             "omp_wait_policy": "PASSIVE"} for t, bw in ((1, bw1), (2, bw2))]
+def _bw_rows(bw1, bw2, backoffs=0):
+    return [{"n_threads": t, "read_bandwidth_gbs": bw, "load_average": 1.5, "spin_us": 500,
+             "pool_backoffs": backoffs if t == 2 else 0, "test": "tg4"}
+            for t, bw in ((1, bw1), (2, bw2))]
+
+
+def test_machine_notes_warn_when_workers_were_preempted():
+    notes = format_machine_notes(_bw_rows(20.0, 35.0, backoffs=3))
+    assert len(notes) == 2 and notes[1].startswith(
+        "warning: worker threads were preempted while waiting for work (tg4 at 2 threads)")
 
 
 def test_machine_notes_warn_when_threads_do_not_scale():
     busy = format_machine_notes(_bw_rows(20.0, 19.0))
     assert busy[0].startswith("load average (1 min) when the tests started: 1.50")
-    assert "OMP_WAIT_POLICY PASSIVE" in busy[0]
+    assert "worker spin 500 us" in busy[0]
     assert len(busy) == 2 and busy[1].startswith("warning: read bandwidth with 2 threads "
                                                  "(19.0 GB/s) is not above 1 thread (20.0 GB/s)")
     assert len(format_machine_notes(_bw_rows(20.0, 35.0))) == 1          # scaled: no warning

@@ -129,16 +129,99 @@ def test_env_forces_isa_at_import(tmp_path):
     assert res.returncode != 0 and "COLIBRI_ISA" in res.stderr
 
 
-def test_import_sets_passive_wait_policy_unless_set(tmp_path):
-    """Idle OpenMP workers must sleep, not spin (docs/performance.md); a user's value wins."""
-    code = "import os; from colibri import kernels; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
-    for preset, expect in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
-        run_env = env if preset is None else {**env, "OMP_WAIT_POLICY": preset}
+def test_spin_us_setting_and_env(tmp_path):
+    """The pool's idle spin: set_spin_us / COLIBRI_SPIN_US, validated; results unchanged."""
+    assert K.spin_us() == K.DEFAULT_SPIN_US >= 0
+    rng = rng_for("spin")
+    w, _ = make_weight(rng, (300, 64), "q4", 32)
+    x = rng.standard_normal((3, 64)).astype(F32)
+    y = K.linear(x, w, threads=1)
+    for us in (0, 5, 100000):
+        K.set_spin_us(us)
+        assert K.spin_us() == us
+        assert np.array_equal(K.linear(x, w, threads=2), y)
+    with pytest.raises(ValueError, match="spin_us"):
+        K.set_spin_us(-1)
+    K.set_spin_us(None)
+    assert K.spin_us() == K.DEFAULT_SPIN_US
+    code = "from colibri import kernels; print(kernels.spin_us())"
+    for value, ok in (("0", True), ("250", True), ("soon", False), ("-3", False)):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=run_env, timeout=120, cwd=tmp_path)
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.strip() == expect
+                             env={**__import__("os").environ, "COLIBRI_SPIN_US": value},
+                             timeout=120, cwd=tmp_path)
+        if ok:
+            assert res.returncode == 0 and res.stdout.strip() == value, res.stderr
+        else:
+            assert res.returncode != 0 and "COLIBRI_SPIN_US" in res.stderr
+
+
+def test_pool_more_threads_than_cores_and_limit():
+    """Threads beyond the cores (and beyond the work items) give the same bits; the pool's
+    limit is a clear error."""
+    rng = rng_for("pool", "oversubscribed")
+    w, _ = make_weight(rng, (203, 128), "q4", 32)
+    x = rng.standard_normal((5, 128)).astype(F32)
+    y1 = K.linear(x, w, threads=1)
+    for n in (7, 16, 64):
+        assert np.array_equal(K.linear(x, w, threads=n), y1), n
+    small, _ = make_weight(rng, (2, 128), "q8", 32)
+    assert np.array_equal(K.linear(x, small, threads=8), K.linear(x, small, threads=1))
+    with pytest.raises(ValueError, match=r"threads must be in 1\.\.64, found 65"):
+        K.linear(x, w, threads=65)
+
+
+def test_pool_concurrent_callers():
+    """Python threads calling kernels at once (the GIL is released inside): one uses the
+    workers, the others run alone; every result is exact."""
+    import threading
+    rng = rng_for("pool", "concurrent")
+    D, I = 64, 96
+    wg, wu, wd = make_experts(rng, 4, D, I, ("q4",) * 3, 32)
+    w, _ = make_weight(rng, (517, D), "q8", 32)
+    x = rng.standard_normal((6, D)).astype(F32)
+    ids = np.argsort(rng.random((6, 4)), axis=1)[:, :2].astype(np.int32)
+    weights = rng.random((6, 2)).astype(F32)
+    want = (K.linear(x, w, threads=1), K.expert_ffn(x, ids, weights, wg, wu, wd, threads=1))
+    bad = []
+
+    def work(n):
+        for i in range(60):
+            got = (K.linear(x, w, threads=n, activations="int8" if i % 3 == 2 else "f32"),
+                   K.expert_ffn(x, ids, weights, wg, wu, wd, threads=n))
+            if i % 3 != 2 and not (np.array_equal(got[0], want[0])
+                                   and np.array_equal(got[1], want[1])):
+                bad.append((n, i))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in (2, 2, 3, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads) and not bad, bad
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork()")
+def test_pool_after_fork():
+    """A child forked after the pool started has no workers: its kernels still run (on new
+    workers) and give the same bits; it must not hang on the parent's."""
+    import os
+    rng = rng_for("pool", "fork")
+    w, _ = make_weight(rng, (203, 128), "q4", 32)
+    x = rng.standard_normal((5, 128)).astype(F32)
+    y = K.linear(x, w, threads=2)                    # the parent's workers exist now
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                      # child: one byte, 1 = same bits
+        try:
+            ok = np.array_equal(K.linear(x, w, threads=2), y)
+            os.write(wfd, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    got = os.read(r, 1)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert got == b"1" and os.waitstatus_to_exitcode(status) == 0
 
 
 def test_default_threads(monkeypatch):
