@@ -155,6 +155,12 @@ def test_spin_us_setting_and_env(tmp_path):
             assert res.returncode != 0 and "COLIBRI_SPIN_US" in res.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX threads build")
+def test_build_has_the_thread_pool():
+    """A Linux build must have the pool (COLIBRI_NO_THREADS=1 is the only way to lose it)."""
+    assert _kernels.threaded()
+
+
 def test_pool_more_threads_than_cores_and_limit():
     """Threads beyond the cores (and beyond the work items) give the same bits; the pool's
     limit is a clear error."""
