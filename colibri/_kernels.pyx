@@ -1178,9 +1178,14 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
             one_pass = max_tokens <= COLIBRI_MAX_NT       # each expert's tokens in one pass
             f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, align_gu, one_pass)
             f.nt_gu = (I + f.tr_gu - 1) // f.tr_gu
+            # down tiles: sized by one expert's rows (each expert's token passes reuse its
+            # part of the tile from cache); never below 16 rows, so that the combine reads
+            # whole lines of og and y (it walks every token's K rows of the tile)
             f.tr_dn = _tile_rows(D, _GEMM_TILE_ROW_BYTES if gbytes and gemm_dn
-                                 else d.row_stride * n_active,
+                                 else d.row_stride,
                                  nth, align_dn, one_pass)
+            if f.tr_dn < 16 and D >= 16 * 4 * nth:
+                f.tr_dn = 16
             n_gu = n_active * f.nt_gu
             n_dn = (D + f.tr_dn - 1) // f.tr_dn
             _ffn_run(&f, n_gather, n_gu, n_dn, nth)
