@@ -102,6 +102,11 @@ cdef extern from "_simd.h" nogil:
                                      float *panel) noexcept nogil
     colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
 
+cdef extern from "_attend.h" nogil:
+    void colibri_attend(int isa, const float *q, int G, int Dh, const float *k, const float *v,
+                        Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale, float *s,
+                        float *out, int h0, int h1)
+
 # The thread pool (_pool.h): colibri_pool_run(nth, fn, ctx, n) calls fn(ctx, i) for i < n on
 # up to nth threads and returns when all have returned; colibri_worker_num() is the running
 # thread's number (0..nth-1), which picks its slice of per-thread scratch.
@@ -1269,6 +1274,71 @@ def dequantize(w, Py_ssize_t expert, int threads):
     with nogil:
         colibri_pool_run(threads, _dequant_task, &job, m.rows)
     return out
+
+
+# =============================================================================================
+# decode attention: one token's query heads over a KV cache slice (_attend.h)
+
+ctypedef struct AttendJob:
+    # work item g = the G query heads of kv head g
+    const float *q
+    const float *k
+    const float *v
+    float *out
+    float *s                    # n floats of score scratch per thread
+    Py_ssize_t hs, rs, n
+    int G, Dh, isa
+    float scale
+
+
+cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:
+    cdef const AttendJob *j = <const AttendJob *>ctx
+    colibri_attend(j.isa, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
+                   j.s + colibri_worker_num() * j.n, j.out, <int>(g * j.G),
+                   <int>((g + 1) * j.G))
+
+
+def attend_decode(const float[:, ::1] q, const float[:, :, :] k, const float[:, :, :] v,
+                  float scale, float[:, ::1] out, int threads):
+    """out (H, Dh) = softmax(scale * q k^T) v per head; q (H, Dh), k and v (Hkv, n, Dh)
+    float32 (rows contiguous, heads and positions strided), H a multiple of Hkv."""
+    _check_threads(threads)
+    cdef Py_ssize_t H = q.shape[0], Dh = q.shape[1], Hkv = k.shape[0], n = k.shape[1]
+    if k.shape[2] != Dh or v.shape[0] != Hkv or v.shape[1] != n or v.shape[2] != Dh:
+        raise ValueError(f"attend_decode: k ({k.shape[0]}, {k.shape[1]}, {k.shape[2]}) and v "
+                         f"({v.shape[0]}, {v.shape[1]}, {v.shape[2]}) must both be "
+                         f"(Hkv, n, {Dh}) for q of shape ({H}, {Dh})")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"attend_decode: {H} query heads are not a multiple of {Hkv} kv heads")
+    if n < 1:
+        raise ValueError("attend_decode: no position to attend to (n = 0)")
+    if out.shape[0] != H or out.shape[1] != Dh:
+        raise ValueError(f"attend_decode: out has shape ({out.shape[0]}, {out.shape[1]}), "
+                         f"expected ({H}, {Dh})")
+    if (k.strides[1] != v.strides[1] or k.strides[0] != v.strides[0] or k.strides[2] != 4
+            or v.strides[2] != 4 or k.strides[1] % 4 or k.strides[0] % 4):
+        raise ValueError("attend_decode: k and v must have the same strides, rows contiguous")
+    cdef const char *q0 = <const char *>&q[0, 0]
+    cdef const char *o0 = <const char *>&out[0, 0]
+    if q0 < o0 + 4 * H * Dh and o0 < q0 + 4 * H * Dh:
+        raise ValueError("attend_decode: out must not overlap q")
+    if Dh == 0:
+        return
+    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
+    if nth > Hkv:
+        nth = <int>Hkv
+    cdef float *scratch = <float *>malloc(4 * nth * n)
+    if scratch == NULL:
+        raise MemoryError(f"attend_decode: no memory for {nth} x {n} scores")
+    cdef AttendJob job
+    job.q, job.k, job.v, job.out, job.s = &q[0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0], scratch
+    job.hs, job.rs, job.n = k.strides[0] // 4, k.strides[1] // 4, n
+    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
+    try:
+        with nogil:
+            colibri_pool_run(nth, _attend_task, &job, Hkv)
+    finally:
+        free(scratch)
 
 
 # =============================================================================================

@@ -331,3 +331,15 @@ def swiglu_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef", w_down: "W
     Wg, Wu, Wd = (dequantize_ref(w).astype(np.float64) for w in (w_gate, w_up, w_down))
     h = silu_ref(x64 @ Wg.T) * (x64 @ Wu.T)                            # (T, I)
     return (h @ Wd.T).astype(np.float32)
+
+
+def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """float64 softmax attention of one token: q (H, Dh), k / v (Hkv, n, Dh) -> (H, Dh);
+    head h reads kv head h // (H / Hkv)."""
+    q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    g = q64.shape[0] // k64.shape[0]
+    kh, vh = np.repeat(k64, g, axis=0), np.repeat(v64, g, axis=0)          # (H, n, Dh)
+    s = np.einsum("hd,hnd->hn", q64, kh) * float(scale)
+    s = np.exp(s - s.max(axis=1, keepdims=True))
+    p = s / s.sum(axis=1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vh)

@@ -12,9 +12,11 @@ The projections are callables (x (N, C) -> (N, R)) supplied by the model, so thi
 nothing about weight formats or kernels.
 
 Decode fast path: Attention.decode runs one token of one sequence through a KV cache when no
-slot is padding, with the same operations on the same shapes as __call__ (so the same bits)
-but no mask (a sliding window is a view of the last slots), q/k/v in one buffer, RoPE in place
-and every intermediate in a DecodeWork preallocated once per cache.
+slot is padding: no mask (a sliding window is a view of the last slots), q/k/v in one buffer,
+RoPE in place and every intermediate in a DecodeWork preallocated once per cache. The
+attention over the cache is the `attend_one` callable the model supplies (its compiled
+kernel: within ~1e-6 of __call__'s NumPy maths, not bit for bit), or, without one, __call__'s
+own operations on the same shapes (the same bits).
 
 Shape alphabet: B batch, T new tokens, L keys attended (cache length + T), D hidden,
 H / Hkv heads, G = H / Hkv, Dh head dim, R rotary dims.
@@ -288,6 +290,9 @@ class Attention:
     clip_qkv: float | None = None
     window: int | None = None                  # sliding window (slots), None = full attention
     wqkv: Projection | None = None
+    # the decode fast path's attention over the cache, (q (H, Dh), k, v (Hkv, L, Dh), scale,
+    # out (H, Dh)) -> out: supplied by the model (a compiled kernel); None: NumPy (_attend_one)
+    attend_one: Callable[..., np.ndarray] | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -352,10 +357,12 @@ class Attention:
         (1, D); cos/sin float32 (R/2,) of the token's position (Rope.cos_sin(pos)[0, 0, 0]); the
         key and value go to slot cache.length. The result is w.o, valid until the next call.
 
-        The operations are __call__'s, on the same shapes (one matmul per query head), so the
-        result is bit-identical to it, except with a sliding window shorter than the context:
-        there the hidden slots are left out instead of masked to exp(-inf) = 0, which changes
-        the order of the softmax and value sums (rounding, ~1e-7 relative). (A score that
+        With attend_one (the model's compiled kernel) the attention over the cache sums in
+        its own order: within ~1e-6 relative of __call__. Without it the operations are
+        __call__'s, on the same shapes (one matmul per query head), so the result is
+        bit-identical to it, except with a sliding window shorter than the context: there
+        the hidden slots are left out instead of masked to exp(-inf) = 0, which changes the
+        order of the softmax and value sums (rounding, ~1e-7 relative). (A score that
         overflows to inf makes its head NaN in both paths; the masked path's guard of the max
         only matters for fully masked rows, which this path never has.)
         """
@@ -391,19 +398,28 @@ class Attention:
         n = cache.length + 1                              # slots attended, the new one included
         start = n - self.window if self.window and n > self.window else 0
         k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)         # (Hkv, L, Dh)
-        s = w.scores(n - start)                                             # (Hkv, G, 1, L)
-        np.matmul(w.q_groups, k[:, None].swapaxes(2, 3), out=s)
-        np.multiply(s, w.scale, out=s)
-        np.maximum.reduce(s, axis=-1, keepdims=True, out=w.top)
-        np.subtract(s, w.top, out=s)
-        np.exp(s, out=s)
-        np.add.reduce(s, axis=-1, keepdims=True, out=w.denom)
-        np.true_divide(s, w.denom, out=s)
-        np.matmul(s, v[:, None], out=w.att)                                 # (Hkv, G, 1, Dh)
+        if self.attend_one is not None:                   # one call, the cache read in place
+            self.attend_one(w.q_heads, k, v, w.scale, out=w.att_heads)      # (H, Dh)
+        else:
+            _attend_one(w, k, v, n - start)
         if w.proj_out:
             return self.wo(w.att_row, out=w.o)
         w.o[...] = self.wo(w.att_row)
         return w.o
+
+
+def _attend_one(w: "DecodeWork", k: np.ndarray, v: np.ndarray, n: int) -> None:
+    """w.att = softmax(scale * q k^T) v for the token's query heads (w.q_groups) over n
+    cached keys / values k, v (Hkv, n, Dh), in NumPy (__call__'s operations, no mask)."""
+    s = w.scores(n)                                                     # (Hkv, G, 1, n)
+    np.matmul(w.q_groups, k[:, None].swapaxes(2, 3), out=s)
+    np.multiply(s, w.scale, out=s)
+    np.maximum.reduce(s, axis=-1, keepdims=True, out=w.top)
+    np.subtract(s, w.top, out=s)
+    np.exp(s, out=s)
+    np.add.reduce(s, axis=-1, keepdims=True, out=w.denom)
+    np.true_divide(s, w.denom, out=s)
+    np.matmul(s, v[:, None], out=w.att)                                 # (Hkv, G, 1, Dh)
 
 
 def _rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, sq: np.ndarray,
@@ -465,6 +481,7 @@ class DecodeWork:
         self.denom = np.empty((Hkv, G, 1, 1), f32)
         self.att = np.empty((Hkv, G, 1, Dh), f32)       # head h = kv_head * G + g, as attend
         self.att_row = self.att.reshape(1, nq)
+        self.att_heads = self.att.reshape(H, Dh)
 
     def scores(self, n: int) -> np.ndarray:
         """A contiguous (Hkv, G, 1, n) view of the score buffer (kept while n stays the same)."""

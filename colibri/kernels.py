@@ -50,7 +50,7 @@ __all__ = [
     "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
     "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
-    "DEFAULT_SPIN_US", "pool_backoffs",
+    "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode",
 ]
 
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
@@ -528,6 +528,44 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     x = _f32("x", x, (2,))
     return _kernels.quantize_activations(x)
+
+
+def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
+                  out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
+    """Attention of one new token over a KV cache slice (the decode fast path).
+
+    Parameters
+    ----------
+    q : float32 (H, Dh), the token's query heads (after RoPE)
+    k, v : float32 (Hkv, n, Dh), the keys and values attended (n >= 1), rows contiguous,
+        heads and positions may be strided (a slice of a cache is read in place); H must be
+        a multiple of Hkv: query head h reads kv head h // (H / Hkv)
+    scale : float, the score scale (usually Dh ** -0.5)
+    out : float32 (H, Dh) to write into (not overlapping q), or None
+    threads : int or None; parallel over kv heads when the work is large (long contexts)
+
+    Returns
+    -------
+    out : float32 (H, Dh), out[h] = softmax_j(scale * q[h] . k[g, j]) @ v[g], g = h // G
+
+    Notes
+    -----
+    One pass per head in C (_attend.h): scores, max, exp, sum, weighted values; no mask (the
+    caller passes only the positions attended). The scalar and AVX2 paths agree to ~1e-6
+    relative (the AVX2 exp is a polynomial); each gives the same bits for any thread count.
+    """
+    q = _f32("q", q, (2,))
+    k = np.asarray(k)
+    v = np.asarray(v)
+    for name, a in (("k", k), ("v", v)):
+        if a.dtype != np.float32 or a.ndim != 3:
+            raise ValueError(f"{name} must be float32 (Hkv, n, Dh), found {a.dtype} with "
+                             f"shape {a.shape}")
+    if k.strides[2] != 4 or v.strides != k.strides:       # rows must be contiguous
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    y = _out(out, q.shape)
+    _kernels.attend_decode(q, k, v, float(scale), y, _threads(threads))
+    return y
 
 
 def dequantize(w: WeightRef, expert: int = 0, *, threads: int | None = None) -> np.ndarray:

@@ -19,6 +19,7 @@ L keys attended, G scale groups.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -286,7 +287,8 @@ class Model:
                 eps=self.eps, qk_norm=qk_norm,
                 q_norm=_vector(f, p + "attn.q_norm") if qk_norm != "none" else None,
                 k_norm=_vector(f, p + "attn.k_norm") if qk_norm != "none" else None,
-                clip_qkv=a.get("clip_qkv"), window=w, wqkv=_fused_linear((wq, wk, wv), t))
+                clip_qkv=a.get("clip_qkv"), window=w, wqkv=_fused_linear((wq, wk, wv), t),
+                attend_one=functools.partial(kernels.attend_decode, threads=t))
             if i in moe:
                 E = int(a["num_experts"])
                 shared = None

@@ -2,8 +2,11 @@
 
 A step of one token of one sequence through a cache with no padding takes the fast path
 (Model.fast_decode; Attention.decode, DecodeWork): no mask, buffers reused, the residual
-stream updated in place. It performs the general path's operations on the same shapes, so
-the logits and the routing are bit-identical, for every family's attention variant (plain,
+stream updated in place, the attention over the cache in one compiled call
+(kernels.attend_decode, its own summation order). With that kernel the logits are within
+FAST_TOL of the general path's and the routing is the same; with the NumPy attention instead
+(attend_one None) the fast path performs the general path's operations on the same shapes,
+so logits and routing are bit-identical, for every family's attention variant (plain,
 biased q/k/v, per-head and full q/k norms with clip_qkv) and weight format; only past a
 sliding window (hidden slots left out instead of masked to zero) do the sums round
 differently: 1e-5 of the largest logit there. The fused q/k/v projection (one kernel call over
@@ -29,6 +32,7 @@ CASES = {name: (name, {}) for name in FAMILY_NAMES} | {
 FORMATS = {"f32": dict(dtype="f32"),
            "q4-all": dict(dtype="f32", quant="q4", quantize="experts,shared,attn,head,dense")}
 WINDOW_TOL = 1e-5
+FAST_TOL = 1e-5          # relative to the largest logit: the compiled attention's rounding
 PROMPT, STEPS = 5, 9
 
 
@@ -62,8 +66,26 @@ def _windowed(m) -> bool:
     return any(layer.attn.window and PROMPT + STEPS > layer.attn.window for layer in m.layers)
 
 
-def test_fast_path_equals_general_path(model, monkeypatch):
+def test_fast_path_with_the_attention_kernel_matches_general_path(model, monkeypatch):
     m = model
+    assert all(layer.attn.attend_one is not None for layer in m.layers)
+    tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
+    fast, fast_traces, fast_cache = _run(m, tokens, True, monkeypatch)
+    slow, slow_traces, slow_cache = _run(m, tokens, False, monkeypatch)
+    assert "decode" in fast_cache.scratch
+    err = float(np.abs(fast - slow).max() / np.abs(slow).max())
+    assert err <= FAST_TOL, err
+    for a, b in zip(fast_traces, slow_traces):
+        for x, y in zip(a.ids, b.ids):
+            np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(fast_cache.pos, slow_cache.pos)
+
+
+def test_fast_path_equals_general_path(model, monkeypatch):
+    """With the NumPy attention (no kernel) the fast path is bit-identical."""
+    m = model
+    for layer in m.layers:
+        monkeypatch.setattr(layer.attn, "attend_one", None)
     tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
     fast, fast_traces, fast_cache = _run(m, tokens, True, monkeypatch)
     slow, slow_traces, slow_cache = _run(m, tokens, False, monkeypatch)
