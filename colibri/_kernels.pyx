@@ -44,7 +44,7 @@ scratch arrays; a concurrent second caller (another Python thread) gets a fresh 
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size, NT tokens per pass.
-Sections: weights and ISA, linear, routing, dispatch, FFN, dequant, bandwidth.
+Sections: weights and ISA, linear, routing, dispatch, FFN, dequant, decode attention, bandwidth.
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
