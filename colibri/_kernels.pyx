@@ -1285,7 +1285,7 @@ ctypedef struct AttendJob:
     const float *k
     const float *v
     float *out
-    float *s                    # n floats of score scratch per thread
+    float *s                    # G * n floats of score scratch per thread
     Py_ssize_t hs, rs, n
     int G, Dh, isa
     float scale
@@ -1294,7 +1294,7 @@ ctypedef struct AttendJob:
 cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:
     cdef const AttendJob *j = <const AttendJob *>ctx
     colibri_attend(j.isa, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
-                   j.s + colibri_worker_num() * j.n, j.out, <int>(g * j.G),
+                   j.s + colibri_worker_num() * j.n * j.G, j.out, <int>(g * j.G),
                    <int>((g + 1) * j.G))
 
 
@@ -1327,7 +1327,7 @@ def attend_decode(const float[:, ::1] q, const float[:, :, :] k, const float[:, 
     cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
     if nth > Hkv:
         nth = <int>Hkv
-    cdef float *scratch = <float *>malloc(4 * nth * n)
+    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
     if scratch == NULL:
         raise MemoryError(f"attend_decode: no memory for {nth} x {n} scores")
     cdef AttendJob job
