@@ -140,6 +140,25 @@ class RouteTopk:
         K.route_topk(self.logits, self.k, norm_topk_prob=True, threads=self.threads)
 
 
+class AttendDecode:
+    """One token's attention over a KV cache slice (the decode fast path), mixtral-mini heads
+    (16 query / 4 kv heads, Dh 64), as the model passes it: a strided view of a larger cache."""
+    params = ([32, 1024, 4096], list(ISAS), list(THREADS))
+    param_names = ["keys", "isa", "threads"]
+
+    def setup(self, keys, isa, threads):
+        use(isa, threads)
+        rng = np.random.default_rng(6)
+        self.q = rng.standard_normal((16, 64)).astype(np.float32)
+        self.k = rng.standard_normal((4, keys + 64, 64)).astype(np.float32)[:, :keys]
+        self.v = rng.standard_normal((4, keys + 64, 64)).astype(np.float32)[:, :keys]
+        self.out = np.empty((16, 64), np.float32)
+        self.threads = threads
+
+    def time_attend_decode(self, keys, isa, threads):
+        K.attend_decode(self.q, self.k, self.v, 0.125, out=self.out, threads=self.threads)
+
+
 class Dequantize:
     params = (["q4", "q8"],)
     param_names = ["format"]
