@@ -211,7 +211,21 @@ COLIBRI_AVX2_FN void colibri_attend_avx2(const float *q, int G, int Dh, const fl
             for (h = 0; h < G; h++) {
                 const float *sh = s + h * n;
                 float *oh = out + (ptrdiff_t)(g * G + h) * Dh;
-                for (i = 0; i + 32 <= Dh; i += 32) {
+                for (i = 0; i + 64 <= Dh; i += 64) {    /* 8 independent FMA chains */
+                    __m256 o[8];
+                    int c;
+                    for (c = 0; c < 8; c++) o[c] = _mm256_loadu_ps(oh + i + 8 * c);
+                    for (j = jb; j < je; j++) {
+                        const __m256 p = _mm256_broadcast_ss(sh + j);
+                        const float *vj = vg + j * rs + i;
+                        if (h == 0 && i == 0)
+                            colibri_prefetch_rows(vg, j + COLIBRI_ATTEND_AHEAD, 1, n, rs, Dh);
+                        for (c = 0; c < 8; c++)
+                            o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), o[c]);
+                    }
+                    for (c = 0; c < 8; c++) _mm256_storeu_ps(oh + i + 8 * c, o[c]);
+                }
+                for (; i + 32 <= Dh; i += 32) {
                     __m256 o0 = _mm256_loadu_ps(oh + i), o1 = _mm256_loadu_ps(oh + i + 8);
                     __m256 o2 = _mm256_loadu_ps(oh + i + 16), o3 = _mm256_loadu_ps(oh + i + 24);
                     for (j = jb; j < je; j++) {
