@@ -399,6 +399,9 @@ def get_min_parallel_bytes():
     return _min_bytes
 
 
+MAX_THREADS = COLIBRI_POOL_MAX_THREADS     # the thread pool's limit
+
+
 def set_spin_us(int us):
     """How long (microseconds) an idle pool worker spins before it sleeps; >= 0."""
     global colibri_pool_spin_us

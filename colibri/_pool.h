@@ -7,8 +7,9 @@
  * that spin make every join wait for a worker the OS has descheduled when the cores are
  * shared (the same decode fell to a quarter with a busy neighbour process).
  * This pool keeps the good half of each: workers spin for a short while after a job (so the
- * jobs of one decode step find them awake), then sleep; and the caller never waits for a
- * worker to join: it claims work items itself and returns as soon as every item is done. A
+ * jobs of one decode step find them awake), then sleep (each on its own condition variable:
+ * a job wakes only the workers it uses, so a call on many threads leaves no crowd to wake
+ * for later calls on few); and the caller never waits for a worker to join: it claims work items itself and returns as soon as every item is done. A
  * late worker (asleep, or descheduled) finds nothing left and costs nothing; only an item a
  * worker has started is waited for, and the waiting caller yields its core to it.
  *
@@ -19,10 +20,10 @@
  * Python thread) runs its job alone on its own thread. fn must not call the pool.
  *
  * Claiming: one 64-bit word holds the job's generation, thread count, item count and next
- * item (12 | 6 | 23 | 23 bits); a thread claims item i by a compare-and-swap of that word
+ * item (11 | 7 | 23 | 23 bits); a thread claims item i by a compare-and-swap of that word
  * from (job, next = i) to (job, i + 1), and only then reads fn and ctx: while an item of a
  * job is unfinished, the caller does not publish the next job, so they are that job's.
- * (A word seen again after 4096 jobs is the same job state, so claiming from it is right.)
+ * (A word seen again after 2048 jobs is the same job state, so claiming from it is right.)
  *
  * Builds without POSIX threads (Windows, or COLIBRI_NO_THREADS) run every job on the caller.
  */
@@ -34,7 +35,7 @@
 
 typedef void (*colibri_task_fn)(void *ctx, ptrdiff_t item);
 
-#define COLIBRI_POOL_MAX_THREADS 64          /* 6 bits of the state word */
+#define COLIBRI_POOL_MAX_THREADS 127         /* 7 bits of the state word */
 #define COLIBRI_POOL_MAX_ITEMS ((ptrdiff_t)1 << 23)
 
 #if !defined(COLIBRI_NO_THREADS) && !defined(_WIN32) && (defined(__GNUC__) || defined(__clang__))
@@ -59,15 +60,15 @@ static __thread int colibri_tls_worker = 0;
 
 #define COLIBRI_ST_NEXT(s) ((ptrdiff_t)((s) & 0x7FFFFF))
 #define COLIBRI_ST_N(s) ((ptrdiff_t)(((s) >> 23) & 0x7FFFFF))
-#define COLIBRI_ST_NTH(s) ((int)(((s) >> 46) & 63))
-#define COLIBRI_ST_GEN(s) ((uint32_t)((s) >> 52))
+#define COLIBRI_ST_NTH(s) ((int)(((s) >> 46) & 127))
+#define COLIBRI_ST_GEN(s) ((uint32_t)((s) >> 53))
 #define COLIBRI_ST_PACK(gen, nth, n) \
-    (((uint64_t)(gen) << 52) | ((uint64_t)(nth) << 46) | ((uint64_t)(n) << 23))
+    (((uint64_t)(gen) << 53) | ((uint64_t)(nth) << 46) | ((uint64_t)(n) << 23))
 
 static struct {
     uint64_t state;              /* atomic: the packed job word */
     ptrdiff_t done;              /* atomic: items of the current job that have returned */
-    int sleepers;                /* atomic: workers blocked on cv */
+    int sleeping[COLIBRI_POOL_MAX_THREADS];   /* atomic: worker w blocked on cv[w] */
     colibri_task_fn fn;          /* the current job, written before its state word */
     void *ctx;
     ptrdiff_t base;              /* item offset of the current chunk of a long job */
@@ -75,10 +76,10 @@ static struct {
     uint32_t gen;
     pthread_mutex_t run_mu;      /* held by the one caller that uses the workers */
     pthread_mutex_t mu;          /* sleep / wake */
-    pthread_cond_t cv;
-    int atfork;
-} colibri_pool = {0, 0, 0, NULL, NULL, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER,
-                  PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    pthread_cond_t cv[COLIBRI_POOL_MAX_THREADS];  /* one per worker: a job wakes only its own */
+    int ready;                   /* cv initialised, fork handler installed */
+} colibri_pool = {0, 0, {0}, NULL, NULL, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER,
+                  PTHREAD_MUTEX_INITIALIZER};
 
 static inline void colibri_cpu_relax(void)
 {
@@ -129,12 +130,14 @@ static void *colibri_pool_worker(void *arg)
     uint32_t seen = COLIBRI_ST_GEN(__atomic_load_n(&colibri_pool.state, __ATOMIC_ACQUIRE));
     int64_t calm_from = 0;          /* no spinning before this time (ns) */
     int64_t spun = 0, lost = 0;     /* spin wall time, and the part spent off the CPU */
+    int wanted = 1;                 /* the last job had work for this worker */
     colibri_tls_worker = me;
     for (;;) {
         uint64_t s = __atomic_load_n(&colibri_pool.state, __ATOMIC_ACQUIRE);
         const int spin_us = __atomic_load_n(&colibri_pool_spin_us, __ATOMIC_RELAXED);
         int64_t now;
-        if (COLIBRI_ST_GEN(s) == seen && spin_us > 0 && (now = colibri_now_ns()) >= calm_from) {
+        if (COLIBRI_ST_GEN(s) == seen && wanted && spin_us > 0 &&
+            (now = colibri_now_ns()) >= calm_from) {
             /* Spin a while: the next job of a decode step comes within microseconds. A
              * spinning thread that spends a good part of its spin off the CPU is competing
              * for oversubscribed cores (other busy processes): it takes CPU from them and
@@ -162,17 +165,22 @@ static void *colibri_pool_worker(void *arg)
             }
         }
         if (COLIBRI_ST_GEN(s) == seen) {
-            /* then sleep; the caller checks sleepers after publishing (both seq_cst) */
+            /* then sleep until a job for this worker; the caller checks sleeping[me] after
+             * publishing (both seq_cst), and signals only the workers its job uses */
             pthread_mutex_lock(&colibri_pool.mu);
-            __atomic_fetch_add(&colibri_pool.sleepers, 1, __ATOMIC_SEQ_CST);
-            while (COLIBRI_ST_GEN(s = __atomic_load_n(&colibri_pool.state, __ATOMIC_SEQ_CST))
-                   == seen)
-                pthread_cond_wait(&colibri_pool.cv, &colibri_pool.mu);
-            __atomic_fetch_sub(&colibri_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            __atomic_store_n(&colibri_pool.sleeping[me], 1, __ATOMIC_SEQ_CST);
+            for (;;) {
+                s = __atomic_load_n(&colibri_pool.state, __ATOMIC_SEQ_CST);
+                if (COLIBRI_ST_GEN(s) != seen && me < COLIBRI_ST_NTH(s))
+                    break;
+                pthread_cond_wait(&colibri_pool.cv[me], &colibri_pool.mu);
+            }
+            __atomic_store_n(&colibri_pool.sleeping[me], 0, __ATOMIC_SEQ_CST);
             pthread_mutex_unlock(&colibri_pool.mu);
         }
         seen = COLIBRI_ST_GEN(s);
-        if (me < COLIBRI_ST_NTH(s))
+        wanted = me < COLIBRI_ST_NTH(s);
+        if (wanted)
             colibri_pool_drain(seen);
     }
     return NULL;
@@ -183,20 +191,25 @@ static void colibri_pool_atfork_child(void)
 {
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    int w;
     colibri_pool.n_workers = 0;
-    colibri_pool.sleepers = 0;
     colibri_pool.run_mu = m;
     colibri_pool.mu = m;
-    colibri_pool.cv = c;
+    for (w = 0; w < COLIBRI_POOL_MAX_THREADS; w++) {
+        colibri_pool.sleeping[w] = 0;
+        colibri_pool.cv[w] = c;
+    }
     colibri_tls_worker = 0;
 }
 
 /* Start workers up to number nth - 1 (called with run_mu held); returns the threads usable. */
 static int colibri_pool_grow(int nth)
 {
-    if (!colibri_pool.atfork) {
+    if (!colibri_pool.ready) {
+        int w;
+        for (w = 0; w < COLIBRI_POOL_MAX_THREADS; w++) pthread_cond_init(&colibri_pool.cv[w], NULL);
         pthread_atfork(NULL, NULL, colibri_pool_atfork_child);
-        colibri_pool.atfork = 1;
+        colibri_pool.ready = 1;
     }
     while (colibri_pool.n_workers < nth - 1) {
         pthread_t th;
@@ -235,17 +248,21 @@ static void colibri_pool_run(int nth, colibri_task_fn fn, void *ctx, ptrdiff_t n
     for (base = 0; base < n; base += COLIBRI_POOL_MAX_ITEMS) {
         const ptrdiff_t m = n - base < COLIBRI_POOL_MAX_ITEMS ? n - base
                                                                  : COLIBRI_POOL_MAX_ITEMS;
-        const uint32_t gen = colibri_pool.gen = (colibri_pool.gen + 1) & 0xFFF;
+        const uint32_t gen = colibri_pool.gen = (colibri_pool.gen + 1) & 0x7FF;
         unsigned k = 0;
         colibri_pool.fn = fn;
         colibri_pool.ctx = ctx;
         colibri_pool.base = base;
         __atomic_store_n(&colibri_pool.done, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&colibri_pool.state, COLIBRI_ST_PACK(gen, nth, m), __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&colibri_pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
-            pthread_mutex_lock(&colibri_pool.mu);
-            pthread_cond_broadcast(&colibri_pool.cv);
-            pthread_mutex_unlock(&colibri_pool.mu);
+        {
+            int w;
+            for (w = 1; w < nth; w++)
+                if (__atomic_load_n(&colibri_pool.sleeping[w], __ATOMIC_SEQ_CST)) {
+                    pthread_mutex_lock(&colibri_pool.mu);
+                    pthread_cond_signal(&colibri_pool.cv[w]);
+                    pthread_mutex_unlock(&colibri_pool.mu);
+                }
         }
         colibri_pool_drain(gen);
         /* every item is claimed: wait for the ones workers are running; after a short spin,

@@ -50,7 +50,7 @@ __all__ = [
     "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
     "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
-    "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode",
+    "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode", "MAX_THREADS",
 ]
 
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
@@ -237,14 +237,18 @@ def _physical_cores_in_mask() -> int:
     return max(1, min(len(cpus), round(len(cpus) * physical / logical)))
 
 
+MAX_THREADS: int = int(_kernels.MAX_THREADS)
+
+
 def default_threads() -> int:
     """Thread count for threads=None: COLIBRI_NUM_THREADS, else OMP_NUM_THREADS, else the
-    physical cores in this process's CPU affinity mask."""
+    physical cores in this process's CPU affinity mask, at most MAX_THREADS (the pool's
+    limit; an explicit larger count is an error)."""
     for var in ("COLIBRI_NUM_THREADS", "OMP_NUM_THREADS"):
         n = _env_threads(var)
         if n is not None:
             return n
-    return _physical_cores_in_mask()
+    return min(_physical_cores_in_mask(), MAX_THREADS)
 
 
 def _threads(threads: int | None) -> int:

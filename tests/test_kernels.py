@@ -168,12 +168,13 @@ def test_pool_more_threads_than_cores_and_limit():
     w, _ = make_weight(rng, (203, 128), "q4", 32)
     x = rng.standard_normal((5, 128)).astype(F32)
     y1 = K.linear(x, w, threads=1)
-    for n in (7, 16, 64):
+    for n in (7, 16, 64, K.MAX_THREADS):
         assert np.array_equal(K.linear(x, w, threads=n), y1), n
     small, _ = make_weight(rng, (2, 128), "q8", 32)
     assert np.array_equal(K.linear(x, small, threads=8), K.linear(x, small, threads=1))
-    with pytest.raises(ValueError, match=r"threads must be in 1\.\.64, found 65"):
-        K.linear(x, w, threads=65)
+    assert K.MAX_THREADS == 127
+    with pytest.raises(ValueError, match=r"threads must be in 1\.\.127, found 128"):
+        K.linear(x, w, threads=128)
 
 
 def test_pool_concurrent_callers():
