@@ -117,6 +117,7 @@ cdef extern from "_pool.h" nogil:
     int colibri_pool_threaded()
     int colibri_pool_spin_us
     long colibri_pool_backoffs
+    long colibri_pool_worker_items
     enum:
         COLIBRI_POOL_MAX_THREADS
 
@@ -414,6 +415,11 @@ def pool_backoffs():
     """Times a spinning worker found itself preempted (the cores shared with other busy
     processes) and stopped spinning for a while."""
     return colibri_pool_backoffs
+
+
+def pool_worker_items():
+    """Work items run by the pool's worker threads (not by the calling thread) so far."""
+    return colibri_pool_worker_items
 
 
 def get_spin_us():

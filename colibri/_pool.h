@@ -46,6 +46,7 @@ typedef void (*colibri_task_fn)(void *ctx, ptrdiff_t item);
 
 static int colibri_pool_spin_us = 500;      /* how long an idle worker spins before sleeping */
 static long colibri_pool_backoffs = 0;      /* times a worker stopped spinning (cores shared) */
+static long colibri_pool_worker_items = 0;  /* work items run by worker threads (not callers) */
 
 #if COLIBRI_POOL_THREADS
 
@@ -108,6 +109,8 @@ static void colibri_pool_drain(uint32_t gen)
                                          __ATOMIC_ACQUIRE))
             continue;                                   /* s now holds the current word */
         colibri_pool.fn(colibri_pool.ctx, colibri_pool.base + COLIBRI_ST_NEXT(s));
+        if (colibri_tls_worker != 0)
+            __atomic_fetch_add(&colibri_pool_worker_items, 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&colibri_pool.done, 1, __ATOMIC_RELEASE);
         s = __atomic_load_n(&colibri_pool.state, __ATOMIC_ACQUIRE);
     }

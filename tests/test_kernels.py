@@ -177,6 +177,21 @@ def test_pool_more_threads_than_cores_and_limit():
         K.linear(x, w, threads=128)
 
 
+@pytest.mark.skipif(not _kernels.threaded(), reason="a build without the thread pool")
+@pytest.mark.parametrize("threads", [2, 64, K.MAX_THREADS])
+def test_pool_workers_take_part(threads):
+    """The workers really run items, at every thread count the pool accepts (a count that
+    did not fit the pool's job word once left every item to the caller)."""
+    rng = rng_for("pool", "workers")
+    w, _ = make_weight(rng, (4096, 1024), "q4", 32)
+    x = rng.standard_normal((1, 1024)).astype(F32)
+    want = K.linear(x, w, threads=1)
+    before = _kernels.pool_worker_items()
+    for _ in range(20):
+        assert np.array_equal(K.linear(x, w, threads=threads), want)
+    assert _kernels.pool_worker_items() > before
+
+
 def test_pool_concurrent_callers():
     """Python threads calling kernels at once (the GIL is released inside): one uses the
     workers, the others run alone; every result is exact."""
