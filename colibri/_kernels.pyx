@@ -74,7 +74,8 @@ cdef extern from "_simd.h" nogil:
     int colibri_isa_supported(int isa)
     int colibri_isa_best()
     colibri_dot_fn colibri_dot_for(int isa, int fmt)
-    ctypedef void (*colibri_idot_fn)(const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
+    ctypedef void (*colibri_idot_fn)(const uint8_t *row0, Py_ssize_t row_stride,
+                                     Py_ssize_t nrows, Py_ssize_t cols, Py_ssize_t group,
                                      const int8_t *q, Py_ssize_t q_stride, const float *d,
                                      const int32_t *s, Py_ssize_t d_stride, int nt, float *out,
                                      Py_ssize_t out_stride) noexcept nogil
@@ -551,15 +552,16 @@ cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssiz
     t0 = 0
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < w.block else w.block
-        for r in range(r0, r1):
-            if w.int8:
-                w.idot(base + r * w.row_stride, C, w.group, a.q + t0 * a.qs, a.qs,
-                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, y + t0 * y_stride + r,
-                       y_stride)
-            else:
+        if w.int8:                                    # the whole tile in one call
+            w.idot(base + r0 * w.row_stride, w.row_stride, r1 - r0, C, w.group,
+                   a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
+                   y + t0 * y_stride + r0, y_stride)
+        else:
+            for r in range(r0, r1):
                 w.dot(base + r * w.row_stride, C, w.group, x + t0 * C, C,
                       xsum + t0 * ss, ss, nt, y + t0 * y_stride + r, y_stride)
-            if bias != NULL:
+        if bias != NULL:
+            for r in range(r0, r1):
                 for t in range(nt):
                     y[(t0 + t) * y_stride + r] += bias[r]
         t0 += nt
@@ -894,6 +896,9 @@ def group_by_expert(const int32_t[:, ::1] ids, Py_ssize_t n_experts):
 # =============================================================================================
 # FFN: h = silu(x W_gate.T) * (x W_up.T); y = h W_down.T
 
+cdef enum:
+    GATEUP_ROWS = 64            # int8 gate/up rows per kernel call (then the SiLU product)
+
 cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *x,
                        Py_ssize_t xs, Py_ssize_t n, const float *xsg, Py_ssize_t ssg,
                        const float *xsu, Py_ssize_t ssu, Act8 a, float *h, Py_ssize_t r0,
@@ -907,23 +912,43 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
         return
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
-    cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t
+    cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t, rb, re
     cdef float gv[COLIBRI_MAX_NT]
     cdef float uv[COLIBRI_MAX_NT]
+    cdef float ub[GATEUP_ROWS * COLIBRI_MAX_NT]
+    cdef float *ht
     cdef int nt, block = g.block if g.block < u.block else u.block
     t0 = 0
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < block else block
+        if g.int8 and u.int8:
+            # both on the int8 path: GATEUP_ROWS rows of gate (into h), then of up, per call
+            rb = r0
+            while rb < r1:
+                re = rb + GATEUP_ROWS if rb + GATEUP_ROWS < r1 else r1
+                g.idot(bg + rb * g.row_stride, g.row_stride, re - rb, D, g.group,
+                       a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
+                       h + t0 * I + rb, I)
+                u.idot(bu + rb * u.row_stride, u.row_stride, re - rb, D, u.group,
+                       a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
+                       ub, GATEUP_ROWS)
+                for t in range(nt):
+                    ht = h + (t0 + t) * I + rb
+                    for r in range(re - rb):
+                        ht[r] = colibri_silu(ht[r]) * ub[t * GATEUP_ROWS + r]
+                rb = re
+            t0 += nt
+            continue
         for r in range(r0, r1):
             if g.int8:
-                g.idot(bg + r * g.row_stride, D, g.group, a.q + t0 * a.qs, a.qs,
-                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
+                g.idot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, a.q + t0 * a.qs,
+                       a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
             else:
                 g.dot(bg + r * g.row_stride, D, g.group, x + t0 * xs, xs, xsg + t0 * ssg, ssg,
                       nt, gv, 1)
             if u.int8:
-                u.idot(bu + r * u.row_stride, D, u.group, a.q + t0 * a.qs, a.qs,
-                       a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
+                u.idot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, a.q + t0 * a.qs,
+                       a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
             else:
                 u.dot(bu + r * u.row_stride, D, u.group, x + t0 * xs, xs, xsu + t0 * ssu, ssu,
                       nt, uv, 1)

@@ -85,14 +85,17 @@ typedef void (*colibri_dot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t gro
                                const float *xsum, ptrdiff_t xsum_stride,
                                int nt, float *out, ptrdiff_t out_stride);
 
-/* The int8-activation row kernel: one q8/q4 weight row against nt token rows quantized by
- * colibri_quantize_row: q (token t at q + t * q_stride), d and s (at + t * d_stride).
- *   out[t * out_stride] = sum over blocks b of (s_g(b) * d_b) * isum_b,
- *   isum_b = sum over the block of code * q, an exact int32 (code: int8, or nibble - 8). */
-typedef void (*colibri_idot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                const int8_t *q, ptrdiff_t q_stride, const float *d,
-                                const int32_t *s, ptrdiff_t d_stride, int nt, float *out,
-                                ptrdiff_t out_stride);
+/* The int8-activation row kernel, over nrows consecutive q8/q4 weight rows (row i at row0 +
+ * i * row_stride) against nt token rows quantized by colibri_quantize_row: q (token t at q +
+ * t * q_stride), d and s (at + t * d_stride).
+ *   out[t * out_stride + i] = sum over blocks b of (s_g(b) * d_b) * isum_b   (row i),
+ *   isum_b = sum over the block of code * q, an exact int32 (code: int8, or nibble - 8).
+ * Several rows per call: the per-call setup (format and group dispatch, constants) is paid
+ * once per tile, not per row (about a quarter of the instructions of a 1024-column row). */
+typedef void (*colibri_idot_fn)(const uint8_t *row0, ptrdiff_t row_stride, ptrdiff_t nrows,
+                                ptrdiff_t cols, ptrdiff_t group, const int8_t *q,
+                                ptrdiff_t q_stride, const float *d, const int32_t *s,
+                                ptrdiff_t d_stride, int nt, float *out, ptrdiff_t out_stride);
 
 /* Tokens per pass of the int8 bodies: 4. Callgrind, 1024 x 4096, 12 tokens: q4 0.133
  * instructions per multiply-add with 4 per pass, 0.139 with 3; q8 0.220 vs 0.226 (a token's
@@ -422,22 +425,28 @@ static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t col
     }
 }
 
-static void colibri_idot_q8_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                   const int8_t *q, ptrdiff_t qs, const float *d,
-                                   const int32_t *s, ptrdiff_t ds, int nt, float *out,
-                                   ptrdiff_t os)
+static void colibri_idot_q8_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                   ptrdiff_t cols, ptrdiff_t group, const int8_t *q,
+                                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds,
+                                   int nt, float *out, ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)s;
-    colibri_idot_quant_scalar(COLIBRI_Q8, row, cols, group, q, qs, d, ds, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_idot_quant_scalar(COLIBRI_Q8, row0 + i * rs, cols, group, q, qs, d, ds, nt,
+                                  out + i, os);
 }
 
-static void colibri_idot_q4_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                   const int8_t *q, ptrdiff_t qs, const float *d,
-                                   const int32_t *s, ptrdiff_t ds, int nt, float *out,
-                                   ptrdiff_t os)
+static void colibri_idot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                   ptrdiff_t cols, ptrdiff_t group, const int8_t *q,
+                                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds,
+                                   int nt, float *out, ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)s;                  /* the scalar body subtracts the offset per element */
-    colibri_idot_quant_scalar(COLIBRI_Q4, row, cols, group, q, qs, d, ds, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_idot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, q, qs, d, ds, nt,
+                                  out + i, os);
 }
 
 /* Sum (mod 2^64) of a byte buffer as little-endian u64 words, plus the last n % 8 bytes
@@ -902,21 +911,27 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);
 }
 
+#define COLIBRI_IQUANT_ROWS(BODY, FMT, NT, MODE)                                            \
+    for (i = 0; i < nrows; i++)                                                             \
+        BODY(FMT, row0 + i * rs, cols, group, q, qs, d, s, ds, out + i, os, NT, MODE);
+
 #define COLIBRI_IQUANT_CASES(BODY, FMT, MODE)                                               \
     switch (nt) {                                                                           \
-    case 1: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 1, MODE); break;          \
-    case 2: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 2, MODE); break;          \
-    case 3: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 3, MODE); break;          \
-    default: BODY(FMT, row, cols, group, q, qs, d, s, ds, out, os, 4, MODE); break;         \
+    case 1: COLIBRI_IQUANT_ROWS(BODY, FMT, 1, MODE) break;                                  \
+    case 2: COLIBRI_IQUANT_ROWS(BODY, FMT, 2, MODE) break;                                  \
+    case 3: COLIBRI_IQUANT_ROWS(BODY, FMT, 3, MODE) break;                                  \
+    default: COLIBRI_IQUANT_ROWS(BODY, FMT, 4, MODE) break;                                 \
     }
 
-/* One entry point per format; the group size picks the scale MODE, nt the unrolled body. */
+/* One entry point per format; the group size picks the scale MODE, nt the unrolled body,
+ * and the row loop runs inside each (so the body's constants are set up once). */
 #define COLIBRI_DEF_IQUANT(NAME, FMT, ATTR, BODY)                                            \
-    ATTR void NAME(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group, const int8_t *q,   \
-                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds, int nt,   \
-                   float *out, ptrdiff_t os)                                                \
+    ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,     \
+                   ptrdiff_t group, const int8_t *q, ptrdiff_t qs, const float *d,         \
+                   const int32_t *s, ptrdiff_t ds, int nt, float *out, ptrdiff_t os)       \
     {                                                                                       \
         const ptrdiff_t bpg = group / 32;                                                   \
+        ptrdiff_t i;                                                                        \
         if (bpg == 1) {                                                                     \
             COLIBRI_IQUANT_CASES(BODY, FMT, 0)                                              \
         } else if (bpg & (bpg - 1)) {                                                       \
