@@ -67,7 +67,8 @@ cdef extern from "_simd.h" nogil:
         COLIBRI_Q4
         COLIBRI_MAX_NT
         COLIBRI_INT8_NT
-    ctypedef void (*colibri_dot_fn)(const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
+    ctypedef void (*colibri_dot_fn)(const uint8_t *row0, Py_ssize_t row_stride,
+                                    Py_ssize_t nrows, Py_ssize_t cols, Py_ssize_t group,
                                     const float *x, Py_ssize_t x_stride,
                                     const float *xsum, Py_ssize_t xsum_stride,
                                     int nt, float *out, Py_ssize_t out_stride) noexcept nogil
@@ -557,9 +558,8 @@ cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssiz
                    a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
                    y + t0 * y_stride + r0, y_stride)
         else:
-            for r in range(r0, r1):
-                w.dot(base + r * w.row_stride, C, w.group, x + t0 * C, C,
-                      xsum + t0 * ss, ss, nt, y + t0 * y_stride + r, y_stride)
+            w.dot(base + r0 * w.row_stride, w.row_stride, r1 - r0, C, w.group, x + t0 * C, C,
+                  xsum + t0 * ss, ss, nt, y + t0 * y_stride + r0, y_stride)
         if bias != NULL:
             for r in range(r0, r1):
                 for t in range(nt):
@@ -923,6 +923,7 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
         nt = <int>(n - t0) if n - t0 < block else block
         if g.int8 and u.int8:
             # both on the int8 path: GATEUP_ROWS rows of gate (into h), then of up, per call
+            # (the f32 bodies measured slower so: their rows stay interleaved, below)
             rb = r0
             while rb < r1:
                 re = rb + GATEUP_ROWS if rb + GATEUP_ROWS < r1 else r1
@@ -944,14 +945,14 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
                 g.idot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, a.q + t0 * a.qs,
                        a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
             else:
-                g.dot(bg + r * g.row_stride, D, g.group, x + t0 * xs, xs, xsg + t0 * ssg, ssg,
-                      nt, gv, 1)
+                g.dot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, x + t0 * xs, xs,
+                      xsg + t0 * ssg, ssg, nt, gv, 1)
             if u.int8:
                 u.idot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, a.q + t0 * a.qs,
                        a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
             else:
-                u.dot(bu + r * u.row_stride, D, u.group, x + t0 * xs, xs, xsu + t0 * ssu, ssu,
-                      nt, uv, 1)
+                u.dot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, x + t0 * xs, xs,
+                      xsu + t0 * ssu, ssu, nt, uv, 1)
             for t in range(nt):
                 h[(t0 + t) * I + r] = colibri_silu(gv[t]) * uv[t]
         t0 += nt

@@ -25,6 +25,8 @@
  * The row kernel ("dot"): one weight row against nt <= COLIBRI_MAX_NT token vectors, so a
  * row loaded (and dequantized, in registers) once serves several tokens:
  *   out[t * out_stride] = sum_c w[c] * x[t * x_stride + c]          for t < nt
+ * (Its entry points take a tile of nrows rows, row i at row0 + i * row_stride, out + i: the
+ * dispatch and setup are paid once per tile; each row is still the same body, same bits.)
  * q4 also takes xsum[t * xsum_stride + g] = sum of x over group g: the SIMD bodies fold the
  * -8 offset out of the inner loop, sum_c (q_c - 8) s x_c = s (sum_c q_c x_c - 8 sum_c x_c).
  * Every body computes one (row, token) output with the same operations in the same order
@@ -80,7 +82,8 @@ static inline int colibri_block_tokens(int fmt)
     return fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4 ? 3 : COLIBRI_MAX_NT;
 }
 
-typedef void (*colibri_dot_fn)(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
+typedef void (*colibri_dot_fn)(const uint8_t *row0, ptrdiff_t row_stride, ptrdiff_t nrows,
+                               ptrdiff_t cols, ptrdiff_t group,
                                const float *x, ptrdiff_t x_stride,
                                const float *xsum, ptrdiff_t xsum_stride,
                                int nt, float *out, ptrdiff_t out_stride);
@@ -334,28 +337,37 @@ static void colibri_dot_plain_scalar(int fmt, const uint8_t *row, ptrdiff_t cols
     }
 }
 
-static void colibri_dot_f32_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                   const float *x, ptrdiff_t xs, const float *xsum,
-                                   ptrdiff_t ss, int nt, float *out, ptrdiff_t os)
+static void colibri_dot_f32_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
+                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
+                                 ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)group; (void)xsum; (void)ss;
-    colibri_dot_plain_scalar(COLIBRI_F32, row, cols, x, xs, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_dot_plain_scalar(COLIBRI_F32, row0 + i * rs, cols, x, xs, nt, out + i, os);
 }
 
-static void colibri_dot_f16_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                   const float *x, ptrdiff_t xs, const float *xsum,
-                                   ptrdiff_t ss, int nt, float *out, ptrdiff_t os)
+static void colibri_dot_f16_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
+                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
+                                 ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)group; (void)xsum; (void)ss;
-    colibri_dot_plain_scalar(COLIBRI_F16, row, cols, x, xs, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_dot_plain_scalar(COLIBRI_F16, row0 + i * rs, cols, x, xs, nt, out + i, os);
 }
 
-static void colibri_dot_bf16_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                    const float *x, ptrdiff_t xs, const float *xsum,
-                                    ptrdiff_t ss, int nt, float *out, ptrdiff_t os)
+static void colibri_dot_bf16_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
+                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
+                                 ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)group; (void)xsum; (void)ss;
-    colibri_dot_plain_scalar(COLIBRI_BF16, row, cols, x, xs, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_dot_plain_scalar(COLIBRI_BF16, row0 + i * rs, cols, x, xs, nt, out + i, os);
 }
 
 static void colibri_dot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
@@ -381,20 +393,26 @@ static void colibri_dot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols
     }
 }
 
-static void colibri_dot_q8_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                  const float *x, ptrdiff_t xs, const float *xsum,
-                                  ptrdiff_t ss, int nt, float *out, ptrdiff_t os)
+static void colibri_dot_q8_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
+                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
+                                 ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)xsum; (void)ss;
-    colibri_dot_quant_scalar(COLIBRI_Q8, row, cols, group, x, xs, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_dot_quant_scalar(COLIBRI_Q8, row0 + i * rs, cols, group, x, xs, nt, out + i, os);
 }
 
-static void colibri_dot_q4_scalar(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,
-                                  const float *x, ptrdiff_t xs, const float *xsum,
-                                  ptrdiff_t ss, int nt, float *out, ptrdiff_t os)
+static void colibri_dot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
+                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
+                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
+                                 ptrdiff_t os)
 {
+    ptrdiff_t i;
     (void)xsum; (void)ss;     /* the scalar body subtracts the offset per element */
-    colibri_dot_quant_scalar(COLIBRI_Q4, row, cols, group, x, xs, nt, out, os);
+    for (i = 0; i < nrows; i++)
+        colibri_dot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, x, xs, nt, out + i, os);
 }
 
 /* int8 activations, the specification: per token, per 32-block, the exact integer dot of the
@@ -658,35 +676,44 @@ COLIBRI_AVX2_INLINE void colibri_dot_quant_avx2_body(const int fmt, const uint8_
 }
 
 /* One entry point per (format, path); the switch picks the body unrolled for nt tokens. */
+#define COLIBRI_PLAIN_ROWS(BODY, FMT, NT)                                                   \
+    for (i = 0; i < nrows; i++) BODY(FMT, row0 + i * rs, cols, x, xs, out + i, os, NT);
+
 #define COLIBRI_DEF_PLAIN(NAME, FMT, ATTR, BODY)                                             \
-    ATTR void NAME(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group, const float *x,    \
-                   ptrdiff_t xs, const float *xsum, ptrdiff_t ss, int nt, float *out,      \
-                   ptrdiff_t os)                                                            \
+    ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,     \
+                   ptrdiff_t group, const float *x, ptrdiff_t xs, const float *xsum,       \
+                   ptrdiff_t ss, int nt, float *out, ptrdiff_t os)                          \
     {                                                                                       \
+        ptrdiff_t i;                                                                        \
         (void)group; (void)xsum; (void)ss;                                                  \
         switch (nt) {                                                                       \
-        case 1: BODY(FMT, row, cols, x, xs, out, os, 1); break;                             \
-        case 2: BODY(FMT, row, cols, x, xs, out, os, 2); break;                             \
-        case 3: BODY(FMT, row, cols, x, xs, out, os, 3); break;                             \
-        default: BODY(FMT, row, cols, x, xs, out, os, 4); break;                            \
+        case 1: COLIBRI_PLAIN_ROWS(BODY, FMT, 1) break;                                     \
+        case 2: COLIBRI_PLAIN_ROWS(BODY, FMT, 2) break;                                     \
+        case 3: COLIBRI_PLAIN_ROWS(BODY, FMT, 3) break;                                     \
+        default: COLIBRI_PLAIN_ROWS(BODY, FMT, 4) break;                                    \
         }                                                                                   \
     }
 
 /* Quantized entry points: one body per nt, and per group == 32 (the default group: one
  * 32-element block per scale, straight-line) or any multiple of 32. */
+#define COLIBRI_QUANT_ROWS(BODY, FMT, NT, G32)                                              \
+    for (i = 0; i < nrows; i++)                                                             \
+        BODY(FMT, row0 + i * rs, cols, group, x, xs, xsum, ss, out + i, os, NT, G32);
+
 #define COLIBRI_QUANT_CASES(BODY, FMT, G32)                                                  \
     switch (nt) {                                                                           \
-    case 1: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 1, G32); break;           \
-    case 2: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 2, G32); break;           \
-    case 3: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 3, G32); break;           \
-    default: BODY(FMT, row, cols, group, x, xs, xsum, ss, out, os, 4, G32); break;          \
+    case 1: COLIBRI_QUANT_ROWS(BODY, FMT, 1, G32) break;                                    \
+    case 2: COLIBRI_QUANT_ROWS(BODY, FMT, 2, G32) break;                                    \
+    case 3: COLIBRI_QUANT_ROWS(BODY, FMT, 3, G32) break;                                    \
+    default: COLIBRI_QUANT_ROWS(BODY, FMT, 4, G32) break;                                   \
     }
 
 #define COLIBRI_DEF_QUANT(NAME, FMT, ATTR, BODY)                                             \
-    ATTR void NAME(const uint8_t *row, ptrdiff_t cols, ptrdiff_t group, const float *x,    \
-                   ptrdiff_t xs, const float *xsum, ptrdiff_t ss, int nt, float *out,      \
-                   ptrdiff_t os)                                                            \
+    ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,     \
+                   ptrdiff_t group, const float *x, ptrdiff_t xs, const float *xsum,       \
+                   ptrdiff_t ss, int nt, float *out, ptrdiff_t os)                          \
     {                                                                                       \
+        ptrdiff_t i;                                                                        \
         if (group == 32) {                                                                  \
             COLIBRI_QUANT_CASES(BODY, FMT, 1)                                               \
         } else {                                                                            \
