@@ -838,7 +838,8 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
                     _route_token(&logits[t, 0], E, k, rcode, norm_topk_prob, noisy, seed, t,
                                  p + t * E, key + t * E, &iv[t, 0], &wv[t, 0])
             else:
-                job.logits, job.E, job.k, job.rule, job.norm = &logits[0, 0], E, k, rcode, norm_topk_prob
+                job.logits, job.E, job.k = &logits[0, 0], E, k
+                job.rule, job.norm = rcode, norm_topk_prob
                 job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
                 job.ids, job.w = &iv[0, 0], &wv[0, 0]
                 colibri_pool_run(nth, _route_task, &job, T)

@@ -9,9 +9,10 @@
  * This pool keeps the good half of each: workers spin for a short while after a job (so the
  * jobs of one decode step find them awake), then sleep (each on its own condition variable:
  * a job wakes only the workers it uses, so a call on many threads leaves no crowd to wake
- * for later calls on few); and the caller never waits for a worker to join: it claims work items itself and returns as soon as every item is done. A
- * late worker (asleep, or descheduled) finds nothing left and costs nothing; only an item a
- * worker has started is waited for, and the waiting caller yields its core to it.
+ * for later calls on few); and the caller never waits for a worker to join: it claims work
+ * items itself and returns as soon as every item is done. A late worker (asleep, or
+ * descheduled) finds nothing left and costs nothing; only an item a worker has started is
+ * waited for, and the waiting caller yields its core to it.
  *
  * Use: colibri_pool_run(nth, fn, ctx, n) calls fn(ctx, i) once for every i < n, on up to nth
  * threads (the caller and nth - 1 workers), and returns when all calls have returned.

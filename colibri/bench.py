@@ -260,8 +260,9 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
 
     Each row: model facts (model_facts), the test (test, n_prompt, n_gen, n_depth, n_threads,
     activations, isa, reps), load_average (1-minute, when the test started: other work on the
-    machine shows here), spin_us and pool_backoffs (the thread pool's spin time, and how often its
-    workers found themselves preempted during the test: cores shared), samples_s / samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
+    machine shows here), spin_us and pool_backoffs (the thread pool's spin time, and how
+    often its workers found themselves preempted during the test: cores shared), samples_s /
+    samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
     peak_rss_bytes, stage_seconds (summed over the timed repetitions), time_share (router /
     experts / attention / head / other, fractions of wall time), bytes_per_token (+ _detail),
     read_bandwidth_gbs, ceiling_ts (bandwidth / bytes per token) and ceiling_fraction
