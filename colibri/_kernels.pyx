@@ -413,6 +413,10 @@ def set_spin_us(int us):
     colibri_pool_spin_us = us
 
 
+def get_spin_us():
+    return colibri_pool_spin_us
+
+
 def pool_backoffs():
     """Times a spinning worker found itself preempted (the cores shared with other busy
     processes) and stopped spinning for a while."""
@@ -422,10 +426,6 @@ def pool_backoffs():
 def pool_worker_items():
     """Work items run by the pool's worker threads (not by the calling thread) so far."""
     return colibri_pool_worker_items
-
-
-def get_spin_us():
-    return colibri_pool_spin_us
 
 
 def threaded():
@@ -676,12 +676,10 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
                 _quantize_serial(&x[0, 0], T, C, &a)
             elif xbytes > 0:
                 _group_sums_serial(&x[0, 0], T, C, m.group, xs)
-            if nth == 1:
-                _linear_rows(&m, expert, &x[0, 0], T, xs, a, bp, &out[0, 0], R, 0, R)
-            else:
-                job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, &x[0, 0], T, xs, a
-                job.bias, job.y, job.R, job.tr = bp, &out[0, 0], R, tr
-                colibri_pool_run(nth, _linear_task, &job, n_tiles)
+            # (one thread: the pool runs the tiles in order on this thread)
+            job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, &x[0, 0], T, xs, a
+            job.bias, job.y, job.R, job.tr = bp, &out[0, 0], R, tr
+            colibri_pool_run(nth, _linear_task, &job, n_tiles)
     finally:
         if scratch is not None:
             _give(scratch)
@@ -806,7 +804,7 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
                noise_seed, int threads):
     """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E)."""
     _check_threads(threads)
-    cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1], t
+    cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1]
     if rule not in RULES:
         raise ValueError(f"unknown routing rule {rule!r}; expected one of {', '.join(RULES)}")
     cdef int rcode = RULES[rule]
@@ -833,16 +831,11 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     cdef RouteJob job
     try:
         with nogil:
-            if nth == 1:
-                for t in range(T):
-                    _route_token(&logits[t, 0], E, k, rcode, norm_topk_prob, noisy, seed, t,
-                                 p + t * E, key + t * E, &iv[t, 0], &wv[t, 0])
-            else:
-                job.logits, job.E, job.k = &logits[0, 0], E, k
-                job.rule, job.norm = rcode, norm_topk_prob
-                job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
-                job.ids, job.w = &iv[0, 0], &wv[0, 0]
-                colibri_pool_run(nth, _route_task, &job, T)
+            job.logits, job.E, job.k = &logits[0, 0], E, k
+            job.rule, job.norm = rcode, norm_topk_prob
+            job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
+            job.ids, job.w = &iv[0, 0], &wv[0, 0]
+            colibri_pool_run(nth, _route_task, &job, T)
     finally:
         free(scratch)
     return ids, wts
