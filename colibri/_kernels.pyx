@@ -29,14 +29,15 @@ late worker costs nothing. Work too small to pay for a job runs on fewer threads
 without touching the pool (_team, min_parallel_bytes). The expert FFN runs its stages
 (gather, gate/up, down + combine) as three jobs over flat lists of work items.
 
-Activations: with activations="int8" a q8/q4 matrix (Wmat.int8) runs the int8 row kernel
-(_simd.h, "idot") on token rows quantized once per call into an Act8 (int8 codes, per
+Activations: with activations="int8" or "int16" a q8/q4 matrix (Wmat.iact) runs the
+integer row kernel (_simd.h, "idot") on token rows quantized once per call into an Act (int8
+or int16 codes, per
 32-block scales and sums, packed as the SIMD bodies want): linear quantizes x before its
 parallel loop; the expert FFN quantizes each gathered row (or x once, at T == 1) for gate /
 up, and each gate/up work item quantizes the h columns it produced for w_down (its tiles are
 then whole 32-blocks). Plain-format matrices keep the f32 path in the same call. The
-quantization is bit-identical on every path and the int8 dot follows the same determinism
-rule as the f32 one. int8 matrices never take the GEMM path: their row kernel, sharing each
+quantization is bit-identical on every path and the integer dot follows the same
+determinism rule as the f32 one. Such matrices never take the GEMM path: their row kernel, sharing each
 decoded weight block between 4 tokens, already costs fewer instructions per weight.
 
 Scratch: one grow-only per-process buffer (_take/_give), so a decode step allocates no
@@ -80,13 +81,16 @@ cdef extern from "_simd.h" nogil:
                                      const int8_t *q, Py_ssize_t q_stride, const float *d,
                                      const int32_t *s, Py_ssize_t d_stride, int nt, float *out,
                                      Py_ssize_t out_stride) noexcept nogil
-    colibri_idot_fn colibri_idot_for(int isa, int fmt)
-    void colibri_quantize_act(int isa, const float *x, Py_ssize_t b0, Py_ssize_t b1, int8_t *q,
-                              float *d, int32_t *s)
-    void colibri_quantize_pad(Py_ssize_t cols, int8_t *q, float *d, int32_t *s, Py_ssize_t npad)
-    void colibri_quantize_plain(int isa, const float *x, Py_ssize_t cols, int8_t *q, float *d)
-    void colibri_quantize_row(int isa, const float *x, Py_ssize_t cols, int8_t *q, float *d,
-                              int32_t *s, Py_ssize_t npad)
+    colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
+    Py_ssize_t colibri_act_row_bytes(int wide, Py_ssize_t cols)
+    void colibri_quantize_act(int isa, int wide, const float *x, Py_ssize_t b0, Py_ssize_t b1,
+                              int8_t *q, float *d, int32_t *s)
+    void colibri_quantize_pad(int wide, Py_ssize_t cols, int8_t *q, float *d, int32_t *s,
+                              Py_ssize_t npad)
+    void colibri_quantize_plain(int isa, int wide, const float *x, Py_ssize_t cols, void *q,
+                                float *d)
+    void colibri_quantize_row(int isa, int wide, const float *x, Py_ssize_t cols, int8_t *q,
+                              float *d, int32_t *s, Py_ssize_t npad)
     int colibri_block_tokens(int fmt)
     uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)
     void colibri_decode_row(int fmt, const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
@@ -132,7 +136,7 @@ FORMATS = {"f32": COLIBRI_F32, "f16": COLIBRI_F16, "bf16": COLIBRI_BF16,
            "q8": COLIBRI_Q8, "q4": COLIBRI_Q4}
 ISA_NAMES = ("scalar", "avx2", "avx512")
 RULES = {"softmax_topk": 0, "topk_softmax": 1}
-ACTIVATIONS = ("f32", "int8")
+ACTIVATIONS = ("f32", "int8", "int16")   # _activations: codes 0, 1, 2
 
 cdef int _isa = colibri_isa_best()
 
@@ -172,18 +176,21 @@ ctypedef struct Wmat:
     colibri_dot_fn dot         # row kernel of the current ISA
     colibri_gemm_fn gemm       # GEMM panel kernel of the current ISA (prefill path)
     float *gemm_scratch        # COLIBRI_GEMM_SCRATCH floats per thread; NULL: no GEMM path
-    bint int8                  # activations="int8" and a q8/q4 format: idot, not dot
-    colibri_idot_fn idot       # int8-activation row kernel of the current ISA (int8 only)
+    bint iact                  # quantized activations (int8 / int16) and a q8/q4 format:
+                               # idot, not dot
+    bint wide                  # ... with int16 codes (activations="int16")
+    colibri_idot_fn idot       # that row kernel of the current ISA (iact only)
 
 
-ctypedef struct Act8:
-    # token rows quantized to int8 for the int8 row kernels, in the packed layout of
+ctypedef struct Act:
+    # token rows quantized to int8 or int16 for the idot row kernels, in the packed layout of
     # colibri_quantize_row (_simd.h): blocks paired, d and s permuted per chunk of 8
-    int8_t *q                  # (n, C rounded up to 64) codes, row stride qs
+    int8_t *q                  # (n, colibri_act_row_bytes) code bytes, row stride qs bytes
     float *d                   # (n, dpad) block scales, row stride ds; dpad = C/32 rounded up
     int32_t *s                 # (n, dpad) 8 * block sums of q       to 8, zero-padded
     Py_ssize_t qs, ds          # row strides; 0: every token reads row 0
     int isa                    # the path that quantizes (the same bits on every path)
+    int wide                   # int16 codes (else int8)
 
 
 def _row_bytes(str dtype, cols, group):
@@ -263,10 +270,10 @@ def weight_span(w, str name="weight"):
     return checked[2], checked[9]
 
 
-cdef object _load(object w, str name, Wmat *m, bint int8=False):
+cdef object _load(object w, str name, Wmat *m, int act=0):
     """Check w and fill m for the current ISA; return the typed view of the buffer, which
-    the caller keeps alive while the kernel runs. int8: activations="int8", which q8/q4
-    weights honour (m.int8); plain formats keep the f32 path."""
+    the caller keeps alive while the kernel runs. act: the activations code (_activations:
+    1 int8, 2 int16), which q8/q4 weights honour (m.iact); plain formats keep the f32 path."""
     buf, dtype, offset, rows, cols, group, row_stride, n_experts, expert_stride, _ = \
         _checked(w, name)
     cdef const uint8_t[::1] view = buf
@@ -285,80 +292,88 @@ cdef object _load(object w, str name, Wmat *m, bint int8=False):
     m.gemm_scratch = NULL
     if m.dot == NULL or m.gemm == NULL:
         raise RuntimeError(f"{name}: no row kernel for format {dtype} on ISA {_isa}")
-    m.int8 = int8 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4)
+    m.iact = act != 0 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4)
+    m.wide = m.iact and act == 2
     m.idot = NULL
-    if m.int8:
-        m.idot = colibri_idot_for(_isa, m.fmt)
+    if m.iact:
+        m.idot = colibri_idot_for(_isa, m.fmt, m.wide)
         if m.idot == NULL:
-            raise RuntimeError(f"{name}: no int8 row kernel for format {dtype} on ISA {_isa}")
+            raise RuntimeError(f"{name}: no {ACTIVATIONS[act]} row kernel for format {dtype} "
+                               f"on ISA {_isa}")
         m.block = COLIBRI_INT8_NT
-        m.xsum_cols = 0                      # the int8 kernels fold the q4 offset themselves
+        m.xsum_cols = 0                      # the idot kernels fold the q4 offset themselves
     return view
 
 
 def _activations(activations):
-    """True for "int8", False for "f32"; ValueError naming the allowed values otherwise
-    (for any object: the one check of the argument, kernels.py passes it through)."""
+    """0 for "f32", 1 for "int8", 2 for "int16"; ValueError naming the allowed values
+    otherwise (for any object: the one check of the argument, kernels.py passes it through)."""
     if not isinstance(activations, str) or activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                          f"found {activations!r}")
-    return activations == "int8"
+    return ACTIVATIONS.index(activations)
 
 
 cdef inline Py_ssize_t _dpad(Py_ssize_t C) noexcept nogil:
-    """Entries per token row of Act8.d / .s: C/32 rounded up to 8 (the SIMD bodies load the
+    """Entries per token row of Act.d / .s: C/32 rounded up to 8 (the SIMD bodies load the
     scales of 8 blocks at a time)."""
     return (C // 32 + 7) // 8 * 8
 
 
-cdef inline Act8 _act_at(const Act8 *a, Py_ssize_t p) noexcept nogil:
+cdef inline Act _act_at(const Act *a, Py_ssize_t p) noexcept nogil:
     """a from token row p on."""
-    cdef Act8 r = a[0]
+    cdef Act r = a[0]
     r.q = a.q + p * a.qs
     r.d = a.d + p * a.ds
     r.s = a.s + p * a.ds
     return r
 
 
-cdef char *_carve_act8(char **cur, Act8 *a, Py_ssize_t n, Py_ssize_t C) noexcept nogil:
-    """Carve an Act8 of n rows of C columns from *cur (_act8_bytes(n, C))."""
+cdef char *_carve_act(char **cur, Act *a, Py_ssize_t n, Py_ssize_t C, bint wide) noexcept nogil:
+    """Carve an Act of n rows of C columns, int16 codes when wide, from *cur
+    (_act_bytes(n, C, wide))."""
     cdef Py_ssize_t dp = _dpad(C)
-    a.qs = (C + 63) // 64 * 64
+    a.qs = colibri_act_row_bytes(wide, C)
     a.ds = dp
     a.isa = _isa
+    a.wide = wide
     a.q = <int8_t *>_carve(cur, n * a.qs)
     a.d = <float *>_carve(cur, 4 * n * dp)
     a.s = <int32_t *>_carve(cur, 4 * n * dp)
     return cur[0]
 
 
-cdef inline Py_ssize_t _act8_bytes(Py_ssize_t n, Py_ssize_t C) noexcept nogil:
-    return n * ((C + 63) // 64 * 64 + 8 * _dpad(C)) + 3 * 64
+cdef inline Py_ssize_t _act_bytes(Py_ssize_t n, Py_ssize_t C, bint wide) noexcept nogil:
+    return n * (colibri_act_row_bytes(wide, C) + 8 * _dpad(C)) + 3 * 64
 
 
-cdef void _quantize_serial(const float *x, Py_ssize_t n, Py_ssize_t C, const Act8 *a) noexcept nogil:
+cdef void _quantize_serial(const float *x, Py_ssize_t n, Py_ssize_t C, const Act *a) noexcept nogil:
     """Quantize the n rows of x (n, C) into a (rows 0..n-1), serially."""
     cdef Py_ssize_t i
     for i in range(n):
-        colibri_quantize_row(a.isa, x + i * C, C, a.q + i * a.qs, a.d + i * a.ds, a.s + i * a.ds,
-                             a.ds)
+        colibri_quantize_row(a.isa, a.wide, x + i * C, C, a.q + i * a.qs, a.d + i * a.ds,
+                             a.s + i * a.ds, a.ds)
 
 
-def quantize_activations(const float[:, ::1] x):
-    """q int8 (T, C), d float32 (T, C/32): x float32 (T, C) in Q8_0 blocks (_simd.h)."""
+def quantize_activations(const float[:, ::1] x, int bits=8):
+    """q int8 or int16 (T, C), d float32 (T, C/32): x float32 (T, C) in blocks of 32 with
+    one scale each (bits 8: llama.cpp's Q8_0; 16: the same rule with 32767; _simd.h)."""
     cdef Py_ssize_t T = x.shape[0], C = x.shape[1], i, nb = C // 32
+    if bits not in (8, 16):
+        raise ValueError(f"quantize_activations: bits must be 8 or 16, found {bits}")
     if C % 32:
         raise ValueError(f"quantize_activations: x has {C} columns, not a multiple of 32 "
                          f"(the block size)")
-    q = np.zeros((T, C), dtype=np.int8)
+    q = np.zeros((T, C), dtype=np.int8 if bits == 8 else np.int16)
     d = np.zeros((T, nb), dtype=np.float32)
     if T == 0 or C == 0:
         return q, d
-    cdef int8_t[:, ::1] qv = q
+    cdef uint8_t[:, ::1] qv = q.view(np.uint8)
     cdef float[:, ::1] dv = d
+    cdef int wide = bits == 16
     with nogil:
         for i in range(T):
-            colibri_quantize_plain(_isa, &x[i, 0], C, &qv[i, 0], &dv[i, 0])
+            colibri_quantize_plain(_isa, wide, &x[i, 0], C, &qv[i, 0], &dv[i, 0])
     return q, d
 
 
@@ -538,13 +553,13 @@ def _check_f32_out(out, tuple shape, str name):
 # linear: y (T, R) = x (T, C) @ W.T (+ bias)
 
 cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssize_t n,
-                       const float *xsum, Act8 a, const float *bias, float *y,
+                       const float *xsum, Act a, const float *bias, float *y,
                        Py_ssize_t y_stride, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
     """Rows r0..r1 of W (expert `expert`) against the n tokens of x (n, C), xsum (n, C/G)
-    (or, when w.int8, their quantized rows a): y[t, r] = W[r] . x[t] (+ bias[r]), y with
+    (or, when w.iact, their quantized rows a): y[t, r] = W[r] . x[t] (+ bias[r]), y with
     row stride y_stride.
     Token blocks outside, rows inside: the tile of rows is reused by every block from cache."""
-    if w.gemm_scratch != NULL and n >= _gemm_min and not w.int8:
+    if w.gemm_scratch != NULL and n >= _gemm_min and not w.iact:
         _linear_rows_gemm(w, expert, x, n, bias, y, y_stride, r0, r1)
         return
     cdef const uint8_t *base = w.base + expert * w.expert_stride
@@ -553,7 +568,7 @@ cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssiz
     t0 = 0
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < w.block else w.block
-        if w.int8:                                    # the whole tile in one call
+        if w.iact:                                    # the whole tile in one call
             w.idot(base + r0 * w.row_stride, w.row_stride, r1 - r0, C, w.group,
                    a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
                    y + t0 * y_stride + r0, y_stride)
@@ -607,7 +622,7 @@ ctypedef struct LinearJob:
     Py_ssize_t expert, T, R, tr
     const float *x
     const float *xs
-    Act8 a
+    Act a
     const float *bias
     float *y
 
@@ -624,9 +639,9 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
            activations="f32"):
     """out (T, R) = x (T, C) @ W[expert].T (+ bias (R,)); x float32, w a WeightRef."""
     _check_threads(threads)
-    cdef bint int8 = _activations(activations)
+    cdef int act = _activations(activations)
     cdef Wmat m
-    keep = _load(w, "w", &m, int8)
+    keep = _load(w, "w", &m, act)
     cdef Py_ssize_t T = x.shape[0], R = m.rows, C = m.cols
     if x.shape[1] != C:
         raise ValueError(f"x has {x.shape[1]} columns, the weight has cols {C}")
@@ -648,22 +663,22 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     if x0 < o0 + 4 * T * R and o0 < x0 + 4 * T * C:      # both C-contiguous: byte ranges
         raise ValueError("out must not overlap x (linear reads every row of x while writing)")
     cdef int nth = _team(<double>R * m.row_stride * T, threads)
-    cdef Py_ssize_t gbytes = 0 if m.int8 else _gemm_bytes(T, nth)     # int8: row kernel
+    cdef Py_ssize_t gbytes = 0 if m.iact else _gemm_bytes(T, nth)     # idot: row kernel
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
                                     COLIBRI_GEMM_NR if gbytes else 1,
                                     not gbytes and T <= COLIBRI_MAX_NT)
     cdef Py_ssize_t n_tiles = (R + tr - 1) // tr
     cdef LinearJob job
     cdef float *xs = NULL
-    cdef Act8 a
+    cdef Act a
     cdef char *cur
-    a.q, a.d, a.s, a.qs, a.ds, a.isa = NULL, NULL, NULL, 0, 0, 0
+    a.q, a.d, a.s, a.qs, a.ds, a.isa, a.wide = NULL, NULL, NULL, 0, 0, 0, 0
     scratch = None
     cdef Py_ssize_t xbytes = 0 if gbytes else T * m.xsum_cols * 4     # GEMM: no sums
-    if m.int8:
-        scratch = _take(_act8_bytes(T, C))
+    if m.iact:
+        scratch = _take(_act_bytes(T, C, m.wide))
         cur = _base(scratch)
-        _carve_act8(&cur, &a, T, C)
+        _carve_act(&cur, &a, T, C, m.wide)
     elif xbytes > 0 or gbytes > 0:
         scratch = _take(xbytes + 64 + gbytes)
         cur = _base(scratch)
@@ -672,7 +687,7 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
             m.gemm_scratch = <float *>_carve(&cur, gbytes)
     try:
         with nogil:
-            if m.int8:
+            if m.iact:
                 _quantize_serial(&x[0, 0], T, C, &a)
             elif xbytes > 0:
                 _group_sums_serial(&x[0, 0], T, C, m.group, xs)
@@ -891,17 +906,17 @@ def group_by_expert(const int32_t[:, ::1] ids, Py_ssize_t n_experts):
 # FFN: h = silu(x W_gate.T) * (x W_up.T); y = h W_down.T
 
 cdef enum:
-    GATEUP_ROWS = 64            # int8 gate/up rows per kernel call (then the SiLU product)
+    GATEUP_ROWS = 64            # idot gate/up rows per kernel call (then the SiLU product)
 
 cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *x,
                        Py_ssize_t xs, Py_ssize_t n, const float *xsg, Py_ssize_t ssg,
-                       const float *xsu, Py_ssize_t ssu, Act8 a, float *h, Py_ssize_t r0,
+                       const float *xsu, Py_ssize_t ssu, Act a, float *h, Py_ssize_t r0,
                        Py_ssize_t r1) noexcept nogil:
     """h[t, r] = silu(W_gate[e][r] . x[t]) * (W_up[e][r] . x[t]) for r in r0..r1, t < n;
     x (n, D) with row stride xs (0: every token is the same row), xsg / xsu the group sums
     of x for gate / up with row strides ssg / ssu, a the quantized x (for a matrix with
-    .int8), h (n, I). Gate and up rows are read in the same pass over a token block."""
-    if g.gemm_scratch != NULL and n >= _gemm_min and not g.int8 and not u.int8:
+    .iact), h (n, I). Gate and up rows are read in the same pass over a token block."""
+    if g.gemm_scratch != NULL and n >= _gemm_min and not g.iact and not u.iact:
         _gateup_rows_gemm(g, u, e, x, xs, n, h, r0, r1)
         return
     cdef const uint8_t *bg = g.base + e * g.expert_stride
@@ -915,8 +930,8 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     t0 = 0
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < block else block
-        if g.int8 and u.int8:
-            # both on the int8 path: GATEUP_ROWS rows of gate (into h), then of up, per call
+        if g.iact and u.iact:
+            # both on the idot path: GATEUP_ROWS rows of gate (into h), then of up, per call
             # (the f32 bodies measured slower so: their rows stay interleaved, below)
             rb = r0
             while rb < r1:
@@ -935,13 +950,13 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
             t0 += nt
             continue
         for r in range(r0, r1):
-            if g.int8:
+            if g.iact:
                 g.idot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, a.q + t0 * a.qs,
                        a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
             else:
                 g.dot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, x + t0 * xs, xs,
                       xsg + t0 * ssg, ssg, nt, gv, 1)
-            if u.int8:
+            if u.iact:
                 u.idot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, a.q + t0 * a.qs,
                        a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
             else:
@@ -984,10 +999,10 @@ cdef void _gateup_rows_gemm(const Wmat *g, const Wmat *u, Py_ssize_t e, const fl
 
 
 cdef int _load_ffn(w_gate, w_up, w_down, Wmat *g, Wmat *u, Wmat *d, list keep,
-                   bint int8) except -1:
-    keep.append(_load(w_gate, "w_gate", g, int8))
-    keep.append(_load(w_up, "w_up", u, int8))
-    keep.append(_load(w_down, "w_down", d, int8))
+                   int act) except -1:
+    keep.append(_load(w_gate, "w_gate", g, act))
+    keep.append(_load(w_up, "w_up", u, act))
+    keep.append(_load(w_down, "w_down", d, act))
     if (u.rows != g.rows or u.cols != g.cols or d.rows != g.cols or d.cols != g.rows
             or u.n_experts != g.n_experts or d.n_experts != g.n_experts):
         raise ValueError(
@@ -1011,9 +1026,9 @@ ctypedef struct Ffn:
     float *h                    # (TK, I) activations
     float *xsd                  # (TK, I/Gd) group sums of h for w_down (q4)
     float *og                   # (TK, D) expert outputs
-    bint qx                     # gate or up runs the int8 path: quantize the gathered rows
-    Act8 ax                     # (rows_x, D) quantized input (row stride 0 when T == 1)
-    Act8 ah                     # (TK, I) quantized h, when w_down runs the int8 path
+    bint qx                     # gate or up runs the idot path: quantize the gathered rows
+    Act ax                      # (rows_x, D) quantized input (row stride 0 when T == 1)
+    Act ah                      # (TK, I) quantized h, when w_down runs the idot path
     const int64_t *offsets      # (E+1,)
     const int32_t *slots        # (TK,) position -> slot t*K + k
     const int64_t *pos          # (TK,) slot -> position
@@ -1037,13 +1052,13 @@ cdef void _ffn_gather(const Ffn *f, Py_ssize_t p) noexcept nogil:
     if f.u.xsum_cols > 0:
         colibri_group_sums(dst, f.D, f.u.group, f.xsu + p * f.ssu)
     if f.qx:
-        colibri_quantize_row(f.ax.isa, dst, f.D, f.ax.q + p * f.ax.qs, f.ax.d + p * f.ax.ds,
+        colibri_quantize_row(f.ax.isa, f.ax.wide, dst, f.D, f.ax.q + p * f.ax.qs, f.ax.d + p * f.ax.ds,
                              f.ax.s + p * f.ax.ds, f.ax.ds)
 
 
 cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
     """Work item it: rows r0..r1 of gate and up of one active expert, for all its tokens;
-    then the group sums (q4) or the int8 blocks (int8 path) of the new h columns for w_down
+    then the group sums (q4) or the quantized blocks (idot path) of the new h columns for w_down
     (tiles are whole groups / blocks of 32)."""
     cdef Py_ssize_t e = f.active[it // f.nt_gu]
     cdef Py_ssize_t r0 = (it % f.nt_gu) * f.tr_gu, r1 = r0 + f.tr_gu, p0, n_e, p
@@ -1058,9 +1073,9 @@ cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
     if sd > 0:
         for p in range(p0, p0 + n_e):
             colibri_group_sums(f.h + p * f.I + r0, r1 - r0, Gd, f.xsd + p * sd + r0 // Gd)
-    if f.d.int8:
+    if f.d.iact:
         for p in range(p0, p0 + n_e):
-            colibri_quantize_act(f.ah.isa, f.h + p * f.I, r0 // 32, r1 // 32,
+            colibri_quantize_act(f.ah.isa, f.ah.wide, f.h + p * f.I, r0 // 32, r1 // 32,
                                  f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds, f.ah.s + p * f.ah.ds)
 
 
@@ -1122,20 +1137,20 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     cdef Py_ssize_t bytes_gu = I * (g.row_stride + u.row_stride), bytes_dn = D * d.row_stride
     # the team size _ffn_run will use (work = weight bytes x positions, summed over experts)
     cdef int nth_gemm = _team(<double>(bytes_gu + bytes_dn) * TK, threads)
-    # the GEMM path serves the matrices on f32 activations (int8 ones keep the row kernel,
+    # the GEMM path serves the matrices on f32 activations (int8 / int16 ones keep the row kernel,
     # fewer instructions per weight)
-    cdef bint gemm_gu = not (g.int8 or u.int8), gemm_dn = not d.int8
+    cdef bint gemm_gu = not (g.iact or u.iact), gemm_dn = not d.iact
     cdef Py_ssize_t gbytes = _gemm_bytes(TK, nth_gemm) if gemm_gu or gemm_dn else 0
     f.g, f.u, f.d = g[0], u[0], d[0]
     f.T, f.K, f.D, f.I = T, K, D, I
     cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
     cdef Py_ssize_t rows_x = 1 if one else TK
-    cdef bint qx = g.int8 or u.int8
+    cdef bint qx = g.iact or u.iact
     cdef Py_ssize_t nbytes = (8 * (E + 1) + 8 * E + 4 * TK + 8 * TK + 4 * E
                               + 4 * rows_x * (0 if one else D) + 4 * rows_x * (sg + su)
                               + 4 * TK * (I + sd + D) + 9 * 64 + gbytes
-                              + (_act8_bytes(rows_x, D) if qx else 0)
-                              + (_act8_bytes(TK, I) if d.int8 else 0))
+                              + (_act_bytes(rows_x, D, g.wide or u.wide) if qx else 0)
+                              + (_act_bytes(TK, I, d.wide) if d.iact else 0))
     buf = _take(nbytes)
     cdef char *cur = _base(buf)
     cdef int64_t *offsets = <int64_t *>_carve(&cur, 8 * (E + 1))
@@ -1154,12 +1169,12 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
         f.u.gemm_scratch = f.g.gemm_scratch
         f.d.gemm_scratch = f.g.gemm_scratch
     f.qx = qx
-    f.ax.q, f.ax.d, f.ax.s, f.ax.qs, f.ax.ds, f.ax.isa = NULL, NULL, NULL, 0, 0, 0
+    f.ax.q, f.ax.d, f.ax.s, f.ax.qs, f.ax.ds, f.ax.isa, f.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
     f.ah = f.ax
     if qx:
-        _carve_act8(&cur, &f.ax, rows_x, D)
-    if d.int8:
-        _carve_act8(&cur, &f.ah, TK, I)
+        _carve_act(&cur, &f.ax, rows_x, D, g.wide or u.wide)
+    if d.iact:
+        _carve_act(&cur, &f.ah, TK, I, d.wide)
     f.x = &x[0, 0]
     f.weights = &weights[0, 0]
     f.y = &out[0, 0]
@@ -1168,7 +1183,7 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     # GEMM path: tiles of whole panels, w_down's of GEMM_TILE_PANELS panels (the row-kernel
     # tiles of w_down, a few rows of every active expert, would stream each h once per row or
     # two; here once per tile)
-    cdef Py_ssize_t align_gu = d.group if sd > 0 else (32 if d.int8 else 1), align_dn = 1
+    cdef Py_ssize_t align_gu = d.group if sd > 0 else (32 if d.iact else 1), align_dn = 1
     if gbytes > 0 and gemm_gu:
         align_gu = align_gu * COLIBRI_GEMM_NR // gcd(align_gu, COLIBRI_GEMM_NR)
     if gbytes > 0 and gemm_dn:
@@ -1203,12 +1218,12 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
             else:
                 f.xg, f.xg_stride, f.ssg, f.ssu = xg, D, sg, su
                 n_gather = TK
-            if d.int8:                           # the padding of h's packed rows
+            if d.iact:                           # the padding of h's packed rows
                 for p in range(TK):
-                    colibri_quantize_pad(I, f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds,
+                    colibri_quantize_pad(f.ah.wide, I, f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds,
                                          f.ah.s + p * f.ah.ds, f.ah.ds)
             # gate/up tiles are whole groups of w_down's input (q4: group sums) or whole
-            # 32-blocks (int8 path), so each item can sum / quantize the h columns it made
+            # 32-blocks (idot path), so each item can sum / quantize the h columns it made
             one_pass = max_tokens <= COLIBRI_MAX_NT       # each expert's tokens in one pass
             f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, align_gu, one_pass)
             f.nt_gu = (I + f.tr_gu - 1) // f.tr_gu
@@ -1231,10 +1246,10 @@ def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, 
                w_gate, w_up, w_down, float[:, ::1] out, int threads, activations="f32"):
     """out (T, D) = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]); out may be x itself."""
     _check_threads(threads)
-    cdef bint int8 = _activations(activations)
+    cdef int act = _activations(activations)
     cdef Wmat g, u, d
     keep = []
-    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, int8)
+    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, act)
     cdef Py_ssize_t T = x.shape[0], D = x.shape[1], K = ids.shape[1]
     cdef Py_ssize_t E = g.n_experts
     if D != g.cols:
@@ -1257,10 +1272,10 @@ def swiglu(const float[:, ::1] x, w_gate, w_up, w_down, float[:, ::1] out, int t
     """out (T, D) = W_down @ (silu(W_gate @ x) * (W_up @ x)) per token; one dense FFN (the
     expert FFN with every token on its single expert at weight 1, which is exact)."""
     _check_threads(threads)
-    cdef bint int8 = _activations(activations)
+    cdef int act = _activations(activations)
     cdef Wmat g, u, d
     keep = []
-    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, int8)
+    _load_ffn(w_gate, w_up, w_down, &g, &u, &d, keep, act)
     if g.n_experts != 1:
         raise ValueError(f"swiglu takes single matrices, found n_experts {g.n_experts}")
     cdef Py_ssize_t T = x.shape[0], D = x.shape[1]

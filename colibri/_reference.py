@@ -6,10 +6,11 @@ products run in float64 and are rounded to float32 once at the end. The kernels 
 in float32, so they agree with these up to rounding; where a rule is discrete (which experts
 a token picks, how ties break, how tokens are grouped) they agree exactly.
 
-The int8-activation twins (``quantize_activations_ref``, ``*_int8_ref``) follow the same rule:
-the quantization is float32 arithmetic done exactly as the kernels do it (bit-identical
-results), the integer dot products are exact, and only the float part (block scales times
-integer sums) runs in float64.
+The quantized-activation twins (``quantize_activations_ref``, ``*_iact_ref``, for
+activations="int8" with bits=8 and "int16" with bits=16) follow the same rule: the
+quantization is float32 arithmetic done exactly as the kernels do it (bit-identical results),
+the integer dot products are exact, and only the float part (block scales times integer
+sums) runs in float64.
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of one weight matrix, G group size.
@@ -26,7 +27,7 @@ if TYPE_CHECKING:                                   # no runtime import: kernels
 __all__ = [
     "dequantize_ref", "linear_ref", "route_topk_ref", "gumbel_ref", "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
-    "linear_int8_ref", "expert_ffn_int8_ref", "swiglu_int8_ref",
+    "linear_iact_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
 ]
 
 _PLAIN_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -87,16 +88,18 @@ def linear_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
 
 
 # ---------------------------------------------------------------------------------------------
-# int8 activations (activations="int8")
+# quantized activations (activations="int8": bits 8, "int16": bits 16)
 
 
-def quantize_activations_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x float32 (T, C), C a multiple of 32 -> q int8 (T, C), d float32 (T, C/32).
+def quantize_activations_ref(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 (T, C), C a multiple of 32 -> q int8 / int16 (T, C), d float32 (T, C/32).
 
-    Per block of 32: amax = max |x|; d = amax / 127; id = 1 / d (0 if d == 0); q = rint(x * id),
-    every operation in float32 (so the kernels match bit for bit). A block with a NaN or inf:
-    d = NaN, q = 0. A block whose 1 / d overflows (d < 2^-128): d = 0, q = 0.
+    Per block of 32: amax = max |x|; d = amax / qmax (127 for bits 8, 32767 for 16); id = 1 / d
+    (0 if d == 0); q = rint(x * id), every operation in float32 (so the kernels match bit for
+    bit). A block with a NaN or inf: d = NaN, q = 0. A block whose 1 / d overflows (d <
+    2^-128): d = 0, q = 0.
     """
+    qmax = {8: 127, 16: 32767}[bits]
     x = np.asarray(x, dtype=np.float32)
     T, C = x.shape
     if C % 32:
@@ -104,14 +107,15 @@ def quantize_activations_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xb = x.reshape(T, C // 32, 32)
     bad = ~np.isfinite(xb).all(axis=2)                                 # (T, C/32)
     amax = np.where(np.isfinite(xb), np.abs(xb), F32(0)).max(axis=2, initial=F32(0))
-    d = (amax / F32(127)).astype(F32)
+    d = (amax / F32(qmax)).astype(F32)
     with np.errstate(divide="ignore", over="ignore"):
         inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
     zero = bad | ~np.isfinite(inv)
     inv = np.where(zero, F32(0), inv)
     with np.errstate(invalid="ignore", over="ignore"):
         q = np.rint((xb * inv[:, :, None]).astype(F32))
-    q = np.where(zero[:, :, None], 0, q).astype(np.int8).reshape(T, C)
+    q = np.where(zero[:, :, None], 0, np.clip(q, -qmax, qmax))
+    q = q.astype(np.int8 if bits == 8 else np.int16).reshape(T, C)
     d = np.where(bad, F32(np.nan), np.where(zero, F32(0), d)).astype(F32)
     return q, d
 
@@ -133,12 +137,12 @@ def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
-def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, int8: bool) -> np.ndarray:
-    """x float32 (T, C) @ W[expert].T as float64 (T, R): the int8 path for a q4/q8 weight when
-    int8, else the exact product."""
-    if not (int8 and w.dtype in ("q8", "q4")):
+def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, bits: int) -> np.ndarray:
+    """x float32 (T, C) @ W[expert].T as float64 (T, R): the quantized-activation path of
+    `bits` (8, 16) for a q4/q8 weight, else (or bits 0) the exact product."""
+    if not (bits and w.dtype in ("q8", "q4")):
         return x32.astype(np.float64) @ dequantize_ref(w, expert).astype(np.float64).T
-    q, d = quantize_activations_ref(x32)
+    q, d = quantize_activations_ref(x32, bits)
     codes, scales = _codes_scales(w, expert)
     T, C = q.shape
     R, nb = w.rows, C // 32
@@ -149,52 +153,55 @@ def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, int8: bool) -> np.
         return np.einsum("rb,tb,trb->tr", s_blk, d.astype(np.float64), isum.astype(np.float64))
 
 
-def linear_int8_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
-                    expert: int = 0) -> np.ndarray:
-    """linear with activations="int8": x float32 (T, C) or (C,) -> float32 (T, R) or (R,).
+def linear_iact_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
+                    expert: int = 0, bits: int = 8) -> np.ndarray:
+    """linear with activations="int8" (bits 8) or "int16" (bits 16): x float32 (T, C) or (C,)
+    -> float32 (T, R) or (R,).
 
     q4/q8 weights: y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b with (q, d) =
-    quantize_activations_ref(x) and isum the exact integer dot of the block's codes with q;
-    the float part in float64. Other formats: linear_ref.
+    quantize_activations_ref(x, bits) and isum the exact integer dot of the block's codes
+    with q; the float part in float64. Other formats: linear_ref.
     """
     x32 = np.asarray(x, dtype=F32)
     one = x32.ndim == 1
-    y = _matmul_act(np.atleast_2d(x32), w, expert, True)
+    y = _matmul_act(np.atleast_2d(x32), w, expert, bits)
     if bias is not None:
         y = y + np.asarray(bias, dtype=np.float64)
     y = y.astype(F32)
     return y[0] if one else y
 
 
-def _ffn_int8(x32: np.ndarray, w_gate, w_up, w_down, expert: int) -> np.ndarray:
-    """One expert's SwiGLU on rows x float32 (n, D) with activations="int8" -> float64 (n, D).
-
-    h is rounded to float32 (as the kernels hold it) before it is quantized for w_down."""
-    g = _matmul_act(x32, w_gate, expert, True)
-    u = _matmul_act(x32, w_up, expert, True)
+def _ffn_iact(x32: np.ndarray, w_gate, w_up, w_down, expert: int, bits: int) -> np.ndarray:
+    """One expert's SwiGLU on rows x float32 (n, D) with quantized activations of `bits`
+    -> float64 (n, D). h is rounded to float32 (as the kernels hold it) before it is
+    quantized for w_down."""
+    g = _matmul_act(x32, w_gate, expert, bits)
+    u = _matmul_act(x32, w_up, expert, bits)
     h = (silu_ref(g) * u).astype(F32)
-    return _matmul_act(h, w_down, expert, True)
+    return _matmul_act(h, w_down, expert, bits)
 
 
-def expert_ffn_int8_ref(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                        w_gate: "WeightRef", w_up: "WeightRef", w_down: "WeightRef"
-                        ) -> np.ndarray:
-    """expert_ffn with activations="int8": x float32 (T, D) -> float32 (T, D)."""
+def expert_ffn_iact_ref(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                        w_gate: "WeightRef", w_up: "WeightRef", w_down: "WeightRef", *,
+                        bits: int = 8) -> np.ndarray:
+    """expert_ffn with activations="int8" (bits 8) / "int16" (bits 16): x float32 (T, D) ->
+    float32 (T, D)."""
     x32 = np.asarray(x, dtype=F32)
     T, D = x32.shape
     y = np.zeros((T, D), dtype=np.float64)
     for e in np.unique(np.asarray(ids)):
         tk = np.argwhere(np.asarray(ids) == e)                       # (n, 2): token, slot
-        out = _ffn_int8(x32[tk[:, 0]], w_gate, w_up, w_down, int(e))
+        out = _ffn_iact(x32[tk[:, 0]], w_gate, w_up, w_down, int(e), bits)
         for (t, k), row in zip(tk, out):
             y[t] += float(weights[t, k]) * row
     return y.astype(F32)
 
 
-def swiglu_int8_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef",
-                    w_down: "WeightRef") -> np.ndarray:
-    """swiglu with activations="int8": x float32 (T, D) -> float32 (T, D)."""
-    return _ffn_int8(np.asarray(x, dtype=F32), w_gate, w_up, w_down, 0).astype(F32)
+def swiglu_iact_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef",
+                    w_down: "WeightRef", *, bits: int = 8) -> np.ndarray:
+    """swiglu with activations="int8" (bits 8) / "int16" (bits 16): x float32 (T, D) ->
+    float32 (T, D)."""
+    return _ffn_iact(np.asarray(x, dtype=F32), w_gate, w_up, w_down, 0, bits).astype(F32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,11 @@
  * rows are held in a packed layout (colibri_qpos / colibri_dpos) that lets the AVX2 body
  * decode two q4 blocks with one load and reduce 8 blocks without crossing 128-bit lanes.
  * The AVX-512 path runs the AVX2 int8 bodies (see colibri_idot_for).
+ *
+ * The int16 row kernel (activations="int16"): the same with 16-bit codes, d = amax / 32767
+ * (colibri_quantize_block16): the same formula, the same exactness (the integer sums stay
+ * below 2^31), its own packed layout (colibri_qpos16); the codes of a token row are
+ * addressed in bytes by both kernels (q, q_stride), so the callers handle either width alike.
  */
 #ifndef COLIBRI_SIMD_H
 #define COLIBRI_SIMD_H
@@ -90,7 +95,8 @@ typedef void (*colibri_dot_fn)(const uint8_t *row0, ptrdiff_t row_stride, ptrdif
 
 /* The int8-activation row kernel, over nrows consecutive q8/q4 weight rows (row i at row0 +
  * i * row_stride) against nt token rows quantized by colibri_quantize_row: q (token t at q +
- * t * q_stride), d and s (at + t * d_stride).
+ * t * q_stride bytes; int8 codes, or int16 ones for the int16 kernels), d and s (at + t *
+ * d_stride).
  *   out[t * out_stride + i] = sum over blocks b of (s_g(b) * d_b) * isum_b   (row i),
  *   isum_b = sum over the block of code * q, an exact int32 (code: int8, or nibble - 8).
  * Several rows per call: the per-call setup (format and group dispatch, constants) is paid
@@ -290,6 +296,52 @@ static inline float colibri_quantize_block_scalar(const float *xb, int8_t *lo, i
     return db;
 }
 
+/* Activations as int16 (the "int16" path, W4A16 / W8A16 with 16-bit activation codes):
+ * colibri_quantize_block_scalar's rule with 32767 for 127: d = amax / 32767, q = nearest-even
+ * round of x * (1 / d) in [-32767, 32767], s = 8 * sum of q; the same NaN / inf and overflow
+ * cases. Relative to the block's largest element a code is off by at most 2^-16, so the
+ * products are within ~1e-5 of the f32 path's (f16 activations would be 2^-11).
+ * Packed layout: blocks in pairs (2k, 2k+1), 64 codes (128 bytes) per pair, in runs of 8:
+ *   b_2k[0:8] b_2k+1[0:8] b_2k[8:16] b_2k+1[8:16] ... b_2k[24:32] b_2k+1[24:32]
+ * (colibri_qpos16), so that a pair of q4 code bytes widened to 16 bits in-lane (unpack with
+ * zero) lines up with it: lane half 0 block 2k, half 1 block 2k+1, as in the int8 path. The
+ * d and s rows are the int8 path's (colibri_dpos). */
+static inline ptrdiff_t colibri_qpos16(ptrdiff_t c)    /* packed position of element c */
+{
+    ptrdiff_t b = c >> 5, i = c & 31;
+    return 64 * (b >> 1) + 16 * (i >> 3) + 8 * (b & 1) + (i & 7);
+}
+
+/* One block to the packed pair at `base` (element i at base[16 * (i >> 3) + (i & 7)]; base =
+ * the pair's start, + 8 for its second block); returns d, sets *s. */
+static inline float colibri_quantize_block16_scalar(const float *xb, int16_t *base, int32_t *s)
+{
+    const float magic = 12582912.0f;            /* 1.5 * 2^23 */
+    float amax = 0.0f, db, id;
+    int bad = 0, sum = 0, i;
+    for (i = 0; i < 32; i++) {
+        float a = fabsf(xb[i]);
+        bad |= !(a <= 3.402823466e+38f);         /* NaN or inf */
+        amax = a > amax ? a : amax;
+    }
+    db = amax / 32767.0f;
+    id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (bad || id > 3.402823466e+38f) {
+        for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
+        *s = 0;
+        return bad ? NAN : 0.0f;
+    }
+    for (i = 0; i < 32; i++) {
+        float v = (xb[i] * id + magic) - magic;
+        int qi = (int)v;
+        qi = qi > 32767 ? 32767 : qi < -32767 ? -32767 : qi;     /* as the SIMD pack saturates */
+        base[16 * (i >> 3) + (i & 7)] = (int16_t)qi;
+        sum += qi;
+    }
+    *s = 8 * sum;
+    return db;
+}
+
 /* SiLU, written so that very negative inputs give -0 (exp overflows to inf), never NaN. */
 static inline float colibri_silu(float g) { return g / (1.0f + expf(-g)); }
 
@@ -466,6 +518,48 @@ static void colibri_idot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t 
         colibri_idot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, q, qs, d, ds, nt,
                                   out + i, os);
 }
+
+/* int16 activations, the specification: colibri_idot_quant_scalar on 16-bit codes. */
+static void colibri_idot16_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
+                                        ptrdiff_t group, const int8_t *q, ptrdiff_t qs,
+                                        const float *d, ptrdiff_t ds, int nt, float *out,
+                                        ptrdiff_t os)
+{
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
+    ptrdiff_t b, nb = cols / 32;
+    int t, i;
+    for (t = 0; t < nt; t++) {
+        const int16_t *qt = (const int16_t *)(const void *)(q + t * qs);
+        float acc = 0.0f;
+        for (b = 0; b < nb; b++) {
+            int32_t isum = 0;
+            for (i = 0; i < 32; i++) {
+                ptrdiff_t c = 32 * b + i;
+                int code = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c]
+                                             : colibri_q4_nibble(row, c) - 8;
+                isum += code * qt[colibri_qpos16(c)];
+            }
+            float sg = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
+            acc += (sg * d[t * ds + colibri_dpos(b)]) * (float)isum;
+        }
+        out[t * os] = acc;
+    }
+}
+
+#define COLIBRI_DEF_IDOT16_SCALAR(NAME, FMT)                                                 \
+    static void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,    \
+                     ptrdiff_t group, const int8_t *q, ptrdiff_t qs, const float *d,        \
+                     const int32_t *s, ptrdiff_t ds, int nt, float *out, ptrdiff_t os)      \
+    {                                                                                        \
+        ptrdiff_t i;                                                                         \
+        (void)s;                                                                             \
+        for (i = 0; i < nrows; i++)                                                          \
+            colibri_idot16_quant_scalar(FMT, row0 + i * rs, cols, group, q, qs, d, ds, nt,  \
+                                        out + i, os);                                        \
+    }
+
+COLIBRI_DEF_IDOT16_SCALAR(colibri_idot16_q8_scalar, COLIBRI_Q8)
+COLIBRI_DEF_IDOT16_SCALAR(colibri_idot16_q4_scalar, COLIBRI_Q4)
 
 /* Sum (mod 2^64) of a byte buffer as little-endian u64 words, plus the last n % 8 bytes
  * one by one: the memory-read bandwidth kernel. Every path computes the same number.
@@ -816,6 +910,61 @@ COLIBRI_AVX2_INLINE void colibri_ichunk_avx2(const int fmt, const uint8_t *wq, c
     for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);
 }
 
+/* colibri_ichunk_avx2 on int16 codes (packed by colibri_qpos16): a pair's weight codes are
+ * widened to 16 bits in-lane once (q4: the 32 code bytes unpacked with zero, then & 15 and
+ * >> 4; q8: each byte unpacked with itself, then >> 8 arithmetic), giving four vectors
+ * c0..c3 = elements 0-7, 8-15, 16-23, 24-31 of both blocks (lane half 0 block j, half 1
+ * block j+1); per token, four vpmaddwd with the matching 16-code runs and three adds leave the
+ * same 8 int32 partial sums per pair as the int8 body (|.| <= 32 * 128 * 32767 < 2^31). */
+COLIBRI_AVX2_INLINE void colibri_ichunk16_avx2(const int fmt, const uint8_t *wq,
+                                               const int8_t *q, ptrdiff_t qs, const int n,
+                                               __m256i *isum, const int NT)
+{
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;            /* bytes per 32 codes */
+    const __m256i m15 = _mm256_set1_epi16(15);
+    __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];
+    int k, t;
+    for (k = 0; k < 4; k++) {                                    /* pair k: blocks 2k, 2k+1 */
+        __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
+        if (2 * k < n) {
+            const uint8_t *w = wq + 2 * k * bpb;
+            const int two = 2 * k + 1 < n;
+            if (fmt == COLIBRI_Q4) {
+                const __m256i z = _mm256_setzero_si256();
+                __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
+                                : _mm256_inserti128_si256(z, _mm_loadu_si128((const __m128i *)w), 0);
+                __m256i u0 = _mm256_unpacklo_epi8(b, z), u1 = _mm256_unpackhi_epi8(b, z);
+                c0 = _mm256_and_si256(u0, m15);
+                c1 = _mm256_and_si256(u1, m15);
+                c2 = _mm256_srli_epi16(u0, 4);
+                c3 = _mm256_srli_epi16(u1, 4);
+            } else {
+                __m256i lo, hi;
+                colibri_ipair_avx2(fmt, w, two, &lo, &hi);
+                c0 = _mm256_srai_epi16(_mm256_unpacklo_epi8(lo, lo), 8);
+                c1 = _mm256_srai_epi16(_mm256_unpackhi_epi8(lo, lo), 8);
+                c2 = _mm256_srai_epi16(_mm256_unpacklo_epi8(hi, hi), 8);
+                c3 = _mm256_srai_epi16(_mm256_unpackhi_epi8(hi, hi), 8);
+            }
+        }
+        for (t = 0; t < NT; t++) {
+            const __m256i *qt = (const __m256i *)(const void *)(q + t * qs + 128 * k);
+            __m256i p = _mm256_setzero_si256();
+            if (2 * k < n)
+                p = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256(qt)),
+                                     _mm256_madd_epi16(c1, _mm256_loadu_si256(qt + 1))),
+                    _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(qt + 2)),
+                                     _mm256_madd_epi16(c3, _mm256_loadu_si256(qt + 3))));
+            if (k & 1)
+                h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);
+            else
+                v[k >> 1][t] = p;
+        }
+    }
+    for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);
+}
+
 /* The scales of a chunk's blocks in lane order 0 2 4 6 1 3 5 7. Fast path (the main loop,
  * no call and no stack copy, so the loop keeps its constants in registers), by group size:
  *   mode 0, group 32: the chunk's 8 scales, one load, permuted;
@@ -878,13 +1027,27 @@ COLIBRI_AVX2_INLINE void colibri_iacc_avx2(const int fmt, const __m256i *isum, _
 }
 
 /* MODE (a compile-time constant, from the group size; see colibri_iscales_avx2): 0 group 32,
- * 1 group 64 / 128 / 256, 2 group 512 * k, 3 any other multiple of 32 (the generic scales). */
+ * 1 group 64 / 128 / 256, 2 group 512 * k, 3 any other multiple of 32 (the generic scales).
+ * WIDE (compile-time): 0 int8 codes, 1 int16 codes (colibri_ichunk16_avx2). */
+COLIBRI_AVX2_INLINE void colibri_ichunk_any_avx2(const int fmt, const int WIDE,
+                                                 const uint8_t *wq, const int8_t *q,
+                                                 ptrdiff_t qs, const int n, __m256i ones,
+                                                 __m256i *isum, const int NT)
+{
+    if (WIDE)
+        colibri_ichunk16_avx2(fmt, wq, q, qs, n, isum, NT);
+    else
+        colibri_ichunk_avx2(fmt, wq, q, qs, n, ones, isum, NT);
+}
+
 COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *row,
                                                 ptrdiff_t cols, ptrdiff_t group,
                                                 const int8_t *q, ptrdiff_t qs, const float *d,
                                                 const int32_t *s, ptrdiff_t ds, float *out,
-                                                ptrdiff_t os, const int NT, const int MODE)
+                                                ptrdiff_t os, const int NT, const int MODE,
+                                                const int WIDE)
 {
+    const ptrdiff_t qpb = WIDE ? 64 : 32;                  /* code bytes per 32-block */
     const ptrdiff_t nb = cols / 32, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
     const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
     const ptrdiff_t bpg = group / 32;
@@ -908,7 +1071,7 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
                 _mm_prefetch(pf + 192, _MM_HINT_T1);
             }
         }
-        colibri_ichunk_avx2(fmt, row + b0 * bpb, q + 32 * b0, qs, 8, ones, isum, NT);
+        colibri_ichunk_any_avx2(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, 8, ones, isum, NT);
         colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
     }
     if (MODE != 3) {
@@ -932,7 +1095,7 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
     for (; b0 < nb; b0 += 8) {                        /* the rest: the last 1..7 blocks, or all */
         const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;
         const __m256 sv = colibri_iscales_any_avx2(scales, b0, n, group);
-        colibri_ichunk_avx2(fmt, row + b0 * bpb, q + 32 * b0, qs, n, ones, isum, NT);
+        colibri_ichunk_any_avx2(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, n, ones, isum, NT);
         colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
     }
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);
@@ -940,7 +1103,7 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
 
 #define COLIBRI_IQUANT_ROWS(BODY, FMT, NT, MODE)                                            \
     for (i = 0; i < nrows; i++)                                                             \
-        BODY(FMT, row0 + i * rs, cols, group, q, qs, d, s, ds, out + i, os, NT, MODE);
+        BODY(FMT, row0 + i * rs, cols, group, q, qs, d, s, ds, out + i, os, NT, MODE, wide);
 
 #define COLIBRI_IQUANT_CASES(BODY, FMT, MODE)                                               \
     switch (nt) {                                                                           \
@@ -950,14 +1113,16 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
     default: COLIBRI_IQUANT_ROWS(BODY, FMT, 4, MODE) break;                                 \
     }
 
-/* One entry point per format; the group size picks the scale MODE, nt the unrolled body,
- * and the row loop runs inside each (so the body's constants are set up once). */
-#define COLIBRI_DEF_IQUANT(NAME, FMT, ATTR, BODY)                                            \
+/* One entry point per format and code width; the group size picks the scale MODE, nt the
+ * unrolled body, and the row loop runs inside each (so the body's constants are set up
+ * once). */
+#define COLIBRI_DEF_IQUANT(NAME, FMT, WIDE, ATTR, BODY)                                      \
     ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,     \
                    ptrdiff_t group, const int8_t *q, ptrdiff_t qs, const float *d,         \
                    const int32_t *s, ptrdiff_t ds, int nt, float *out, ptrdiff_t os)       \
     {                                                                                       \
         const ptrdiff_t bpg = group / 32;                                                   \
+        const int wide = WIDE;                                                              \
         ptrdiff_t i;                                                                        \
         if (bpg == 1) {                                                                     \
             COLIBRI_IQUANT_CASES(BODY, FMT, 0)                                              \
@@ -970,8 +1135,10 @@ COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *ro
         }                                                                                   \
     }
 
-COLIBRI_DEF_IQUANT(colibri_idot_q8_avx2, COLIBRI_Q8, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
-COLIBRI_DEF_IQUANT(colibri_idot_q4_avx2, COLIBRI_Q4, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+COLIBRI_DEF_IQUANT(colibri_idot_q8_avx2, COLIBRI_Q8, 0, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+COLIBRI_DEF_IQUANT(colibri_idot_q4_avx2, COLIBRI_Q4, 0, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q8_avx2, COLIBRI_Q8, 1, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q4_avx2, COLIBRI_Q4, 1, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
 
 /* colibri_quantize_block_scalar in AVX2, bit for bit: the same f32 operations (max |x|,
  * amax / 127, 1 / d, x * id), and vcvtps2dq rounds to nearest even as the scalar magic-number
@@ -1016,6 +1183,59 @@ COLIBRI_AVX2_FN float colibri_quantize_block_avx2(const float *xb, int8_t *lo, i
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(p));
     _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(p, 1));
+    t = _mm256_add_epi32(_mm256_add_epi32(r0, r1), _mm256_add_epi32(r2, r3));
+    t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    *s = 8 * _mm_cvtsi128_si32(t4);
+    return db;
+}
+
+/* colibri_quantize_block16_scalar in AVX2, bit for bit (the same f32 operations; vcvtps2dq
+ * rounds to nearest even, and the codes are within int16 so the saturating pack is exact). */
+COLIBRI_AVX2_FN float colibri_quantize_block16_avx2(const float *xb, int16_t *base, int32_t *s)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 fmax = _mm256_set1_ps(3.402823466e+38f);
+    const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767);
+    __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
+    __m256 a2 = _mm256_and_ps(x2, absmask), a3 = _mm256_and_ps(x3, absmask);
+    __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a0, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a1, fmax, _CMP_LE_OQ)),
+                              _mm256_and_ps(_mm256_cmp_ps(a2, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a3, fmax, _CMP_LE_OQ)));
+    __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    __m256 vid;
+    __m256i r0, r1, r2, r3, p, t;
+    __m128i t4;
+    float amax, db, id;
+    int i;
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    amax = _mm_cvtss_f32(m4);
+    db = amax / 32767.0f;
+    id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (_mm256_movemask_ps(ok) != 0xFF || id > 3.402823466e+38f) {
+        for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
+        *s = 0;
+        return _mm256_movemask_ps(ok) != 0xFF ? NAN : 0.0f;
+    }
+    vid = _mm256_set1_ps(id);
+    r0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x0, vid)), nlim), lim);
+    r1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x1, vid)), nlim), lim);
+    r2 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x2, vid)), nlim), lim);
+    r3 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x3, vid)), nlim), lim);
+    /* packs interleave 128-bit lanes: (r0, r1) -> elements 0-3 8-11 | 4-7 12-15; the 64-bit
+     * permute 0 2 1 3 gives 0-7 | 8-15, the two runs of 8 */
+    p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
+    _mm_storeu_si128((__m128i *)(void *)base, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)(void *)(base + 16), _mm256_extracti128_si256(p, 1));
+    p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r2, r3), 0xD8);
+    _mm_storeu_si128((__m128i *)(void *)(base + 32), _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i *)(void *)(base + 48), _mm256_extracti128_si256(p, 1));
     t = _mm256_add_epi32(_mm256_add_epi32(r0, r1), _mm256_add_epi32(r2, r3));
     t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
@@ -1282,60 +1502,103 @@ static inline float colibri_quantize_block(int isa, const float *xb, int8_t *lo,
     return colibri_quantize_block_scalar(xb, lo, hi, s);
 }
 
-/* Blocks b0 .. b1 - 1 of the row x (C floats) into the packed row (q, d, s). */
-static inline void colibri_quantize_act(int isa, const float *x, ptrdiff_t b0, ptrdiff_t b1, int8_t *q,
-                                        float *d, int32_t *s)
+static inline float colibri_quantize_block16(int isa, const float *xb, int16_t *base, int32_t *s)
+{
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+        return colibri_quantize_block16_avx2(xb, base, s);
+#endif
+    (void)isa;
+    return colibri_quantize_block16_scalar(xb, base, s);
+}
+
+/* Code bytes of a packed token row of C columns: C rounded up to a pair of blocks. */
+static inline ptrdiff_t colibri_act_row_bytes(int wide, ptrdiff_t cols)
+{
+    return (wide ? 2 : 1) * ((cols + 63) / 64 * 64);
+}
+
+/* Blocks b0 .. b1 - 1 of the row x (C floats) into the packed row (q, d, s); wide: int16
+ * codes (q then holds 2-byte codes, addressed in bytes), else int8. */
+static inline void colibri_quantize_act(int isa, int wide, const float *x, ptrdiff_t b0,
+                                        ptrdiff_t b1, int8_t *q, float *d, int32_t *s)
 {
     ptrdiff_t b;
     for (b = b0; b < b1; b++) {
-        int8_t *lo = q + 64 * (b >> 1) + 16 * (b & 1);
-        d[colibri_dpos(b)] = colibri_quantize_block(isa, x + 32 * b, lo, lo + 32,
-                                                    s + colibri_dpos(b));
+        if (wide) {
+            int16_t *base = (int16_t *)(void *)q + 64 * (b >> 1) + 8 * (b & 1);
+            d[colibri_dpos(b)] = colibri_quantize_block16(isa, x + 32 * b, base,
+                                                          s + colibri_dpos(b));
+        } else {
+            int8_t *lo = q + 64 * (b >> 1) + 16 * (b & 1);
+            d[colibri_dpos(b)] = colibri_quantize_block(isa, x + 32 * b, lo, lo + 32,
+                                                        s + colibri_dpos(b));
+        }
     }
 }
 
 /* A whole token row into the packed layout, with the padding (the partner of an odd last
  * block: q 0; d, s up to npad entries: 0). */
-static inline void colibri_quantize_pad(ptrdiff_t cols, int8_t *q, float *d, int32_t *s,
-                                        ptrdiff_t npad)
+static inline void colibri_quantize_pad(int wide, ptrdiff_t cols, int8_t *q, float *d,
+                                        int32_t *s, ptrdiff_t npad)
 {
     ptrdiff_t b, nb = cols / 32;
+    int i;
     if (nb & 1) {
-        memset(q + 64 * (nb >> 1) + 16, 0, 16);
-        memset(q + 64 * (nb >> 1) + 48, 0, 16);
+        if (wide) {
+            int16_t *base = (int16_t *)(void *)q + 64 * (nb >> 1) + 8;
+            for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
+        } else {
+            memset(q + 64 * (nb >> 1) + 16, 0, 16);
+            memset(q + 64 * (nb >> 1) + 48, 0, 16);
+        }
     }
     for (b = nb; b < npad; b++) { d[colibri_dpos(b)] = 0.0f; s[colibri_dpos(b)] = 0; }
 }
 
-static inline void colibri_quantize_row(int isa, const float *x, ptrdiff_t cols, int8_t *q,
-                                        float *d, int32_t *s, ptrdiff_t npad)
+static inline void colibri_quantize_row(int isa, int wide, const float *x, ptrdiff_t cols,
+                                        int8_t *q, float *d, int32_t *s, ptrdiff_t npad)
 {
-    colibri_quantize_act(isa, x, 0, cols / 32, q, d, s);
-    colibri_quantize_pad(cols, q, d, s, npad);
+    colibri_quantize_act(isa, wide, x, 0, cols / 32, q, d, s);
+    colibri_quantize_pad(wide, cols, q, d, s, npad);
 }
 
-/* The plain layout (quantize_activations): q (cols), d (cols / 32). */
-static inline void colibri_quantize_plain(int isa, const float *x, ptrdiff_t cols, int8_t *q,
-                                          float *d)
+/* The plain layout (quantize_activations): q (cols codes: int8, or int16 when wide),
+ * d (cols / 32). */
+static inline void colibri_quantize_plain(int isa, int wide, const float *x, ptrdiff_t cols,
+                                          void *q, float *d)
 {
     ptrdiff_t b;
     int32_t s;
-    for (b = 0; b < cols / 32; b++)
-        d[b] = colibri_quantize_block(isa, x + 32 * b, q + 32 * b, q + 32 * b + 16, &s);
+    int i;
+    for (b = 0; b < cols / 32; b++) {
+        if (wide) {
+            int16_t packed[64], *out = (int16_t *)q + 32 * b;
+            d[b] = colibri_quantize_block16(isa, x + 32 * b, packed, &s);
+            for (i = 0; i < 32; i++) out[i] = packed[16 * (i >> 3) + (i & 7)];
+        } else {
+            int8_t *out = (int8_t *)q + 32 * b;
+            d[b] = colibri_quantize_block(isa, x + 32 * b, out, out + 16, &s);
+        }
+    }
 }
 
-/* The int8-activation row kernel of (isa, fmt); NULL unless fmt is q8 or q4. The AVX-512
- * path runs the AVX2 bodies (every AVX-512 CPU has AVX2): an AVX-512-specific int8 body
- * (VNNI's vpdpbusd) could not be tested on the machines this was written on, so it does
- * not exist yet. */
-static colibri_idot_fn colibri_idot_for(int isa, int fmt)
+/* The quantized-activation row kernel of (isa, fmt, wide: int16 codes, else int8); NULL
+ * unless fmt is q8 or q4. The AVX-512 path runs the AVX2 bodies (every AVX-512 CPU has
+ * AVX2): an AVX-512-specific body (VNNI's vpdpbusd / vpdpwssd) could not be tested on the
+ * machines this was written on, so it does not exist yet. */
+static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 {
     if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
-    if (isa == COLIBRI_ISA_SCALAR)
+    if (isa == COLIBRI_ISA_SCALAR) {
+        if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_scalar : colibri_idot16_q4_scalar;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
+    }
 #if COLIBRI_X86
-    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
+        if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;
+    }
 #endif
     return NULL;
 }

@@ -28,8 +28,11 @@ Activations: the quantized-weight kernels (linear, expert_ffn, swiglu) take
 or ``"int8"``: each token's input is quantized to int8 in blocks of 32 (llama.cpp's Q8_0,
 ``quantize_activations``) and dotted with q4/q8 weight codes in integer arithmetic: 2-3.5x
 fewer instructions per multiply-add, at the cost of Q8_0's rounding of the inputs (about
-0.5% of the output's scale on random data). Plain-format weights (f32/f16/bf16) ignore the
-option and keep the f32 path, so a whole model can run with ``"int8"``.
+0.5% of the output's scale on random data); or ``"int16"``: the same with 16-bit codes
+(``quantize_activations(x, bits=16)``), each input within 2^-16 of its block's largest
+magnitude (about 1e-5 of the output's scale: finer than f16 activations), at about twice
+int8's instructions and a third of f32's. Plain-format weights (f32/f16/bf16) ignore the
+option and keep the f32 path, so a whole model can run with either.
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
@@ -357,12 +360,12 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     threads : int or None (default_threads())
     out : float32 (T, R) (or (R,)) to write into, not overlapping x; or None
     expert : int, which matrix of a stack
-    activations : "f32" (default) or "int8"
-        "int8" with a q4/q8 weight: x is quantized per token with quantize_activations
-        (C must be a multiple of 32, which q4/q8 guarantee) and
-        y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b (+ bias[r]), isum the exact int32
-        dot of block b's weight codes (q4: nibble - 8) with q_t. Plain-format weights use the
-        f32 path whatever this says.
+    activations : "f32" (default), "int8" or "int16"
+        "int8" / "int16" with a q4/q8 weight: x is quantized per token with
+        quantize_activations (bits 8 / 16; C must be a multiple of 32, which q4/q8
+        guarantee) and y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b (+ bias[r]), isum the
+        exact int32 dot of block b's weight codes (q4: nibble - 8) with q_t. Plain-format
+        weights use the f32 path whatever this says.
 
     Returns
     -------
@@ -462,10 +465,10 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: Weig
     w_down : WeightRef stack (E, D, I); the three formats may differ
     threads : int or None
     out : float32 (T, D) to write into (may be x itself), or None
-    activations : "f32" (default) or "int8"
-        "int8": each q4/q8 matrix runs the int8 path (see linear): x is quantized for gate and
-        up, and h = silu(gate) * up is quantized (per token, blocks of 32) before a q4/q8
-        w_down. Matrices in plain formats keep the f32 path.
+    activations : "f32" (default), "int8" or "int16"
+        "int8" / "int16": each q4/q8 matrix runs that path (see linear): x is quantized for
+        gate and up, and h = silu(gate) * up is quantized (per token, blocks of 32) before a
+        q4/q8 w_down. Matrices in plain formats keep the f32 path.
 
     Returns
     -------
@@ -500,7 +503,7 @@ def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
     w_gate, w_up : WeightRef (I, D)
     w_down : WeightRef (D, I)
     threads : int or None
-    activations : "f32" (default) or "int8", as in expert_ffn
+    activations : "f32" (default), "int8" or "int16", as in expert_ffn
 
     Returns
     -------
@@ -512,26 +515,28 @@ def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
     return y
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize activations to int8 the way the "int8" path does (llama.cpp's Q8_0).
+def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize activations the way the "int8" (bits 8: llama.cpp's Q8_0) or "int16"
+    (bits 16) path does.
 
     Parameters
     ----------
     x : float32 (T, C), C a multiple of 32 (else ValueError)
+    bits : 8 or 16
 
     Returns
     -------
-    q : int8 (T, C)
+    q : int8 (bits 8) or int16 (bits 16), (T, C)
     d : float32 (T, C/32)
-        Per block b of 32 elements of a row: amax = max |x|; d = amax / 127 (f32 division);
-        id = 1 / d (0 when d == 0); q = round-half-even(x * id) (f32 product), in
-        [-127, 127]. A block holding a NaN or an inf gets d = NaN and q = 0 (every output
-        using it is NaN); a block whose 1 / d overflows (amax below ~3.7e-37) gets d = 0 and
-        q = 0. Bit-identical on every ISA path; _reference.quantize_activations_ref is its
-        twin.
+        Per block b of 32 elements of a row: amax = max |x|; d = amax / qmax (f32 division;
+        qmax 127 or 32767); id = 1 / d (0 when d == 0); q = round-half-even(x * id) (f32
+        product), in [-qmax, qmax]. A block holding a NaN or an inf gets d = NaN and q = 0
+        (every output using it is NaN); a block whose 1 / d overflows (amax below ~3.7e-37
+        for 8 bits) gets d = 0 and q = 0. Bit-identical on every ISA path;
+        _reference.quantize_activations_ref is its twin.
     """
     x = _f32("x", x, (2,))
-    return _kernels.quantize_activations(x)
+    return _kernels.quantize_activations(x, bits)
 
 
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,

@@ -10,6 +10,8 @@ with colibri.convert, and run on the same batch of left-padded prompts by both:
   - int8 activations (q8 / q4 files run with activations="int8"): the same measures, with
     the bounds docs/accuracy.md documents, and within INT8_TOL of transformers given the
     file's weights (what the int8 activations alone cost);
+  - int16 activations (activations="int16"): the format's bounds, and within INT16_TOL of
+    transformers given the file's weights (~100x closer than int8);
   - prefill == token by token, batch > 1 == separate runs, 1 thread == 2 threads.
 """
 from __future__ import annotations
@@ -43,6 +45,8 @@ BOUNDS = {
 }
 INT8 = "-int8"           # suffix: the same file, run with activations="int8"
 INT8_TOL = 5e-2          # max relative logit error of int8 activations vs exact f32 ones
+INT16 = "-int16"         # suffix: the same file, run with activations="int16"
+INT16_TOL = 3e-4         # max relative logit error of int16 activations vs exact f32 ones
 FORMATS = {   # name -> convert() keyword arguments
     "f16": dict(dtype="f16"),
     "bf16": dict(dtype="bf16"),
@@ -51,6 +55,16 @@ FORMATS = {   # name -> convert() keyword arguments
     "q4-all": dict(dtype="f32", quant="q4", quantize="experts,shared,attn,head,dense"),
 }
 FORMATS.update({f + INT8: FORMATS[f] for f in ("q8", "q4", "q4-all")})
+FORMATS.update({f + INT16: FORMATS[f] for f in ("q8", "q4", "q4-all")})
+BOUNDS.update({f + INT16: BOUNDS[f] for f in ("q8", "q4", "q4-all")})
+
+
+def _file_and_activations(fmt: str) -> tuple[str, str]:
+    """'q4-int8' -> ('q4', 'int8'); 'q4' -> ('q4', 'f32')."""
+    for suffix in (INT8, INT16):
+        if fmt.endswith(suffix):
+            return fmt.removesuffix(suffix), suffix[1:]
+    return fmt, "f32"
 
 LENGTHS = (11, 7, 3)     # prompt lengths of the batch (left padded to 11)
 EVAL_SHAPE = (4, 32)     # prompts x tokens on which the formats' accuracy is measured
@@ -204,12 +218,12 @@ class Ref:
     def model(self, fmt: str = "f32", threads: int = 1) -> api.Model:
         key = f"{fmt}/{threads}"
         if key not in self.models:
-            dst = self.out_dir / f"{self.family}-{fmt.removesuffix(INT8)}.colibri"
+            file_fmt, activations = _file_and_activations(fmt)
+            dst = self.out_dir / f"{self.family}-{file_fmt}.colibri"
             if not dst.exists():
                 kwargs = dict(dtype="f32") if fmt == "f32" else FORMATS[fmt]
                 convert(self.path, dst, progress=False, **kwargs)
-            self.models[key] = api.load(dst, threads=threads,
-                                        activations="int8" if fmt.endswith(INT8) else "f32")
+            self.models[key] = api.load(dst, threads=threads, activations=activations)
         return self.models[key]
 
 
@@ -294,13 +308,14 @@ def test_format_matches_transformers_with_the_same_weights(ref, fmt):
     want, want_routing = Ref.hf_forward(oracle, ref.ids, ref.mask)
     got, trace = api.forward(m, ref.ids, attention_mask=ref.mask, return_routing=True)
     err = _rel_err(got[ref.valid], want[ref.valid])
-    if fmt.endswith(INT8):        # not exact: quantized activations; a routing flip allowed
+    if fmt.endswith((INT8, INT16)):   # not exact: quantized activations; routing flips allowed
+        tol, min_same = (INT8_TOL, 0.9) if fmt.endswith(INT8) else (INT16_TOL, 0.98)
         same = np.mean([np.mean(np.all(np.sort(g[ref.valid], -1) == np.sort(w[ref.valid], -1),
                                        axis=-1)) for (w, _), g in zip(want_routing, trace.ids)])
-        print(f"\n[int8] {ref.family:9s} {fmt:11s} rel_err_vs_same_weights={err:.3e} "
+        print(f"\n[activations] {ref.family:9s} {fmt:12s} rel_err_vs_same_weights={err:.3e} "
               f"routing_agreement={same:.3f}")
-        assert err <= INT8_TOL, f"{ref.family} {fmt}: error vs the same weights {err:.2e}"
-        assert same >= 0.9, f"{ref.family} {fmt}: routing agreement {same:.3f}"
+        assert err <= tol, f"{ref.family} {fmt}: error vs the same weights {err:.2e}"
+        assert same >= min_same, f"{ref.family} {fmt}: routing agreement {same:.3f}"
         return
     assert err <= F32_TOL, f"{ref.family} {fmt}: error vs transformers on the same weights {err:.2e}"
     for (want_ids, _), got_ids in zip(want_routing, trace.ids):
@@ -355,24 +370,32 @@ def test_thread_count_does_not_change_logits(ref):
     one = api.forward(ref.model("f32", threads=1), ref.ids, attention_mask=ref.mask)
     two = api.forward(ref.model("f32", threads=2), ref.ids, attention_mask=ref.mask)
     np.testing.assert_array_equal(one, two)
-    for fmt in ("q4", "q4" + INT8):
+    for fmt in ("q4", "q4" + INT8, "q4" + INT16):
         q1 = api.forward(ref.model(fmt, threads=1), ref.ids, attention_mask=ref.mask)
         q2 = api.forward(ref.model(fmt, threads=2), ref.ids, attention_mask=ref.mask)
         np.testing.assert_array_equal(q1, q2)
 
 
-def test_int8_activations_take_another_path(ref):
-    """activations="int8" really quantizes the activations of q4/q8 matrices (the logits
-    move, within INT8_TOL), and leaves a file without q4/q8 matrices exactly as it is."""
+def test_quantized_activations_take_another_path(ref):
+    """activations="int8" / "int16" really quantize the activations of q4/q8 matrices (the
+    logits move: within INT8_TOL for int8, within INT16_TOL and at least 20x less for int16),
+    and leave a file without q4/q8 matrices exactly as it is."""
     exact = api.forward(ref.model("q4"), ref.ids, attention_mask=ref.mask)
     int8 = api.forward(ref.model("q4" + INT8), ref.ids, attention_mask=ref.mask)
-    assert 0 < _rel_err(int8[ref.valid], exact[ref.valid]) <= INT8_TOL
+    int16 = api.forward(ref.model("q4" + INT16), ref.ids, attention_mask=ref.mask)
+    e8 = _rel_err(int8[ref.valid], exact[ref.valid])
+    e16 = _rel_err(int16[ref.valid], exact[ref.valid])
+    print(f"\n[activations] {ref.family:9s} q4 int8 {e8:.2e} int16 {e16:.2e} vs f32")
+    assert 0 < e8 <= INT8_TOL
+    assert 0 < e16 <= INT16_TOL and e16 < e8 / 20
     plain = ref.model("f32").file.path
-    with api.load(plain, activations="int8") as m:
-        np.testing.assert_array_equal(api.forward(m, ref.ids, attention_mask=ref.mask),
-                                      api.forward(ref.model("f32"), ref.ids,
-                                                  attention_mask=ref.mask))
-    with pytest.raises(ValueError, match="activations must be one of f32, int8, got 'int4'"):
+    for activations in ("int8", "int16"):
+        with api.load(plain, activations=activations) as m:
+            np.testing.assert_array_equal(api.forward(m, ref.ids, attention_mask=ref.mask),
+                                          api.forward(ref.model("f32"), ref.ids,
+                                                      attention_mask=ref.mask))
+    with pytest.raises(ValueError,
+                       match="activations must be one of f32, int8, int16, got 'int4'"):
         api.load(plain, activations="int4")
 
 
