@@ -252,8 +252,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
         list; 0 skips that kind of test). threads: an int, a list, or None (physical cores).
     reps: timed repetitions per test (>= 1), after one untimed warm-up unless warmup=False.
     depth: tokens already in the KV cache when a test starts (llama-bench -d).
-    seed: of the random token ids. activations: "f32" (exact), "int8" (quantized activations
-        for q4/q8 weights, see colibri.load), or a list of both.
+    seed: of the random token ids. activations: "f32" (exact), "int16" or "int8" (quantized
+        activations for q4/q8 weights, see colibri.load), or a list of them.
     bandwidth_bytes: buffer of the read-bandwidth measurement
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).

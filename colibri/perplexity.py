@@ -246,9 +246,9 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     """Perplexity of `model` over `data`, and KL statistics against `base` when given.
 
     model, base: a Model or the path of a .colibri file (opened with `threads`, closed after).
-    activations: of `model` when it is a path ("f32" or "int8", see colibri.load); the base
-        always runs with exact f32 activations, so `base` = the same file measures what int8
-        activations cost.
+    activations: of `model` when it is a path ("f32", "int16" or "int8", see colibri.load);
+        the base always runs with exact f32 activations, so `base` = the same file measures
+        what quantized activations cost.
     data: text (tokenized with the model's tokenizer) or token ids int (T,).
     ctx: window length (default: min(512, the model's context)); stride: None for
         llama-perplexity's scheme (second half of non-overlapping windows), or the step of

@@ -270,14 +270,15 @@ def test_cli_generate_embeddings_and_errors(model, tmp_path, capsys):
         _run_cli([str(model.file.path), "--embeddings", str(tmp_path / "bad.npy")])
 
 
-def test_cli_generate_int8_activations(capsys):
-    """--activations int8 reaches the model: the shipped (q4) model's greedy text equals
-    colibri.load(activations="int8").generate, and the option is checked."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_cli_generate_quantized_activations(capsys, activations):
+    """--activations int8 / int16 reaches the model: the shipped (q4) model's greedy text
+    equals colibri.load(activations=...).generate, and the option is checked."""
     path = api.default_model_path()
     assert _run_cli([str(path), "-p", "def f(x):", "-n", "8", "--temp", "0", "--threads", "1",
-                     "--activations", "int8"]) == 0
-    with api.load(path, threads=1, activations="int8") as m:
-        assert m.activations == "int8" and "activations=int8" in repr(m)
+                     "--activations", activations]) == 0
+    with api.load(path, threads=1, activations=activations) as m:
+        assert m.activations == activations and f"activations={activations}" in repr(m)
         assert capsys.readouterr().out == m.generate("def f(x):", max_new_tokens=8) + "\n"
     with pytest.raises(SystemExit):
         _run_cli([str(path), "-p", "x", "--activations", "int4"])

@@ -9,8 +9,8 @@ Shapes (rows x cols of one matrix): mixtral-mini attention 1024 x 1024, its expe
 3584 x 1024 and down 1024 x 3584; OLMoE-1B-7B experts 1024 x 2048 / 2048 x 1024 (64 experts,
 top-8; 16 experts here so the setup stays small: a decode step reads 8 of them either way).
 
-`activations` ("f32", "int8"): the kernels' activations option; "int8" only changes q4/q8
-weights (a bf16 case with "int8" would repeat the f32 one, so it is skipped).
+`activations` ("f32", "int8", "int16"): the kernels' activations option; "int8" / "int16"
+only change q4/q8 weights (a bf16 case with them would repeat the f32 one, so it is skipped).
 """
 import numpy as np
 
@@ -18,13 +18,14 @@ from colibri import kernels as K
 
 from .common import ISAS, THREADS, best_seconds, nbytes, use, weight
 
-ACTIVATIONS = ("f32", "int8")
+ACTIVATIONS = tuple(a for a in ("f32", "int8", "int16") if a in K.ACTIVATIONS)
 
 
 def use_activations(fmt: str, activations: str) -> None:
-    """Skip (NotImplementedError) a plain-format case with "int8": the same path as "f32"."""
-    if activations == "int8" and fmt not in ("q4", "q8"):
-        raise NotImplementedError(f"activations='int8' does not change {fmt} weights")
+    """Skip (NotImplementedError) a plain-format case with quantized activations: the same
+    path as "f32"."""
+    if activations != "f32" and fmt not in ("q4", "q8"):
+        raise NotImplementedError(f"activations={activations!r} does not change {fmt} weights")
 
 LINEAR_SHAPES = {"attn-1024x1024": (1024, 1024), "gate-3584x1024": (3584, 1024),
                  "down-1024x3584": (1024, 3584), "head-32000x1024": (32000, 1024)}

@@ -1,7 +1,7 @@
 """Benchmarks of a whole model: open, one decode step, a 128-token prefill, decode tokens/s,
 on a small synthetic Mixtral-like model (random weights, common.SMALL_MIXTRAL: hidden 512,
 expert intermediate 1024, 4 layers, 8 experts top-2, vocab 4096) at q4 and bf16, with the
-q4 matrices on f32 (exact) or int8 activations.
+q4 matrices on f32 (exact), int8 or int16 activations.
 
     asv continuous -b model main HEAD               # compare two commits
     asv run --quick -b model --python=same          # one pass on the installed package
@@ -17,7 +17,7 @@ from .common import THREADS, make_model, model_folder
 
 
 class Model:
-    params = (["q4", "bf16"], list(THREADS), ["f32", "int8"])
+    params = (["q4", "bf16"], list(THREADS), ["f32", "int8", "int16"])
     param_names = ["format", "threads", "activations"]
     timeout = 600
 
@@ -30,7 +30,9 @@ class Model:
         if threads > (os.cpu_count() or 1):
             raise NotImplementedError(f"{threads} threads > {os.cpu_count()} CPUs")
         if activations != "f32" and fmt != "q4":
-            raise NotImplementedError("int8 activations apply to q4/q8 matrices only")
+            raise NotImplementedError("quantized activations apply to q4/q8 matrices only")
+        if activations not in getattr(colibri.kernels, "ACTIVATIONS", ("f32",)):
+            raise NotImplementedError(f"activations={activations!r}: not in this commit")
         # f32 without the keyword: commits before the option still run this suite
         kw = {} if activations == "f32" else {"activations": activations}
         self.model = colibri.load(paths[fmt], threads=threads, **kw)

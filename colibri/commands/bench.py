@@ -25,7 +25,7 @@ def int_list(minimum: int):
 
 
 def act_list(text: str) -> list[str]:
-    """argparse type: 'f32' or 'f32,int8' -> [names] (colibri.kernels.ACTIVATIONS)."""
+    """argparse type: 'f32' or 'f32,int16,int8' -> [names] (colibri.kernels.ACTIVATIONS)."""
     from ..kernels import ACTIVATIONS
 
     values = text.split(",")
@@ -62,8 +62,9 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("-d", "--depth", type=int, default=0, metavar="D",
                    help="tokens already in the KV cache when a test starts (default: 0)")
     p.add_argument("-a", "--activations", type=act_list, default=["f32"], metavar="A",
-                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights) "
-                        "or int8 (quantized per 32 values, faster), a list allowed (f32,int8) "
+                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights), "
+                        "int16 (16-bit codes per 32 values: within ~1e-4, faster) or int8 "
+                        "(8-bit codes, like llama.cpp: fastest), a list allowed (f32,int16,int8) "
                         "(default: f32)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md",
                    help="markdown table or JSON list of results (default: %(default)s)")

@@ -40,9 +40,9 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="kernel threads (default: physical cores)")
     p.add_argument("--activations", choices=ACTIVATIONS, default="f32",
-                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights) "
-                        "or int8 (quantized per 32 values like llama.cpp; faster) "
-                        "(default: %(default)s)")
+                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights), "
+                        "int16 (16-bit codes per 32 values: within ~1e-4, faster) or int8 "
+                        "(8-bit codes like llama.cpp: fastest) (default: %(default)s)")
     p.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="KV cache size in tokens (default: prompt + N)")
     p.add_argument("--chat", action="store_true",

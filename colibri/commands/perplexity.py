@@ -43,9 +43,9 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="kernel threads (default: physical cores)")
     p.add_argument("-a", "--activations", choices=ACTIVATIONS, default="f32",
-                   help="activations of MODEL's q4/q8 matmuls: f32 (exact) or int8 (faster); "
-                        "the base always runs f32, so --kl-base MODEL measures the cost of int8 "
-                        "(default: %(default)s)")
+                   help="activations of MODEL's q4/q8 matmuls: f32 (exact), int16 or int8 "
+                        "(faster); the base always runs f32, so --kl-base MODEL measures their "
+                        "cost (default: %(default)s)")
     p.add_argument("-o", "--output", choices=("md", "json"), default="md",
                    help="markdown tables or JSON (default: %(default)s)")
     p.set_defaults(func=run)
