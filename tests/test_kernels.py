@@ -1075,7 +1075,8 @@ QFORMATS = ["q4", "q8"]
 ACTS = [("int8", 8), ("int16", 16)]             # activations, bits of the codes
 INT8_SHAPES = [(1, 1, 32, 32), (2, 37, 64, 64), (3, 19, 256, 128), (4, 13, 96, 32),
                (5, 7, 288, 32), (130, 11, 128, 64), (3, 9, 192, 96), (1, 5, 1024, 32),
-               (2, 3, 2048, 256), (4, 3, 1536, 512)]      # 256, 512: one / 2+ chunks a group
+               (2, 3, 2048, 256), (4, 3, 1536, 512),      # 256, 512: one / 2+ chunks a group
+               (3, 4, 800, 32), (2, 5, 1408, 64), (1, 6, 1408, 128)]   # partial last chunk
 
 
 def iact_magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0, bits: int = 8) -> np.ndarray:
