@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help=f"{', '.join(SMALL)}")
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--activations", default="f32,int8",
+    ap.add_argument("--activations", default="f32,int16,int8",
                     help="colibri activations to run (int8 / int16 apply to q4/q8 files only)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--n-prompt", type=int, default=128)
