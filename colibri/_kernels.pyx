@@ -1059,16 +1059,19 @@ cdef void _ffn_gather(const Ffn *f, Py_ssize_t p) noexcept nogil:
 
 
 cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
-    """Work item it: rows r0..r1 of gate and up of one active expert, for all its tokens;
-    then the group sums (q4) or the quantized blocks (idot path) of the new h columns for w_down
-    (tiles are whole groups / blocks of 32)."""
-    cdef Py_ssize_t e = f.active[it // f.nt_gu]
-    cdef Py_ssize_t r0 = (it % f.nt_gu) * f.tr_gu, r1 = r0 + f.tr_gu, p0, n_e, p
-    cdef Py_ssize_t Gd = f.d.group, sd = f.d.xsum_cols
+    """Work item it: rows r0..r1 of gate and up of one active expert (_ffn_gateup_rows)."""
+    cdef Py_ssize_t r0 = (it % f.nt_gu) * f.tr_gu, r1 = r0 + f.tr_gu
     if r1 > f.I:
         r1 = f.I
-    p0 = f.offsets[e]
-    n_e = f.offsets[e + 1] - p0
+    _ffn_gateup_rows(f, f.active[it // f.nt_gu], r0, r1)
+
+
+cdef void _ffn_gateup_rows(const Ffn *f, Py_ssize_t e, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """Rows r0..r1 of gate and up of expert e, for all its tokens; then the group sums (q4)
+    or the quantized blocks (idot path) of the new h columns for w_down (r0, r1: whole groups /
+    blocks of 32)."""
+    cdef Py_ssize_t p0 = f.offsets[e], n_e = f.offsets[e + 1] - f.offsets[e], p
+    cdef Py_ssize_t Gd = f.d.group, sd = f.d.xsum_cols
     _gateup_rows(&f.g, &f.u, e, f.xg + p0 * f.xg_stride, f.xg_stride, n_e,
                  f.xsg + p0 * f.ssg, f.ssg, f.xsu + p0 * f.ssu, f.ssu, _act_at(&f.ax, p0),
                  f.h + p0 * f.I, r0, r1)
@@ -1084,18 +1087,27 @@ cdef void _ffn_gateup(const Ffn *f, Py_ssize_t it) noexcept nogil:
 cdef void _ffn_down(const Ffn *f, Py_ssize_t it) noexcept nogil:
     """Work item it: rows r0..r1 of w_down of every active expert, for their tokens; then
     y[t, r0:r1] = sum_k weights[t, k] * og[pos[t*K + k], r0:r1], in k order."""
-    cdef Py_ssize_t r0 = it * f.tr_dn, r1 = r0 + f.tr_dn, j, e, p0, t, k, c
-    cdef float wk
-    cdef float *yt
-    cdef const float *ot
+    cdef Py_ssize_t r0 = it * f.tr_dn, r1 = r0 + f.tr_dn, j
     if r1 > f.D:
         r1 = f.D
     for j in range(f.n_active):
-        e = f.active[j]
-        p0 = f.offsets[e]
-        _linear_rows(&f.d, e, f.h + p0 * f.I, f.offsets[e + 1] - p0,
-                     f.xsd + p0 * f.d.xsum_cols, _act_at(&f.ah, p0), NULL, f.og + p0 * f.D,
-                     f.D, r0, r1)
+        _ffn_down_rows(f, f.active[j], r0, r1)
+    _ffn_combine(f, r0, r1)
+
+
+cdef inline void _ffn_down_rows(const Ffn *f, Py_ssize_t e, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """Rows r0..r1 of w_down of expert e, for its tokens, into their og rows."""
+    cdef Py_ssize_t p0 = f.offsets[e]
+    _linear_rows(&f.d, e, f.h + p0 * f.I, f.offsets[e + 1] - p0, f.xsd + p0 * f.d.xsum_cols,
+                 _act_at(&f.ah, p0), NULL, f.og + p0 * f.D, f.D, r0, r1)
+
+
+cdef void _ffn_combine(const Ffn *f, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """y[t, r0:r1] = sum_k weights[t, k] * og[pos[t*K + k], r0:r1], in k order."""
+    cdef Py_ssize_t t, k, c
+    cdef float wk
+    cdef float *yt
+    cdef const float *ot
     for t in range(f.T):
         yt = f.y + t * f.D
         for c in range(r0, r1):
@@ -1105,6 +1117,19 @@ cdef void _ffn_down(const Ffn *f, Py_ssize_t it) noexcept nogil:
             ot = f.og + f.pos[t * f.K + k] * f.D
             for c in range(r0, r1):
                 yt[c] = yt[c] + wk * ot[c]
+
+
+cdef void _ffn_expert(const Ffn *f, Py_ssize_t it) noexcept nogil:
+    """Work item it of the whole-expert schedule: all of active expert it (gate and up, then
+    w_down into its og rows). The same row-kernel calls as the gate/up and down items, so the
+    same bits."""
+    cdef Py_ssize_t e = f.active[it]
+    _ffn_gateup_rows(f, e, 0, f.I)
+    _ffn_down_rows(f, e, 0, f.D)
+
+
+cdef void _ffn_expert_task(void *f, Py_ssize_t it) noexcept nogil:
+    _ffn_expert(<const Ffn *>f, it)
 
 
 cdef void _ffn_gather_task(void *f, Py_ssize_t it) noexcept nogil:
@@ -1125,6 +1150,14 @@ cdef void _ffn_run(Ffn *f, Py_ssize_t n_gather, Py_ssize_t n_gu, Py_ssize_t n_dn
     colibri_pool_run(nth, _ffn_gather_task, f, n_gather)
     colibri_pool_run(nth, _ffn_gateup_task, f, n_gu)
     colibri_pool_run(nth, _ffn_down_task, f, n_dn)
+
+
+cdef void _ffn_run_experts(Ffn *f, int nth) noexcept nogil:
+    """Decode schedule: one job of whole experts (f.n_active items, a multiple of nth, so the
+    threads get equal shares), then the combine on this thread. One stage boundary instead
+    of two, and no thread waits at the gate/up -> down boundary for the slowest tile."""
+    colibri_pool_run(nth, _ffn_expert_task, f, f.n_active)
+    _ffn_combine(f, 0, f.D)
 
 
 cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,
@@ -1239,7 +1272,10 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
                 f.tr_dn = 16
             n_gu = n_active * f.nt_gu
             n_dn = (D + f.tr_dn - 1) // f.tr_dn
-            _ffn_run(&f, n_gather, n_gu, n_dn, nth)
+            if one and n_active % nth == 0:          # decode, experts shared out evenly
+                _ffn_run_experts(&f, nth)
+            else:
+                _ffn_run(&f, n_gather, n_gu, n_dn, nth)
     finally:
         _give(buf)
 
