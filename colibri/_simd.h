@@ -266,34 +266,51 @@ static inline ptrdiff_t colibri_dpos(ptrdiff_t b)      /* packed position of blo
     return (b & ~(ptrdiff_t)7) | ((b & 1) << 2) | ((b >> 1) & 3);
 }
 
-/* One block: q[0:16] to lo, q[16:32] to hi; returns d, sets *s. */
-static inline float colibri_quantize_block_scalar(const float *xb, int8_t *lo, int8_t *hi,
-                                                  int32_t *s)
+/* The scale of one block for codes in [-qmax, qmax]: *d = amax / qmax, *id = 1 / d (0 for
+ * d = 0). Returns 0 (codes = round(x * id)), 1 (a NaN or inf: d = NaN, codes 0) or 2 (1 / d
+ * overflows: d = 0, codes 0). */
+static inline int colibri_block_scale_scalar(const float *xb, float qmax, float *d, float *id)
 {
-    const float magic = 12582912.0f;            /* 1.5 * 2^23 */
-    float amax = 0.0f, db, id;
-    int bad = 0, sum = 0, i;
+    float amax = 0.0f;
+    int bad = 0, i;
     for (i = 0; i < 32; i++) {
         float a = fabsf(xb[i]);
         bad |= !(a <= 3.402823466e+38f);         /* NaN or inf */
         amax = a > amax ? a : amax;
     }
-    db = amax / 127.0f;
-    id = db != 0.0f ? 1.0f / db : 0.0f;
-    if (bad || id > 3.402823466e+38f) {
+    *d = amax / qmax;
+    *id = *d != 0.0f ? 1.0f / *d : 0.0f;
+    if (bad) { *d = NAN; return 1; }
+    if (*id > 3.402823466e+38f) { *d = 0.0f; return 2; }
+    return 0;
+}
+
+/* Nearest-even round of x * id as an int, exact for |x * id| < 2^22 (no libm call). */
+static inline int colibri_round_code(float x, float id)
+{
+    const float magic = 12582912.0f;            /* 1.5 * 2^23 */
+    return (int)((x * id + magic) - magic);
+}
+
+/* One block: q[0:16] to lo, q[16:32] to hi; returns d, sets *s. */
+static inline float colibri_quantize_block_scalar(const float *xb, int8_t *lo, int8_t *hi,
+                                                  int32_t *s)
+{
+    float d, id;
+    int sum = 0, i;
+    *s = 0;
+    if (colibri_block_scale_scalar(xb, 127.0f, &d, &id)) {
         memset(lo, 0, 16);
         memset(hi, 0, 16);
-        *s = 0;
-        return bad ? NAN : 0.0f;
+        return d;
     }
     for (i = 0; i < 32; i++) {
-        float v = (xb[i] * id + magic) - magic;
-        int qi = (int)v;
+        int qi = colibri_round_code(xb[i], id);
         (i < 16 ? lo : hi - 16)[i] = (int8_t)qi;
         sum += qi;
     }
     *s = 8 * sum;
-    return db;
+    return d;
 }
 
 /* Activations as int16 (the "int16" path, W4A16 / W8A16 with 16-bit activation codes):
@@ -316,30 +333,20 @@ static inline ptrdiff_t colibri_qpos16(ptrdiff_t c)    /* packed position of ele
  * the pair's start, + 8 for its second block); returns d, sets *s. */
 static inline float colibri_quantize_block16_scalar(const float *xb, int16_t *base, int32_t *s)
 {
-    const float magic = 12582912.0f;            /* 1.5 * 2^23 */
-    float amax = 0.0f, db, id;
-    int bad = 0, sum = 0, i;
-    for (i = 0; i < 32; i++) {
-        float a = fabsf(xb[i]);
-        bad |= !(a <= 3.402823466e+38f);         /* NaN or inf */
-        amax = a > amax ? a : amax;
-    }
-    db = amax / 32767.0f;
-    id = db != 0.0f ? 1.0f / db : 0.0f;
-    if (bad || id > 3.402823466e+38f) {
+    float d, id;
+    int sum = 0, i;
+    *s = 0;
+    if (colibri_block_scale_scalar(xb, 32767.0f, &d, &id)) {
         for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
-        *s = 0;
-        return bad ? NAN : 0.0f;
+        return d;
     }
     for (i = 0; i < 32; i++) {
-        float v = (xb[i] * id + magic) - magic;
-        int qi = (int)v;
-        qi = qi > 32767 ? 32767 : qi < -32767 ? -32767 : qi;     /* as the SIMD pack saturates */
+        int qi = colibri_round_code(xb[i], id);             /* |qi| <= 32767: |x| <= amax */
         base[16 * (i >> 3) + (i & 7)] = (int16_t)qi;
         sum += qi;
     }
     *s = 8 * sum;
-    return db;
+    return d;
 }
 
 /* SiLU, written so that very negative inputs give -0 (exp overflows to inf), never NaN. */
@@ -1159,108 +1166,88 @@ COLIBRI_DEF_IQUANT(colibri_idot_q4_avx2, COLIBRI_Q4, 0, COLIBRI_AVX2_FN, colibri
 COLIBRI_DEF_IQUANT(colibri_idot16_q8_avx2, COLIBRI_Q8, 1, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
 COLIBRI_DEF_IQUANT(colibri_idot16_q4_avx2, COLIBRI_Q4, 1, COLIBRI_AVX2_FN, colibri_idot_avx2_body)
 
-/* colibri_quantize_block_scalar in AVX2, bit for bit: the same f32 operations (max |x|,
- * amax / 127, 1 / d, x * id), and vcvtps2dq rounds to nearest even as the scalar magic-number
- * add does (both in the default rounding mode). */
+/* colibri_block_scale_scalar and the codes in AVX2, bit for bit: the same f32 operations
+ * (max |x|, amax / qmax, 1 / d, x * id), and vcvtps2dq rounds to nearest even as the
+ * scalar magic-number add does (both in the default rounding mode). The codes r[0..3]
+ * (elements 0-7 .. 24-31, int32) are set when the result is 0; *s = 8 * their sum. */
+COLIBRI_AVX2_INLINE int colibri_block_codes_avx2(const float *xb, float qmax, __m256i r[4],
+                                                 float *d, int32_t *s)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 fmax = _mm256_set1_ps(3.402823466e+38f);
+    __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+    __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+    __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
+    __m256 a2 = _mm256_and_ps(x2, absmask), a3 = _mm256_and_ps(x3, absmask);
+    __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a0, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a1, fmax, _CMP_LE_OQ)),
+                              _mm256_and_ps(_mm256_cmp_ps(a2, fmax, _CMP_LE_OQ),
+                                            _mm256_cmp_ps(a3, fmax, _CMP_LE_OQ)));
+    __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    __m256 vid;
+    __m256i t;
+    __m128i t4;
+    float db, id;
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    db = _mm_cvtss_f32(m4) / qmax;
+    id = db != 0.0f ? 1.0f / db : 0.0f;
+    *s = 0;
+    if (_mm256_movemask_ps(ok) != 0xFF) { *d = NAN; return 1; }
+    if (id > 3.402823466e+38f) { *d = 0.0f; return 2; }
+    *d = db;
+    vid = _mm256_set1_ps(id);
+    r[0] = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vid));
+    r[1] = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vid));
+    r[2] = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vid));
+    r[3] = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vid));
+    t = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    *s = 8 * _mm_cvtsi128_si32(t4);
+    return 0;
+}
+
+/* colibri_quantize_block_scalar in AVX2, bit for bit. */
 COLIBRI_AVX2_FN float colibri_quantize_block_avx2(const float *xb, int8_t *lo, int8_t *hi,
                                                   int32_t *s)
 {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 fmax = _mm256_set1_ps(3.402823466e+38f);
-    __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-    __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-    __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
-    __m256 a2 = _mm256_and_ps(x2, absmask), a3 = _mm256_and_ps(x3, absmask);
-    __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a0, fmax, _CMP_LE_OQ),
-                                            _mm256_cmp_ps(a1, fmax, _CMP_LE_OQ)),
-                              _mm256_and_ps(_mm256_cmp_ps(a2, fmax, _CMP_LE_OQ),
-                                            _mm256_cmp_ps(a3, fmax, _CMP_LE_OQ)));
-    __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    __m256 vid;
-    __m256i r0, r1, r2, r3, p, t;
-    __m128i t4;
-    float amax, db, id;
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    amax = _mm_cvtss_f32(m4);
-    db = amax / 127.0f;
-    id = db != 0.0f ? 1.0f / db : 0.0f;
-    if (_mm256_movemask_ps(ok) != 0xFF || id > 3.402823466e+38f) {
+    __m256i r[4], p;
+    float d;
+    if (colibri_block_codes_avx2(xb, 127.0f, r, &d, s)) {
         memset(lo, 0, 16);
         memset(hi, 0, 16);
-        *s = 0;
-        return _mm256_movemask_ps(ok) != 0xFF ? NAN : 0.0f;
+        return d;
     }
-    vid = _mm256_set1_ps(id);
-    r0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, vid));
-    r1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, vid));
-    r2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, vid));
-    r3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, vid));
     /* packs interleave 128-bit lanes: 0..3 4..7 of each r end in dword order 0 4 1 5 2 6 3 7 */
-    p = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
+    p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm_storeu_si128((__m128i *)lo, _mm256_castsi256_si128(p));
     _mm_storeu_si128((__m128i *)hi, _mm256_extracti128_si256(p, 1));
-    t = _mm256_add_epi32(_mm256_add_epi32(r0, r1), _mm256_add_epi32(r2, r3));
-    t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-    *s = 8 * _mm_cvtsi128_si32(t4);
-    return db;
+    return d;
 }
 
-/* colibri_quantize_block16_scalar in AVX2, bit for bit (the same f32 operations; vcvtps2dq
- * rounds to nearest even, and the codes are within int16 so the saturating pack is exact). */
+/* colibri_quantize_block16_scalar in AVX2, bit for bit (the codes are within int16, so the
+ * saturating pack is exact). */
 COLIBRI_AVX2_FN float colibri_quantize_block16_avx2(const float *xb, int16_t *base, int32_t *s)
 {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 fmax = _mm256_set1_ps(3.402823466e+38f);
-    const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767);
-    __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-    __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-    __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
-    __m256 a2 = _mm256_and_ps(x2, absmask), a3 = _mm256_and_ps(x3, absmask);
-    __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(a0, fmax, _CMP_LE_OQ),
-                                            _mm256_cmp_ps(a1, fmax, _CMP_LE_OQ)),
-                              _mm256_and_ps(_mm256_cmp_ps(a2, fmax, _CMP_LE_OQ),
-                                            _mm256_cmp_ps(a3, fmax, _CMP_LE_OQ)));
-    __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    __m256 vid;
-    __m256i r0, r1, r2, r3, p, t;
-    __m128i t4;
-    float amax, db, id;
+    __m256i r[4], p;
+    float d;
     int i;
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    amax = _mm_cvtss_f32(m4);
-    db = amax / 32767.0f;
-    id = db != 0.0f ? 1.0f / db : 0.0f;
-    if (_mm256_movemask_ps(ok) != 0xFF || id > 3.402823466e+38f) {
+    if (colibri_block_codes_avx2(xb, 32767.0f, r, &d, s)) {
         for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
-        *s = 0;
-        return _mm256_movemask_ps(ok) != 0xFF ? NAN : 0.0f;
+        return d;
     }
-    vid = _mm256_set1_ps(id);
-    r0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x0, vid)), nlim), lim);
-    r1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x1, vid)), nlim), lim);
-    r2 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x2, vid)), nlim), lim);
-    r3 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x3, vid)), nlim), lim);
     /* packs interleave 128-bit lanes: (r0, r1) -> elements 0-3 8-11 | 4-7 12-15; the 64-bit
      * permute 0 2 1 3 gives 0-7 | 8-15, the two runs of 8 */
-    p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
-    _mm_storeu_si128((__m128i *)(void *)base, _mm256_castsi256_si128(p));
-    _mm_storeu_si128((__m128i *)(void *)(base + 16), _mm256_extracti128_si256(p, 1));
-    p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r2, r3), 0xD8);
-    _mm_storeu_si128((__m128i *)(void *)(base + 32), _mm256_castsi256_si128(p));
-    _mm_storeu_si128((__m128i *)(void *)(base + 48), _mm256_extracti128_si256(p, 1));
-    t = _mm256_add_epi32(_mm256_add_epi32(r0, r1), _mm256_add_epi32(r2, r3));
-    t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-    *s = 8 * _mm_cvtsi128_si32(t4);
-    return db;
+    for (i = 0; i < 2; i++) {
+        p = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2 * i], r[2 * i + 1]), 0xD8);
+        _mm_storeu_si128((__m128i *)(void *)(base + 32 * i), _mm256_castsi256_si128(p));
+        _mm_storeu_si128((__m128i *)(void *)(base + 32 * i + 16), _mm256_extracti128_si256(p, 1));
+    }
+    return d;
 }
 
 COLIBRI_AVX2_FN uint64_t colibri_read_sum_avx2(const uint8_t *p, size_t n)
