@@ -474,9 +474,10 @@ static void colibri_dot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t n
         colibri_dot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, x, xs, nt, out + i, os);
 }
 
-/* int8 activations, the specification: per token, per 32-block, the exact integer dot of the
- * codes with q, then acc += (s * d) * isum in block order (one f32 accumulator). */
-static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
+/* int8 / int16 activations, the specification: per token, per 32-block, the exact integer dot
+ * of the codes with q (int8 at colibri_qpos, or int16 at colibri_qpos16 when wide), then
+ * acc += (s * d) * isum in block order (one f32 accumulator). */
+static void colibri_idot_quant_scalar(int fmt, int wide, const uint8_t *row, ptrdiff_t cols,
                                       ptrdiff_t group, const int8_t *q, ptrdiff_t qs,
                                       const float *d, ptrdiff_t ds, int nt, float *out,
                                       ptrdiff_t os)
@@ -486,6 +487,7 @@ static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t col
     int t, i;
     for (t = 0; t < nt; t++) {
         const int8_t *qt = q + t * qs;
+        const int16_t *qt16 = (const int16_t *)(const void *)qt;
         float acc = 0.0f;
         for (b = 0; b < nb; b++) {
             int32_t isum = 0;
@@ -493,7 +495,7 @@ static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t col
                 ptrdiff_t c = 32 * b + i;
                 int code = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c]
                                              : colibri_q4_nibble(row, c) - 8;
-                isum += code * qt[colibri_qpos(c)];
+                isum += code * (wide ? qt16[colibri_qpos16(c)] : qt[colibri_qpos(c)]);
             }
             float sg = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
             acc += (sg * d[t * ds + colibri_dpos(b)]) * (float)isum;
@@ -502,58 +504,8 @@ static void colibri_idot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t col
     }
 }
 
-static void colibri_idot_q8_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                   ptrdiff_t cols, ptrdiff_t group, const int8_t *q,
-                                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds,
-                                   int nt, float *out, ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)s;
-    for (i = 0; i < nrows; i++)
-        colibri_idot_quant_scalar(COLIBRI_Q8, row0 + i * rs, cols, group, q, qs, d, ds, nt,
-                                  out + i, os);
-}
-
-static void colibri_idot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                   ptrdiff_t cols, ptrdiff_t group, const int8_t *q,
-                                   ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds,
-                                   int nt, float *out, ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)s;                  /* the scalar body subtracts the offset per element */
-    for (i = 0; i < nrows; i++)
-        colibri_idot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, q, qs, d, ds, nt,
-                                  out + i, os);
-}
-
-/* int16 activations, the specification: colibri_idot_quant_scalar on 16-bit codes. */
-static void colibri_idot16_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
-                                        ptrdiff_t group, const int8_t *q, ptrdiff_t qs,
-                                        const float *d, ptrdiff_t ds, int nt, float *out,
-                                        ptrdiff_t os)
-{
-    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
-    ptrdiff_t b, nb = cols / 32;
-    int t, i;
-    for (t = 0; t < nt; t++) {
-        const int16_t *qt = (const int16_t *)(const void *)(q + t * qs);
-        float acc = 0.0f;
-        for (b = 0; b < nb; b++) {
-            int32_t isum = 0;
-            for (i = 0; i < 32; i++) {
-                ptrdiff_t c = 32 * b + i;
-                int code = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c]
-                                             : colibri_q4_nibble(row, c) - 8;
-                isum += code * qt[colibri_qpos16(c)];
-            }
-            float sg = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
-            acc += (sg * d[t * ds + colibri_dpos(b)]) * (float)isum;
-        }
-        out[t * os] = acc;
-    }
-}
-
-#define COLIBRI_DEF_IDOT16_SCALAR(NAME, FMT)                                                 \
+/* The scalar entry points (the body subtracts the q4 offset per element: s is unused). */
+#define COLIBRI_DEF_IDOT_SCALAR(NAME, FMT, WIDE)                                             \
     static void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,    \
                      ptrdiff_t group, const int8_t *q, ptrdiff_t qs, const float *d,        \
                      const int32_t *s, ptrdiff_t ds, int nt, float *out, ptrdiff_t os)      \
@@ -561,12 +513,14 @@ static void colibri_idot16_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t c
         ptrdiff_t i;                                                                         \
         (void)s;                                                                             \
         for (i = 0; i < nrows; i++)                                                          \
-            colibri_idot16_quant_scalar(FMT, row0 + i * rs, cols, group, q, qs, d, ds, nt,  \
-                                        out + i, os);                                        \
+            colibri_idot_quant_scalar(FMT, WIDE, row0 + i * rs, cols, group, q, qs, d, ds,  \
+                                      nt, out + i, os);                                      \
     }
 
-COLIBRI_DEF_IDOT16_SCALAR(colibri_idot16_q8_scalar, COLIBRI_Q8)
-COLIBRI_DEF_IDOT16_SCALAR(colibri_idot16_q4_scalar, COLIBRI_Q4)
+COLIBRI_DEF_IDOT_SCALAR(colibri_idot_q8_scalar, COLIBRI_Q8, 0)
+COLIBRI_DEF_IDOT_SCALAR(colibri_idot_q4_scalar, COLIBRI_Q4, 0)
+COLIBRI_DEF_IDOT_SCALAR(colibri_idot16_q8_scalar, COLIBRI_Q8, 1)
+COLIBRI_DEF_IDOT_SCALAR(colibri_idot16_q4_scalar, COLIBRI_Q4, 1)
 
 /* Sum (mod 2^64) of a byte buffer as little-endian u64 words, plus the last n % 8 bytes
  * one by one: the memory-read bandwidth kernel. Every path computes the same number.
