@@ -647,6 +647,15 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     cdef const char *o0 = <const char *>&out[0, 0]
     if x0 < o0 + 4 * T * R and o0 < x0 + 4 * T * C:      # both C-contiguous: byte ranges
         raise ValueError("out must not overlap x (linear reads every row of x while writing)")
+    _linear_run(x, &m, bp, out, expert, threads)
+
+
+cdef _linear_run(const float[:, ::1] x, Wmat *w, const float *bp, float[:, ::1] out,
+                 Py_ssize_t expert, int threads):
+    """linear's work once its arguments are checked (T >= 1, shapes agree, no overlap);
+    w is a copy the call may change (its GEMM scratch)."""
+    cdef Wmat m = w[0]
+    cdef Py_ssize_t T = x.shape[0], R = m.rows, C = m.cols
     cdef int nth = _team(<double>R * m.row_stride * T, threads)
     cdef Py_ssize_t gbytes = 0 if m.int8 else _gemm_bytes(T, nth)     # int8: row kernel
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
@@ -1405,3 +1414,197 @@ def read_sum(const uint8_t[::1] buf, int threads):
     for i in range(nparts):
         total += job.sums[i]
     return int(total)
+
+
+# =============================================================================================
+# row operations of a decode step (_rowops.h): RMSNorm of rows, RoPE of heads in place
+
+cdef extern from "_rowops.h" nogil:
+    void colibri_rms_norm_rows(const float *x, Py_ssize_t xs, Py_ssize_t rows, Py_ssize_t n,
+                               const float *weight, float eps, float *out, Py_ssize_t os)
+    void colibri_rope_rows(float *x, Py_ssize_t xs, Py_ssize_t rows, Py_ssize_t h,
+                           const float *c, const float *s)
+
+
+def rms_norm_rows(const float[:, ::1] x, const float[::1] weight, float eps,
+                  float[:, ::1] out):
+    """out (N, C) = weight * (x * (1 / sqrt(mean(x^2) + eps))) per row of x (N, C) float32;
+    weight (C,); out may be x itself. NumPy's operations and summation order (_rowops.h)."""
+    cdef Py_ssize_t N = x.shape[0], C = x.shape[1]
+    if weight.shape[0] != C:
+        raise ValueError(f"rms_norm_rows: weight has {weight.shape[0]} elements, expected "
+                         f"{C} (the columns of x, shape ({N}, {C}))")
+    if out.shape[0] != N or out.shape[1] != C:
+        raise ValueError(f"rms_norm_rows: out has shape ({out.shape[0]}, {out.shape[1]}), "
+                         f"expected ({N}, {C})")
+    if N == 0 or C == 0:
+        return
+    cdef const float *x0 = &x[0, 0]
+    cdef const float *o0 = &out[0, 0]
+    if x0 != o0 and x0 < o0 + N * C and o0 < x0 + N * C:
+        raise ValueError("rms_norm_rows: out overlaps x without being x")
+    with nogil:
+        colibri_rms_norm_rows(x0, C, N, C, &weight[0], eps, &out[0, 0], C)
+
+
+def rope_rows(float[:, ::1] x, const float[::1] cos, const float[::1] sin):
+    """Rotate each row of x (N, Dh) float32 in place by the half-split rule on its first
+    2h columns, h = len(cos) = len(sin) (<= Dh / 2): x[:h], x[h:2h] = x[:h] cos - x[h:2h] sin,
+    x[h:2h] cos + x[:h] sin (NumPy's float32 operations, _rowops.h)."""
+    cdef Py_ssize_t N = x.shape[0], Dh = x.shape[1], h = cos.shape[0]
+    if sin.shape[0] != h or 2 * h > Dh:
+        raise ValueError(f"rope_rows: cos ({h},) and sin ({sin.shape[0]},) must have the same "
+                         f"length h with 2h <= {Dh} (the columns of x, shape ({N}, {Dh}))")
+    if N == 0 or h == 0:
+        return
+    with nogil:
+        colibri_rope_rows(&x[0, 0], Dh, N, h, &cos[0], &sin[0])
+
+
+# =============================================================================================
+# prepared calls: a weight (or three), its thread count and activations checked once, then a
+# call per decode step that checks only what changes (the arrays' shapes; Cython their types)
+
+cdef class PreparedLinear:
+    """linear with w, bias, threads and activations fixed: `p(x, out)` writes out (T, R) =
+    x (T, C) @ W.T (+ bias); the same work as linear(x, w, bias, out, 0, threads,
+    activations). The weight is checked when made and again (re-read) if the ISA changes."""
+    cdef Wmat m
+    cdef object w, keep, bias_view, activations
+    cdef const float *bp
+    cdef int threads, isa
+    cdef readonly Py_ssize_t rows, cols
+
+    def __init__(self, w, bias, int threads, activations="f32"):
+        _check_threads(threads)
+        _activations(activations)
+        self.w, self.threads, self.activations = w, threads, activations
+        self._load()
+        self.rows, self.cols = self.m.rows, self.m.cols
+        cdef const float[::1] bv
+        self.bp = NULL
+        if bias is not None:
+            bv = bias
+            if bv.shape[0] != self.m.rows:
+                raise ValueError(f"bias has {bv.shape[0]} elements, expected rows {self.m.rows}")
+            self.bias_view = bv
+            self.bp = &bv[0]
+
+    def _load(self):
+        self.keep = _load(self.w, "w", &self.m, _activations(self.activations))
+        self.isa = _isa
+
+    def __call__(self, const float[:, ::1] x, float[:, ::1] out):
+        cdef Py_ssize_t T = x.shape[0], R = self.m.rows, C = self.m.cols
+        if x.shape[1] != C:
+            raise ValueError(f"x has {x.shape[1]} columns, the weight has cols {C}")
+        if out.shape[0] != T or out.shape[1] != R:
+            raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected "
+                             f"({T}, {R})")
+        if T == 0:
+            return
+        cdef const char *x0 = <const char *>&x[0, 0]
+        cdef const char *o0 = <const char *>&out[0, 0]
+        if x0 < o0 + 4 * T * R and o0 < x0 + 4 * T * C:
+            raise ValueError("out must not overlap x (linear reads every row of x while "
+                             "writing)")
+        if self.isa != _isa:
+            self._load()
+        _linear_run(x, &self.m, self.bp, out, 0, self.threads)
+
+
+cdef class PreparedRoute:
+    """route_topk with k, rule, norm_topk_prob and threads fixed, no noise: `p(logits)` ->
+    (ids int32 (T, K), weights float32 (T, K)) from logits float32 (T, E), as route_topk."""
+    cdef Py_ssize_t k
+    cdef int rule, threads
+    cdef bint norm
+
+    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads):
+        _check_threads(threads)
+        if rule not in RULES:
+            raise ValueError(f"unknown routing rule {rule!r}; expected one of "
+                             f"{', '.join(RULES)}")
+        if k < 1:
+            raise ValueError(f"k = {k} must be >= 1")
+        self.k, self.rule, self.norm, self.threads = k, RULES[rule], norm_topk_prob, threads
+
+    def __call__(self, const float[:, ::1] logits):
+        cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1], k = self.k, i, bad = -1
+        if k > E:
+            raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
+        for i in range(T * E):
+            if logits[i // E, i % E] != logits[i // E, i % E]:          # NaN
+                bad = i
+                break
+        if bad >= 0:
+            raise ValueError(f"logits contain NaN (first at token {bad // E}, expert "
+                             f"{bad % E})")
+        ids = np.empty((T, k), dtype=np.int32)
+        wts = np.empty((T, k), dtype=np.float32)
+        if T == 0:
+            return ids, wts
+        cdef int32_t[:, ::1] iv = ids
+        cdef float[:, ::1] wv = wts
+        cdef float *scratch = <float *>malloc(2 * T * E * sizeof(float))
+        if scratch == NULL:
+            raise MemoryError(f"route_topk: no memory for {T} x {E} scratch")
+        cdef RouteJob job
+        try:
+            with nogil:
+                job.logits, job.E, job.k = &logits[0, 0], E, k
+                job.rule, job.norm, job.noisy, job.seed = self.rule, self.norm, False, 0
+                job.p, job.key = scratch, scratch + T * E
+                job.ids, job.w = &iv[0, 0], &wv[0, 0]
+                colibri_pool_run(_team(<double>T * E * 64, self.threads), _route_task, &job, T)
+        finally:
+            free(scratch)
+        return ids, wts
+
+
+cdef class PreparedExperts:
+    """expert_ffn with the three expert stacks, threads and activations fixed:
+    `p(x, ids, weights, out)`, the same work as expert_ffn(x, ids, weights, ..., out, ...)."""
+    cdef Wmat g, u, d
+    cdef object w_gate, w_up, w_down, keep, activations
+    cdef int threads, isa
+
+    def __init__(self, w_gate, w_up, w_down, int threads, activations="f32"):
+        _check_threads(threads)
+        _activations(activations)
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.threads, self.activations = threads, activations
+        self._load()
+
+    def _load(self):
+        keep = []
+        _load_ffn(self.w_gate, self.w_up, self.w_down, &self.g, &self.u, &self.d, keep,
+                  _activations(self.activations))
+        self.keep, self.isa = keep, _isa
+
+    def __call__(self, const float[:, ::1] x, const int32_t[:, ::1] ids,
+                 const float[:, ::1] weights, float[:, ::1] out):
+        cdef Py_ssize_t T = x.shape[0], D = x.shape[1], K = ids.shape[1], E = self.g.n_experts
+        cdef Py_ssize_t i, bad = -1
+        if D != self.g.cols:
+            raise ValueError(f"x has {D} columns, the experts' hidden size is {self.g.cols}")
+        if ids.shape[0] != T or K < 1:
+            raise ValueError(f"ids has shape ({ids.shape[0]}, {K}), expected ({T}, K >= 1)")
+        if weights.shape[0] != T or weights.shape[1] != K:
+            raise ValueError(f"weights has shape ({weights.shape[0]}, {weights.shape[1]}), "
+                             f"expected ({T}, {K})")
+        if out.shape[0] != T or out.shape[1] != D:
+            raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected "
+                             f"({T}, {D})")
+        for i in range(T * K):
+            if not 0 <= ids[i // K, i % K] < E:
+                bad = i
+                break
+        if bad >= 0:
+            raise ValueError(f"expert id {ids[bad // K, bad % K]} at ({bad // K}, {bad % K}) "
+                             f"is out of range for {E} experts")
+        if T == 0:
+            return
+        if self.isa != _isa:
+            self._load()
+        _ffn(x, ids, weights, &self.g, &self.u, &self.d, out, self.threads)
