@@ -194,16 +194,21 @@ class _Layer:
 class _Linear:
     """x (N, C) -> x @ W^T (+ b) through kernels.linear; a projection for Attention.
 
-    out: float32 (N, R) to write into (the decode fast path passes its buffers)."""
+    out: float32 (N, R) to write into (the decode fast path passes its buffers, 2-D and
+    contiguous as x: then the call is the prepared one, the weight checked at load)."""
 
-    __slots__ = ("w", "b", "threads", "activations")
+    __slots__ = ("w", "b", "threads", "activations", "prepared")
 
     def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int, activations: str):
         self.w, self.b, self.threads, self.activations = w, b, threads, activations
+        self.prepared = kernels.prepare_linear(w, b, threads=threads, activations=activations)
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return kernels.linear(x, self.w, self.b, threads=self.threads, out=out,
-                              activations=self.activations)
+        if out is None:
+            return kernels.linear(x, self.w, self.b, threads=self.threads,
+                                  activations=self.activations)
+        self.prepared(x, out)
+        return out
 
 
 def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
@@ -218,6 +223,16 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
     return _Linear(ref, bias, threads, projs[0].activations)
 
 
+def _norm_row(work: DecodeWork, x: np.ndarray, weight: np.ndarray, eps: np.float32,
+              out: np.ndarray) -> np.ndarray:
+    """RMSNorm of the residual row x (1, D) into out (1, D), by the work's compiled row
+    operation when it has one (the same bits as rms_norm_row)."""
+    if work.norm_rows is not None:
+        work.norm_rows(x, weight, eps, out)
+        return out
+    return rms_norm_row(x, weight, eps, out, work.tmp)
+
+
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None, activations="f32")`; see
     colibri.load."""
@@ -226,6 +241,10 @@ class Model:
     # residual stream updated in place, every per-layer vector in preallocated buffers (one
     # DecodeWork per cache). False sends every step through the general path (tests compare).
     fast_decode = True
+    # The decode fast path's RMSNorms and RoPE as compiled row operations (kernels.
+    # rms_norm_rows_into, rope_rows_into: NumPy's arithmetic in one call each) instead of
+    # chains of NumPy calls. False: the NumPy code (tests compare).
+    compiled_row_ops = True
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
                  activations: str = "f32"):
@@ -288,7 +307,7 @@ class Model:
                 q_norm=_vector(f, p + "attn.q_norm") if qk_norm != "none" else None,
                 k_norm=_vector(f, p + "attn.k_norm") if qk_norm != "none" else None,
                 clip_qkv=a.get("clip_qkv"), window=w, wqkv=_fused_linear((wq, wk, wv), t),
-                attend_one=functools.partial(kernels.attend_decode, threads=t))
+                attend_one=functools.partial(kernels.attend_decode_into, threads=t))
             if i in moe:
                 E = int(a["num_experts"])
                 shared = None
@@ -440,10 +459,12 @@ class Model:
         if not self.fast_decode or not valid[0, 0] or not cache.valid[0, :cache.length].all():
             return None
         work = cache.scratch.get("decode")
-        key = self._work_args + (self.eps, True)
+        ops = ((kernels.rms_norm_rows_into, kernels.rope_rows_into) if self.compiled_row_ops
+               else (None, None))
+        key = self._work_args + (self.eps, True) + ops
         if work is None or work.key != key:
             work = cache.scratch["decode"] = DecodeWork(*self._work_args, cache.ctx, self.eps,
-                                                        proj_out=True)
+                                                        True, *ops)
         return work
 
     # -- forward ----------------------------------------------------------------------------------
@@ -481,9 +502,9 @@ class Model:
         t0 = tm.add("embed", t0)
         for i, layer in enumerate(self.layers):
             if work is not None:        # same operations, in place, into work's buffers
-                a = rms_norm_row(h1, layer.attn_norm, eps, work.xa, work.tmp)
+                a = _norm_row(work, h1, layer.attn_norm, eps, work.xa)
                 np.add(h1, layer.attn.decode(a, cos1, sin1, cache, i, work), out=h1)
-                x = rms_norm_row(h1, layer.ffn_norm, eps, work.xf, work.tmp)   # (1, D)
+                x = _norm_row(work, h1, layer.ffn_norm, eps, work.xf)             # (1, D)
             else:
                 w = layer.attn.window
                 if w not in masks:
@@ -512,7 +533,7 @@ class Model:
                 h = h + y.reshape(B, S, D)
             t0 = time.perf_counter()
         if work is not None:
-            h = rms_norm_row(h1, self.final_norm, eps, work.xa, work.tmp).reshape(1, 1, D)
+            h = _norm_row(work, h1, self.final_norm, eps, work.xa).reshape(1, 1, D)
         else:
             if last_only:
                 h = h[:, -1:]

@@ -5,7 +5,8 @@ A step of one token of one sequence through a cache with no padding takes the fa
 stream updated in place, the attention over the cache in one compiled call
 (kernels.attend_decode, its own summation order). With that kernel the logits are within
 FAST_TOL of the general path's and the routing is the same; with the NumPy attention instead
-(attend_one None) the fast path performs the general path's operations on the same shapes,
+(attend_one None) the fast path performs the general path's operations on the same shapes
+(its RMSNorms and RoPE in NumPy, or compiled with NumPy's arithmetic and summation order),
 so logits and routing are bit-identical, for every family's attention variant (plain,
 biased q/k/v, per-head and full q/k norms with clip_qkv) and weight format; only past a
 sliding window (hidden slots left out instead of masked to zero) do the sums round
@@ -81,15 +82,19 @@ def test_fast_path_with_the_attention_kernel_matches_general_path(model, monkeyp
     np.testing.assert_array_equal(fast_cache.pos, slow_cache.pos)
 
 
-def test_fast_path_equals_general_path(model, monkeypatch):
-    """With the NumPy attention (no kernel) the fast path is bit-identical."""
+@pytest.mark.parametrize("row_ops", [True, False], ids=["compiled-row-ops", "numpy-row-ops"])
+def test_fast_path_equals_general_path(model, monkeypatch, row_ops):
+    """With the NumPy attention (no kernel) the fast path is bit-identical, its norms and
+    RoPE compiled (NumPy's arithmetic and summation order in C) or in NumPy."""
     m = model
+    monkeypatch.setattr(m, "compiled_row_ops", row_ops)
     for layer in m.layers:
         monkeypatch.setattr(layer.attn, "attend_one", None)
     tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
     fast, fast_traces, fast_cache = _run(m, tokens, True, monkeypatch)
     slow, slow_traces, slow_cache = _run(m, tokens, False, monkeypatch)
     assert "decode" in fast_cache.scratch and "decode" not in slow_cache.scratch
+    assert (fast_cache.scratch["decode"].norm_rows is not None) == row_ops
     if _windowed(m):
         err = float(np.abs(fast - slow).max() / np.abs(slow).max())
         assert err <= WINDOW_TOL
