@@ -405,11 +405,16 @@ class Attention:
             _rope_numpy(w, cos, sin)
         n = cache.length + 1                              # slots attended, the new one included
         start = n - self.window if self.window and n > self.window else 0
-        k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)         # (Hkv, L, Dh)
-        if self.attend_one is not None:                   # one call, the cache read in place
-            self.attend_one(w.q_heads, k, v, w.scale, out=w.att_heads)      # (H, Dh)
+        if self.attend_one is not None and w.attend_cached is not None:
+            # the cache write and the kernel of attend_one in one call
+            w.attend_cached(w.q_heads, cache.k[layer], cache.v[layer], w.k_heads, w.v_heads,
+                            n - 1, start, w.scale, w.att_heads)
         else:
-            _attend_one(w, k, v, n - start)
+            k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)     # (Hkv, L, Dh)
+            if self.attend_one is not None:               # one call, the cache read in place
+                self.attend_one(w.q_heads, k, v, w.scale, out=w.att_heads)  # (H, Dh)
+            else:
+                _attend_one(w, k, v, n - start)
         if w.proj_out:
             return self.wo(w.att_row, out=w.o)
         w.o[...] = self.wo(w.att_row)
@@ -464,18 +469,22 @@ class DecodeWork:
     norm_rows / rope_rows: optional compiled row operations, supplied by the model (the
     kernels' rms_norm_rows_into (x (N, C), weight (C,), eps, out) and rope_rows_into (x (N, Dh),
     cos, sin), NumPy's operations in one call each); None: the NumPy code here.
+    attend_cached: optionally KVCache.write_one and the layer's attend_one in one call
+    (q, k_cache, v_cache, k_new, v_new, slot, start, scale, out), used with attend_one only.
     Shape alphabet as in the module docstring; N = H*Dh + 2*Hkv*Dh.
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rot_half: int, ctx: int, eps: float, proj_out: bool,
                  norm_rows: Callable[..., None] | None = None,
-                 rope_rows: Callable[..., None] | None = None):
+                 rope_rows: Callable[..., None] | None = None,
+                 attend_cached: Callable[..., None] | None = None):
         D, H, Hkv, Dh, h = hidden, n_heads, n_kv_heads, head_dim, rot_half
         G, nq, nk = H // Hkv, H * Dh, Hkv * Dh
         f32 = np.float32
-        self.key = (D, H, Hkv, Dh, h, float(eps), bool(proj_out), norm_rows, rope_rows)
-        self.norm_rows, self.rope_rows = norm_rows, rope_rows
+        self.key = (D, H, Hkv, Dh, h, float(eps), bool(proj_out), norm_rows, rope_rows,
+                    attend_cached)
+        self.norm_rows, self.rope_rows, self.attend_cached = norm_rows, rope_rows, attend_cached
         self.eps = f32(eps)
         self.scale = f32(Dh ** -0.5)
         self.proj_out = proj_out

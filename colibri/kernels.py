@@ -53,6 +53,7 @@ __all__ = [
     "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
     "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode", "MAX_THREADS",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_decode_into",
+    "attend_cached_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
@@ -706,6 +707,11 @@ rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, si
 # attend_decode without the Python layer: q, out (H, Dh) C-contiguous, k, v (Hkv, n, Dh)
 # with contiguous rows (a cache slice), all float32; scale; threads an int (no None).
 attend_decode_into: Callable[..., None] = _kernels.attend_decode   # (q, k, v, scale, out, threads)
+# KVCache.write_one and attend_decode_into in one call (the same kernel, the same bits):
+# (q (H, Dh), k_cache, v_cache (B, Hkv, S, Dh), k_new, v_new (Hkv, Dh), slot, start, scale,
+# out (H, Dh), threads): the new key / value go to slot `slot` of sequence 0, then out =
+# attention over slots start..slot. Every array float32 C-contiguous (ValueError otherwise).
+attend_cached_into: Callable[..., None] = _kernels.attend_cached
 
 
 def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int | None = None,

@@ -243,7 +243,8 @@ class Model:
     fast_decode = True
     # The decode fast path's RMSNorms and RoPE as compiled row operations (kernels.
     # rms_norm_rows_into, rope_rows_into: NumPy's arithmetic in one call each) instead of
-    # chains of NumPy calls. False: the NumPy code (tests compare).
+    # chains of NumPy calls, and the cache write joined to the attention kernel's call
+    # (kernels.attend_cached_into). False: the NumPy code and KVCache.write_one (tests compare).
     compiled_row_ops = True
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
@@ -281,6 +282,7 @@ class Model:
             raise ColibriError(f"{f.path}: router rule {a.get('router')!r} is not supported "
                                f"(supported: softmax_topk)")
         self.rope = Rope.from_arch(a)
+        self._attend_cached = functools.partial(kernels.attend_cached_into, threads=t)
         self._eps32 = np.float32(self.eps)
         self._work_args = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
                            self.rope.rot_dim // 2)
@@ -459,8 +461,8 @@ class Model:
         if not self.fast_decode or not valid[0, 0] or not cache.valid[0, :cache.length].all():
             return None
         work = cache.scratch.get("decode")
-        ops = ((kernels.rms_norm_rows_into, kernels.rope_rows_into) if self.compiled_row_ops
-               else (None, None))
+        ops = ((kernels.rms_norm_rows_into, kernels.rope_rows_into, self._attend_cached)
+               if self.compiled_row_ops else (None, None, None))
         key = self._work_args + (self.eps, True) + ops
         if work is None or work.key != key:
             work = cache.scratch["decode"] = DecodeWork(*self._work_args, cache.ctx, self.eps,

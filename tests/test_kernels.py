@@ -1558,3 +1558,56 @@ def test_prepared_calls_argument_errors():
         ffn(x, np.zeros((2, 2), np.int32), np.ones((2, 3), F32), np.empty((2, 64), F32))
     with pytest.raises(ValueError, match="FFN weights disagree"):
         K.prepare_expert_ffn(wg, wu, wg)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_attend_cached_equals_write_then_attend(isa, threads):
+    """The cache write and the attention in one call: the same cache contents and the same
+    bits as KVCache.write_one followed by attend_decode, for a whole cache and a window."""
+    from colibri.kv_cache import KVCache
+    rng = rng_for("attend-cached", threads)
+    H, Hkv, Dh, S = 8, 2, 16, 12
+    for n_before, start in [(0, 0), (5, 0), (9, 4), (11, 11)]:
+        caches = [KVCache(2, 1, Hkv, S, Dh) for _ in range(2)]
+        old = rng.standard_normal((2, 1, Hkv, S, Dh)).astype(F32)
+        for c in caches:
+            c.k[1][...], c.v[1][...] = old
+            c.length = n_before
+        q = rng.standard_normal((H, Dh)).astype(F32)
+        kn, vn = rng.standard_normal((2, Hkv, Dh)).astype(F32)
+        k, v = caches[0].write_one(1, kn, vn, start)
+        want = K.attend_decode(q, k, v, 0.25, threads=threads)
+        got = np.full((H, Dh), np.nan, F32)
+        K.attend_cached_into(q, caches[1].k[1], caches[1].v[1], kn, vn, n_before, start, 0.25,
+                             got, threads)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(caches[1].k[1], caches[0].k[1])
+        np.testing.assert_array_equal(caches[1].v[1], caches[0].v[1])
+
+
+def test_attend_cached_argument_errors():
+    H, Hkv, Dh, S = 4, 2, 8, 6
+    q, out = np.ones((H, Dh), F32), np.empty((H, Dh), F32)
+    kc, vc = np.zeros((1, Hkv, S, Dh), F32), np.zeros((1, Hkv, S, Dh), F32)
+    kn = np.ones((Hkv, Dh), F32)
+    with pytest.raises(ValueError, match="inside the cache"):
+        K.attend_cached_into(q, kc, vc, kn, kn, S, 0, 1.0, out, 1)
+    with pytest.raises(ValueError, match="inside the cache"):
+        K.attend_cached_into(q, kc, vc, kn, kn, 2, 3, 1.0, out, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        K.attend_cached_into(q[:3], kc, vc, kn, kn, 2, 0, 1.0, out[:3], 1)
+    with pytest.raises(ValueError, match="k_new"):
+        K.attend_cached_into(q, kc, vc, kn[:1], kn, 2, 0, 1.0, out, 1)
+    with pytest.raises(ValueError, match="differ"):
+        K.attend_cached_into(q, kc, np.zeros((1, Hkv, S - 1, Dh), F32), kn, kn, 2, 0, 1.0,
+                             out, 1)
+    with pytest.raises(ValueError, match="writable C-contiguous float32 array of 4"):
+        K.attend_cached_into(q, kc[:, :, ::2], vc[:, :, ::2], kn, kn, 2, 0, 1.0, out, 1)
+    with pytest.raises(ValueError, match="float32"):
+        K.attend_cached_into(q.astype(np.float64), kc, vc, kn, kn, 2, 0, 1.0, out, 1)
+    with pytest.raises(ValueError, match="overlap"):
+        K.attend_cached_into(q, kc, vc, kn, kn, 2, 0, 1.0, q, 1)
+    with pytest.raises(ValueError, match="overlap"):
+        K.attend_cached_into(q, kc, kc, kn, kn, 2, 0, 1.0, out, 1)
+    with pytest.raises(ValueError, match="threads"):
+        K.attend_cached_into(q, kc, vc, kn, kn, 2, 0, 1.0, out, 0)
