@@ -196,6 +196,16 @@ class Rope:
         return cos[:, None], sin[:, None]
 
 
+    def cos_sin_one(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 (R/2,) of one position: cos_sin's values (the same operations)."""
+        freqs = np.float32(position) * self.inv_freq                           # (R/2,)
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        if self.attention_factor != 1.0:
+            cos = cos * np.float32(self.attention_factor)
+            sin = sin * np.float32(self.attention_factor)
+        return cos, sin
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate x float32 (B, H, T, Dh) by the half-split rule on its first R dims.
 
@@ -488,6 +498,7 @@ class DecodeWork:
         self.eps = f32(eps)
         self.scale = f32(Dh ** -0.5)
         self.proj_out = proj_out
+        self.h = np.empty((1, D), f32)                # the residual stream (Model._decode_step)
         self.xa = np.empty((1, D), f32)               # attention input (normed)
         self.xf = np.empty((1, D), f32)               # FFN input (normed)
         self.y = np.empty((1, D), f32)                # FFN output

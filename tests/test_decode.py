@@ -153,3 +153,54 @@ def test_work_buffers_are_reused_and_results_not_aliased(model):
     assert not np.shares_memory(a, b)
     # the buffers belong to the cache: a copy starts without them
     assert "decode" not in cache.copy().scratch
+
+
+def test_lean_decode_step_equals_the_fast_path(model, monkeypatch):
+    """A decode call without routing takes Model._decode_step (no BLAS limit, fewer NumPy
+    calls): the fast path's logits bit for bit, the same cache, (S,) and (1, S) inputs."""
+    m = model
+    taken = []
+    lean = m._decode_step
+
+    def counted(*args):
+        logits = lean(*args)
+        taken.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(m, "_decode_step", counted)
+    tokens = np.random.default_rng(4).integers(3, m.vocab_size, size=PROMPT + STEPS)
+    caches, outs = [], []
+    for routing in (False, True):
+        cache = m.new_cache(ctx=len(tokens))
+        api.forward(m, tokens[:PROMPT], cache=cache)
+        out = []
+        for j, t in enumerate(tokens[PROMPT:]):
+            ids = np.array([t]) if j % 2 else np.array([[t]])
+            got = api.forward(m, ids, cache=cache, return_routing=routing)
+            got = got[0] if routing else got
+            assert got.shape == ((1, m.vocab_size) if j % 2 else (1, 1, m.vocab_size))
+            out.append(got.reshape(1, -1))
+        caches.append(cache)
+        outs.append(np.concatenate(out))
+    assert sum(taken) == STEPS                 # every step without routing, none with it
+    np.testing.assert_array_equal(outs[0], outs[1])
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(caches[0].pos, caches[1].pos)
+    np.testing.assert_array_equal(caches[0].valid, caches[1].valid)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_embed_row_equals_embed(model, monkeypatch, dtype):
+    m = model
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((m.vocab_size, m.hidden_size)).astype(np.float32)
+    if dtype == "f16":
+        table = table.astype(np.float16)
+    elif dtype == "bf16":
+        table = (table.view(np.uint32) >> 16).astype(np.uint16)
+    monkeypatch.setattr(m, "embedding", table)
+    out = np.empty((1, m.hidden_size), np.float32)
+    for token in (0, 7, m.vocab_size - 1):
+        np.testing.assert_array_equal(m._embed_row(token, out), m.embed(np.array([[token]]))[0])
