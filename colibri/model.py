@@ -11,7 +11,10 @@ bottom in data-flow order:
 A decode step (one token of one sequence, a cache without padding) takes a fast path with the
 same operations: no mask, the residual stream updated in place, every per-layer vector in the
 cache's preallocated DecodeWork (Model.fast_decode = False turns it off). q, k and v, adjacent in
-the file, are one kernel call (one WeightRef over the three matrices).
+the file, are one kernel call (one WeightRef over the three matrices); the kernels are called
+prepared (weights checked at load), norms and RoPE are compiled row operations
+(Model.compiled_row_ops), and a plain decode call (no routing, mask or positions) enters
+through Model._decode_step, which skips the general input checks and the BLAS thread limit.
 
 Shape alphabet: B batch, S sequence (new tokens), T = B*S tokens, D hidden, V vocab,
 H / Hkv heads, Dh head dim, E experts, K experts per token, I expert intermediate,
@@ -596,22 +599,24 @@ class Model:
         t0 = tm.add("embed", t0)
         if work is not None:            # same operations, in place, into work's buffers
             t0 = self._decode_layers(h1, cos1, sin1, cache, work, trace, t0)
-        for i, layer in enumerate(self.layers if work is None else ()):
-            w = layer.attn.window
-            if w not in masks:
-                masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
-            a = rms_norm(h, layer.attn_norm, self.eps)
-            h = h + layer.attn(a, cos, sin, masks[w], cache, i)
-            x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)       # (T, D)
-            t0 = tm.add("attention", t0)
-            if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(x, tm)
-                if trace is not None:
-                    _trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
-            else:
-                y = layer.ffn(x, tm)
-            h = h + y.reshape(B, S, D)
-            t0 = time.perf_counter()
+        else:
+            for i, layer in enumerate(self.layers):
+                w = layer.attn.window
+                if w not in masks:
+                    masks[w] = build_mask(all_valid, S, w)                    # (B, S, L)
+                a = rms_norm(h, layer.attn_norm, self.eps)
+                h = h + layer.attn(a, cos, sin, masks[w], cache, i)
+                x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)   # (T, D)
+                t0 = tm.add("attention", t0)
+                if isinstance(layer.ffn, MoE):
+                    y, ids, wts, gate = layer.ffn(x, tm)
+                    if trace is not None:
+                        _trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S,
+                                     self.threads)
+                else:
+                    y = layer.ffn(x, tm)
+                h = h + y.reshape(B, S, D)
+                t0 = time.perf_counter()
         if work is not None:
             h = _norm_row(work, h1, self.final_norm, self._eps32, work.xa).reshape(1, 1, D)
         else:
