@@ -33,6 +33,12 @@ option and keep the f32 path, so a whole model can run with ``"int8"``.
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
+
+Decode step: the small row operations of a token (``rms_norm_rows``, ``rope_rows``: NumPy's
+float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,
+``prepare_route``, ``prepare_expert_ffn``: weights and settings checked once, each call
+checks only its arrays). The ``*_into`` names are the compiled functions themselves, for the
+decode fast path (arrays only, no conversions; a bad argument is a ValueError).
 """
 from __future__ import annotations
 
