@@ -664,6 +664,15 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     cdef const char *o0 = <const char *>&out[0, 0]
     if x0 < o0 + 4 * T * R and o0 < x0 + 4 * T * C:      # both C-contiguous: byte ranges
         raise ValueError("out must not overlap x (linear reads every row of x while writing)")
+    _linear_run(&x[0, 0], T, &m, bp, &out[0, 0], expert, threads)
+
+
+cdef _linear_run(const float *x, Py_ssize_t T, const Wmat *w, const float *bp, float *out,
+                 Py_ssize_t expert, int threads):
+    """linear's work once its arguments are checked: x (T, C) and out (T, R) C-contiguous,
+    T >= 1, not overlapping; w is copied (the call sets the copy's GEMM scratch)."""
+    cdef Wmat m = w[0]
+    cdef Py_ssize_t R = m.rows, C = m.cols
     cdef int nth = _team(<double>R * m.row_stride * T, threads)
     cdef Py_ssize_t gbytes = 0 if m.iact else _gemm_bytes(T, nth)     # idot: row kernel
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
@@ -690,12 +699,12 @@ def linear(const float[:, ::1] x, w, bias, float[:, ::1] out, Py_ssize_t expert,
     try:
         with nogil:
             if m.iact:
-                _quantize_serial(&x[0, 0], T, C, &a)
+                _quantize_serial(x, T, C, &a)
             elif xbytes > 0:
-                _group_sums_serial(&x[0, 0], T, C, m.group, xs)
+                _group_sums_serial(x, T, C, m.group, xs)
             # (one thread: the pool runs the tiles in order on this thread)
-            job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, &x[0, 0], T, xs, a
-            job.bias, job.y, job.R, job.tr = bp, &out[0, 0], R, tr
+            job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, x, T, xs, a
+            job.bias, job.y, job.R, job.tr = bp, out, R, tr
             colibri_pool_run(nth, _linear_task, &job, n_tiles)
     finally:
         if scratch is not None:
@@ -1458,3 +1467,308 @@ def read_sum(const uint8_t[::1] buf, int threads):
     for i in range(nparts):
         total += job.sums[i]
     return int(total)
+
+
+# =============================================================================================
+# row operations of a decode step (_rowops.h): RMSNorm of rows, RoPE of heads in place, and
+# the prepared calls (weights checked once). Their arrays are checked through NumPy's C API
+# (type, dtype, byte order, alignment, C order, writability, shapes): a decode step passes
+# ~150 arrays, and a typed memoryview costs ~1 us of buffer-protocol code per array.
+
+cdef extern from "_npy.h":
+    int colibri_npy_import() except -1
+    float *colibri_f32_array(object a, int ndim, int writable, Py_ssize_t *dims)
+    void *colibri_array_data(object a)
+
+colibri_npy_import()
+
+cdef extern from "_rowops.h" nogil:
+    void colibri_rms_norm_rows(const float *x, Py_ssize_t xs, Py_ssize_t rows, Py_ssize_t n,
+                               const float *weight, float eps, float *out, Py_ssize_t os)
+    void colibri_rope_rows(float *x, Py_ssize_t xs, Py_ssize_t rows, Py_ssize_t h,
+                           const float *c, const float *s)
+
+
+cdef str _found(a):
+    return (f"{getattr(a, 'dtype', type(a).__name__)} with shape {getattr(a, 'shape', None)}"
+            + (" (not C-contiguous)" if isinstance(a, np.ndarray) and not a.flags.c_contiguous
+               else "") + (" (read-only)" if isinstance(a, np.ndarray)
+                           and not a.flags.writeable else ""))
+
+
+cdef float *_f32(object a, str name, int ndim, bint writable, Py_ssize_t *dims) except NULL:
+    """The data of a, an aligned native-order C-contiguous float32 ndarray of ndim dimensions
+    (writable if asked), its shape in dims; else ValueError naming what was expected and
+    found. The caller holds a reference to a while it uses the pointer."""
+    cdef float *p = colibri_f32_array(a, ndim, writable, dims)
+    if p == NULL:
+        raise ValueError(f"{name} must be a {'writable ' if writable else ''}C-contiguous "
+                         f"float32 array of {ndim} dimension{'s' if ndim > 1 else ''}, found "
+                         f"{_found(a)}")
+    return p
+
+
+cdef bint _overlap(const float *a, Py_ssize_t na, const float *b, Py_ssize_t nb) noexcept:
+    return a < b + nb and b < a + na
+
+
+def rms_norm_rows(x, weight, float eps, out):
+    """out (N, C) = weight * (x * (1 / sqrt(mean(x^2) + eps))) per row of x (N, C) float32;
+    weight (C,); out may be x itself. NumPy's operations and summation order (_rowops.h)."""
+    cdef Py_ssize_t xd[2]
+    cdef Py_ssize_t wd[1]
+    cdef Py_ssize_t od[2]
+    cdef const float *x0 = _f32(x, "x", 2, False, xd)
+    cdef const float *w0 = _f32(weight, "weight", 1, False, wd)
+    cdef float *o0 = _f32(out, "out", 2, True, od)
+    cdef Py_ssize_t N = xd[0], C = xd[1]
+    if wd[0] != C:
+        raise ValueError(f"rms_norm_rows: weight has {wd[0]} elements, expected {C} "
+                         f"(the columns of x, shape ({N}, {C}))")
+    if od[0] != N or od[1] != C:
+        raise ValueError(f"rms_norm_rows: out has shape ({od[0]}, {od[1]}), "
+                         f"expected ({N}, {C})")
+    if x0 != o0 and _overlap(x0, N * C, o0, N * C):
+        raise ValueError("rms_norm_rows: out overlaps x without being x")
+    if N == 0 or C == 0:
+        return
+    colibri_rms_norm_rows(x0, C, N, C, w0, eps, o0, C)     # a few rows: the GIL is kept
+
+
+def rope_rows(x, cos, sin):
+    """Rotate each row of x (N, Dh) float32 in place by the half-split rule on its first
+    2h columns, h = len(cos) = len(sin) (<= Dh / 2): x[:h], x[h:2h] = x[:h] cos - x[h:2h] sin,
+    x[h:2h] cos + x[:h] sin (NumPy's float32 operations, _rowops.h)."""
+    cdef Py_ssize_t xd[2]
+    cdef Py_ssize_t cd[1]
+    cdef Py_ssize_t sd[1]
+    cdef float *x0 = _f32(x, "x", 2, True, xd)
+    cdef const float *c0 = _f32(cos, "cos", 1, False, cd)
+    cdef const float *s0 = _f32(sin, "sin", 1, False, sd)
+    cdef Py_ssize_t N = xd[0], Dh = xd[1], h = cd[0]
+    if sd[0] != h or 2 * h > Dh:
+        raise ValueError(f"rope_rows: cos ({h},) and sin ({sd[0]},) must have the same "
+                         f"length h with 2h <= {Dh} (the columns of x, shape ({N}, {Dh}))")
+    if _overlap(x0, N * Dh, c0, h) or _overlap(x0, N * Dh, s0, h):
+        raise ValueError("rope_rows: cos / sin overlap x")
+    if N == 0 or h == 0:
+        return
+    colibri_rope_rows(x0, Dh, N, h, c0, s0)     # a few rows: the GIL is kept
+
+
+def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t start,
+                  float scale, out, int threads):
+    """KVCache.write_one then attend_decode, in one call: k_new / v_new (Hkv, Dh) go to
+    slot `slot` of sequence 0 of k_cache / v_cache (B, Hkv, S, Dh), then out (H, Dh) =
+    attention of q (H, Dh) over slots start..slot (the same kernel and bits as attend_decode
+    over that slice). All float32 C-contiguous; 0 <= start <= slot < S."""
+    _check_threads(threads)
+    cdef Py_ssize_t qd[2]
+    cdef Py_ssize_t kd[4]
+    cdef Py_ssize_t vd[4]
+    cdef Py_ssize_t knd[2]
+    cdef Py_ssize_t vnd[2]
+    cdef Py_ssize_t od[2]
+    cdef const float *qp = _f32(q, "q", 2, False, qd)
+    cdef float *kc = _f32(k_cache, "k_cache", 4, True, kd)
+    cdef float *vc = _f32(v_cache, "v_cache", 4, True, vd)
+    cdef const float *knp = _f32(k_new, "k_new", 2, False, knd)
+    cdef const float *vnp = _f32(v_new, "v_new", 2, False, vnd)
+    cdef float *op = _f32(out, "out", 2, True, od)
+    cdef Py_ssize_t H = qd[0], Dh = qd[1], Hkv = kd[1], S = kd[2]
+    cdef Py_ssize_t n = slot + 1 - start, g, i
+    for i in range(4):
+        if vd[i] != kd[i]:
+            raise ValueError(f"attend_cached: v_cache {v_cache.shape} and k_cache "
+                             f"{k_cache.shape} differ")
+    if (kd[0] < 1 or kd[3] != Dh or knd[0] != Hkv or knd[1] != Dh or vnd[0] != Hkv
+            or vnd[1] != Dh):
+        raise ValueError(f"attend_cached: k_cache {k_cache.shape} must be (B >= 1, Hkv, S, "
+                         f"{Dh}) and k_new {k_new.shape}, v_new {v_new.shape} (Hkv, {Dh}) "
+                         f"for q of shape ({H}, {Dh})")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"attend_cached: {H} query heads are not a multiple of {Hkv} kv heads")
+    if not 0 <= start <= slot < S:
+        raise ValueError(f"attend_cached: slots {start}..{slot} are not inside the cache's "
+                         f"{S} slots (0 <= start <= slot < S)")
+    if od[0] != H or od[1] != Dh:
+        raise ValueError(f"attend_cached: out has shape ({od[0]}, {od[1]}), "
+                         f"expected ({H}, {Dh})")
+    cdef Py_ssize_t plane = Hkv * S * Dh                  # one sequence's (Hkv, S, Dh)
+    if (_overlap(op, H * Dh, qp, H * Dh) or _overlap(op, H * Dh, kc, plane)
+            or _overlap(op, H * Dh, vc, plane) or _overlap(kc, plane, vc, plane)
+            or _overlap(knp, Hkv * Dh, kc, plane) or _overlap(vnp, Hkv * Dh, vc, plane)):
+        raise ValueError("attend_cached: out, q, the new rows and the caches must not overlap")
+    if Dh == 0:
+        return
+    for g in range(Hkv):                                  # the new token's key and value
+        for i in range(Dh):
+            kc[(g * S + slot) * Dh + i] = knp[g * Dh + i]
+            vc[(g * S + slot) * Dh + i] = vnp[g * Dh + i]
+    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
+    if nth > Hkv:
+        nth = <int>Hkv
+    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
+    if scratch == NULL:
+        raise MemoryError(f"attend_cached: no memory for {nth} x {n} scores")
+    cdef AttendJob job
+    job.q, job.out, job.s = qp, op, scratch
+    job.k, job.v = kc + start * Dh, vc + start * Dh
+    job.hs, job.rs, job.n = S * Dh, Dh, n
+    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
+    try:
+        with nogil:
+            colibri_pool_run(nth, _attend_task, &job, Hkv)
+    finally:
+        free(scratch)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepared calls: a weight (or three), its thread count and activations checked once, then a
+# call per decode step that checks only what changes (the arrays)
+
+cdef class PreparedLinear:
+    """linear with w, bias, threads and activations fixed: `p(x, out)` writes out (T, R) =
+    x (T, C) @ W.T (+ bias); the same work as linear(x, w, bias, out, 0, threads,
+    activations). The weight is checked when made and again (re-read) if the ISA changes."""
+    cdef Wmat m
+    cdef object w, keep, bias_view, activations
+    cdef const float *bp
+    cdef int threads, isa
+    cdef readonly Py_ssize_t rows, cols
+
+    def __init__(self, w, bias, int threads, activations="f32"):
+        _check_threads(threads)
+        _activations(activations)
+        self.w, self.threads, self.activations = w, threads, activations
+        self._load()
+        self.rows, self.cols = self.m.rows, self.m.cols
+        cdef const float[::1] bv
+        self.bp = NULL
+        if bias is not None:
+            bv = bias
+            if bv.shape[0] != self.m.rows:
+                raise ValueError(f"bias has {bv.shape[0]} elements, expected rows {self.m.rows}")
+            self.bias_view = bv
+            self.bp = &bv[0]
+
+    def _load(self):
+        self.keep = _load(self.w, "w", &self.m, _activations(self.activations))
+        self.isa = _isa
+
+    def __call__(self, x, out):
+        cdef Py_ssize_t xd[2]
+        cdef Py_ssize_t od[2]
+        cdef const float *xp = _f32(x, "x", 2, False, xd)
+        cdef float *op = _f32(out, "out", 2, True, od)
+        cdef Py_ssize_t T = xd[0], R = self.m.rows, C = self.m.cols
+        if xd[1] != C:
+            raise ValueError(f"x has {xd[1]} columns, the weight has cols {C}")
+        if od[0] != T or od[1] != R:
+            raise ValueError(f"out has shape ({od[0]}, {od[1]}), expected ({T}, {R})")
+        if T == 0:
+            return
+        if _overlap(xp, T * C, op, T * R):
+            raise ValueError("out must not overlap x (linear reads every row of x while "
+                             "writing)")
+        if self.isa != _isa:
+            self._load()
+        _linear_run(xp, T, &self.m, self.bp, op, 0, self.threads)
+
+
+cdef class PreparedRoute:
+    """route_topk with k, rule, norm_topk_prob and threads fixed, no noise: `p(logits)` ->
+    (ids int32 (T, K), weights float32 (T, K)) from logits float32 (T, E), as route_topk."""
+    cdef Py_ssize_t k
+    cdef int rule, threads
+    cdef bint norm
+
+    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads):
+        _check_threads(threads)
+        if rule not in RULES:
+            raise ValueError(f"unknown routing rule {rule!r}; expected one of "
+                             f"{', '.join(RULES)}")
+        if k < 1:
+            raise ValueError(f"k = {k} must be >= 1")
+        self.k, self.rule, self.norm, self.threads = k, RULES[rule], norm_topk_prob, threads
+
+    def __call__(self, logits):
+        cdef Py_ssize_t ld[2]
+        cdef const float *lp = _f32(logits, "logits", 2, False, ld)
+        cdef Py_ssize_t T = ld[0], E = ld[1], k = self.k, i, bad = -1
+        if k > E:
+            raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
+        for i in range(T * E):
+            if lp[i] != lp[i]:                                     # NaN
+                bad = i
+                break
+        if bad >= 0:
+            raise ValueError(f"logits contain NaN (first at token {bad // E}, expert "
+                             f"{bad % E})")
+        ids = np.empty((T, k), dtype=np.int32)
+        wts = np.empty((T, k), dtype=np.float32)
+        if T == 0:
+            return ids, wts
+        cdef float *scratch = <float *>malloc(2 * T * E * sizeof(float))
+        if scratch == NULL:
+            raise MemoryError(f"route_topk: no memory for {T} x {E} scratch")
+        cdef RouteJob job
+        job.logits, job.E, job.k = lp, E, k
+        job.rule, job.norm, job.noisy, job.seed = self.rule, self.norm, False, 0
+        job.p, job.key = scratch, scratch + T * E
+        job.ids = <int32_t *>colibri_array_data(ids)
+        job.w = <float *>colibri_array_data(wts)
+        try:
+            with nogil:
+                colibri_pool_run(_team(<double>T * E * 64, self.threads), _route_task, &job, T)
+        finally:
+            free(scratch)
+        return ids, wts
+
+
+cdef class PreparedExperts:
+    """expert_ffn with the three expert stacks, threads and activations fixed:
+    `p(x, ids, weights, out)`, the same work as expert_ffn(x, ids, weights, ..., out, ...)."""
+    cdef Wmat g, u, d
+    cdef object w_gate, w_up, w_down, keep, activations
+    cdef int threads, isa
+
+    def __init__(self, w_gate, w_up, w_down, int threads, activations="f32"):
+        _check_threads(threads)
+        _activations(activations)
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.threads, self.activations = threads, activations
+        self._load()
+
+    def _load(self):
+        keep = []
+        _load_ffn(self.w_gate, self.w_up, self.w_down, &self.g, &self.u, &self.d, keep,
+                  _activations(self.activations))
+        self.keep, self.isa = keep, _isa
+
+    def __call__(self, const float[:, ::1] x, const int32_t[:, ::1] ids,
+                 const float[:, ::1] weights, float[:, ::1] out):
+        cdef Py_ssize_t T = x.shape[0], D = x.shape[1], K = ids.shape[1], E = self.g.n_experts
+        cdef Py_ssize_t i, bad = -1
+        if D != self.g.cols:
+            raise ValueError(f"x has {D} columns, the experts' hidden size is {self.g.cols}")
+        if ids.shape[0] != T or K < 1:
+            raise ValueError(f"ids has shape ({ids.shape[0]}, {K}), expected ({T}, K >= 1)")
+        if weights.shape[0] != T or weights.shape[1] != K:
+            raise ValueError(f"weights has shape ({weights.shape[0]}, {weights.shape[1]}), "
+                             f"expected ({T}, {K})")
+        if out.shape[0] != T or out.shape[1] != D:
+            raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected "
+                             f"({T}, {D})")
+        for i in range(T * K):
+            if not 0 <= ids[i // K, i % K] < E:
+                bad = i
+                break
+        if bad >= 0:
+            raise ValueError(f"expert id {ids[bad // K, bad % K]} at ({bad // K}, {bad % K}) "
+                             f"is out of range for {E} experts")
+        if T == 0:
+            return
+        if self.isa != _isa:
+            self._load()
+        _ffn(x, ids, weights, &self.g, &self.u, &self.d, out, self.threads)

@@ -28,6 +28,7 @@ __all__ = [
     "dequantize_ref", "linear_ref", "route_topk_ref", "gumbel_ref", "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
     "linear_iact_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
+    "rms_norm_rows_ref", "rope_rows_ref",
 ]
 
 _PLAIN_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -350,3 +351,22 @@ def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float)
     s = np.exp(s - s.max(axis=1, keepdims=True))
     p = s / s.sum(axis=1, keepdims=True)
     return np.einsum("hn,hnd->hd", p, vh)
+
+
+def rms_norm_rows_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each row in float64: x (N, C), weight (C,) -> float32 (N, C),
+    weight * x / sqrt(mean(x^2) + eps)."""
+    x64 = np.asarray(x, dtype=np.float64)
+    r = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + float(eps))
+    return (np.asarray(weight, dtype=np.float64) * (x64 * r)).astype(np.float32)
+
+
+def rope_rows_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Half-split rotary embedding of rows in float64: x (N, Dh), cos / sin (h,) ->
+    float32 (N, Dh); pairs (i, h + i) for i < h rotated, columns past 2h unchanged."""
+    x64 = np.array(x, dtype=np.float64)
+    h = len(cos)
+    c, s = np.asarray(cos, dtype=np.float64), np.asarray(sin, dtype=np.float64)
+    x1, x2 = x64[:, :h].copy(), x64[:, h:2 * h].copy()
+    x64[:, :h], x64[:, h:2 * h] = x1 * c - x2 * s, x2 * c + x1 * s
+    return x64.astype(np.float32)

@@ -16,7 +16,9 @@ slot is padding: no mask (a sliding window is a view of the last slots), q/k/v i
 RoPE in place and every intermediate in a DecodeWork preallocated once per cache. The
 attention over the cache is the `attend_one` callable the model supplies (its compiled
 kernel: within ~1e-6 of __call__'s NumPy maths, not bit for bit), or, without one, __call__'s
-own operations on the same shapes (the same bits).
+own operations on the same shapes (the same bits). The q/k norms and RoPE run as compiled row
+operations when the model supplies them in the DecodeWork (NumPy's operations and summation
+order in one call each: the same bits), else as the NumPy calls here.
 
 Shape alphabet: B batch, T new tokens, L keys attended (cache length + T), D hidden,
 H / Hkv heads, G = H / Hkv, Dh head dim, R rotary dims.
@@ -192,6 +194,16 @@ class Rope:
             cos = cos * np.float32(self.attention_factor)
             sin = sin * np.float32(self.attention_factor)
         return cos[:, None], sin[:, None]
+
+
+    def cos_sin_one(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 (R/2,) of one position: cos_sin's values (the same operations)."""
+        freqs = np.float32(position) * self.inv_freq                           # (R/2,)
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        if self.attention_factor != 1.0:
+            cos = cos * np.float32(self.attention_factor)
+            sin = sin * np.float32(self.attention_factor)
+        return cos, sin
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -378,34 +390,56 @@ class Attention:
             w.q_out[...] = self.wq(x)
             w.k_out[...] = self.wk(x)
             w.v_out[...] = self.wv(x)
+        norm_rows = w.norm_rows
         if self.qk_norm == "full":                        # OLMoE: over the whole projection
-            rms_norm_row(w.q_out, self.q_norm, w.eps, w.q_out, w.tmp_q)
-            rms_norm_row(w.k_out, self.k_norm, w.eps, w.k_out, w.tmp_k)
+            if norm_rows is not None:
+                norm_rows(w.q_out, self.q_norm, w.eps, w.q_out)
+                norm_rows(w.k_out, self.k_norm, w.eps, w.k_out)
+            else:
+                rms_norm_row(w.q_out, self.q_norm, w.eps, w.q_out, w.tmp_q)
+                rms_norm_row(w.k_out, self.k_norm, w.eps, w.k_out, w.tmp_k)
         if self.clip_qkv is not None:
             c = np.float32(self.clip_qkv)
             np.clip(w.qkv, -c, c, out=w.qkv)
         if self.qk_norm == "per_head":                    # Qwen3: each head over Dh
-            _rms_norm_rows(w.q_heads, self.q_norm, w.eps, w.tmp_q_heads, w.var_q)
-            _rms_norm_rows(w.k_heads, self.k_norm, w.eps, w.tmp_k_heads, w.var_k)
+            if norm_rows is not None:
+                norm_rows(w.q_heads, self.q_norm, w.eps, w.q_heads)
+                norm_rows(w.k_heads, self.k_norm, w.eps, w.k_heads)
+            else:
+                _rms_norm_rows(w.q_heads, self.q_norm, w.eps, w.tmp_q_heads, w.var_q)
+                _rms_norm_rows(w.k_heads, self.k_norm, w.eps, w.tmp_k_heads, w.var_k)
         # RoPE on the q and k heads at once, in place (apply_rope's operations)
-        x1, x2, ta, tb, tc = w.x1, w.x2, w.ta, w.tb, w.tc
-        np.multiply(x1, cos, out=ta)
-        np.multiply(x2, sin, out=tb)
-        np.multiply(x1, sin, out=tc)
-        np.multiply(x2, cos, out=x2)
-        np.add(x2, tc, out=x2)                            # x2*cos + x1*sin
-        np.subtract(ta, tb, out=x1)                       # x1*cos - x2*sin
+        if w.rope_rows is not None:
+            w.rope_rows(w.qk_rows, cos, sin)
+        else:
+            _rope_numpy(w, cos, sin)
         n = cache.length + 1                              # slots attended, the new one included
         start = n - self.window if self.window and n > self.window else 0
-        k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)         # (Hkv, L, Dh)
-        if self.attend_one is not None:                   # one call, the cache read in place
-            self.attend_one(w.q_heads, k, v, w.scale, out=w.att_heads)      # (H, Dh)
+        if self.attend_one is not None and w.attend_cached is not None:
+            # the cache write and the kernel of attend_one in one call
+            w.attend_cached(w.q_heads, cache.k[layer], cache.v[layer], w.k_heads, w.v_heads,
+                            n - 1, start, w.scale, w.att_heads)
         else:
-            _attend_one(w, k, v, n - start)
+            k, v = cache.write_one(layer, w.k_heads, w.v_heads, start)     # (Hkv, L, Dh)
+            if self.attend_one is not None:               # one call, the cache read in place
+                self.attend_one(w.q_heads, k, v, w.scale, out=w.att_heads)  # (H, Dh)
+            else:
+                _attend_one(w, k, v, n - start)
         if w.proj_out:
             return self.wo(w.att_row, out=w.o)
         w.o[...] = self.wo(w.att_row)
         return w.o
+
+
+def _rope_numpy(w: "DecodeWork", cos: np.ndarray, sin: np.ndarray) -> None:
+    """RoPE of the q and k heads of w.qkv in place, apply_rope's operations in NumPy."""
+    x1, x2, ta, tb, tc = w.x1, w.x2, w.ta, w.tb, w.tc
+    np.multiply(x1, cos, out=ta)
+    np.multiply(x2, sin, out=tb)
+    np.multiply(x1, sin, out=tc)
+    np.multiply(x2, cos, out=x2)
+    np.add(x2, tc, out=x2)                            # x2*cos + x1*sin
+    np.subtract(ta, tb, out=x1)                       # x1*cos - x2*sin
 
 
 def _attend_one(w: "DecodeWork", k: np.ndarray, v: np.ndarray, n: int) -> None:
@@ -442,18 +476,29 @@ class DecodeWork:
     One set per KV cache (KVCache.scratch), so two caches decoding in two threads never share
     a buffer. Besides attention's, it holds the model's per-layer vectors: the normed inputs
     of attention and FFN (xa, xf), the FFN output (y) and a norm scratch (tmp).
+    norm_rows / rope_rows: optional compiled row operations, supplied by the model (the
+    kernels' rms_norm_rows_into (x (N, C), weight (C,), eps, out) and rope_rows_into (x (N, Dh),
+    cos, sin), NumPy's operations in one call each); None: the NumPy code here.
+    attend_cached: optionally KVCache.write_one and the layer's attend_one in one call
+    (q, k_cache, v_cache, k_new, v_new, slot, start, scale, out), used with attend_one only.
     Shape alphabet as in the module docstring; N = H*Dh + 2*Hkv*Dh.
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rot_half: int, ctx: int, eps: float, proj_out: bool):
+                 rot_half: int, ctx: int, eps: float, proj_out: bool,
+                 norm_rows: Callable[..., None] | None = None,
+                 rope_rows: Callable[..., None] | None = None,
+                 attend_cached: Callable[..., None] | None = None):
         D, H, Hkv, Dh, h = hidden, n_heads, n_kv_heads, head_dim, rot_half
         G, nq, nk = H // Hkv, H * Dh, Hkv * Dh
         f32 = np.float32
-        self.key = (D, H, Hkv, Dh, h, float(eps), bool(proj_out))
+        self.key = (D, H, Hkv, Dh, h, float(eps), bool(proj_out), norm_rows, rope_rows,
+                    attend_cached)
+        self.norm_rows, self.rope_rows, self.attend_cached = norm_rows, rope_rows, attend_cached
         self.eps = f32(eps)
         self.scale = f32(Dh ** -0.5)
         self.proj_out = proj_out
+        self.h = np.empty((1, D), f32)                # the residual stream (Model._decode_step)
         self.xa = np.empty((1, D), f32)               # attention input (normed)
         self.xf = np.empty((1, D), f32)               # FFN input (normed)
         self.y = np.empty((1, D), f32)                # FFN output
@@ -472,8 +517,8 @@ class DecodeWork:
         self.k_heads = self.qkv[nq:nq + nk].reshape(Hkv, Dh)
         self.v_heads = self.qkv[nq + nk:].reshape(Hkv, Dh)
         self.q_groups = self.qkv[:nq].reshape(Hkv, G, 1, Dh)
-        qk = self.qkv[:nq + nk].reshape(H + Hkv, Dh)   # the rows RoPE rotates
-        self.x1, self.x2 = qk[:, :h], qk[:, h:2 * h]
+        self.qk_rows = self.qkv[:nq + nk].reshape(H + Hkv, Dh)   # the rows RoPE rotates
+        self.x1, self.x2 = self.qk_rows[:, :h], self.qk_rows[:, h:2 * h]
         self.ta, self.tb, self.tc = (np.empty((H + Hkv, h), f32) for _ in range(3))
         self._scores = np.empty(H * ctx, f32)
         self._n, self._s = -1, None

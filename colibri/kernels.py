@@ -36,12 +36,19 @@ option and keep the f32 path, so a whole model can run with either.
 
 Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
 R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
+
+Decode step: the small row operations of a token (``rms_norm_rows``, ``rope_rows``: NumPy's
+float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,
+``prepare_route``, ``prepare_expert_ffn``: weights and settings checked once, each call
+checks only its arrays). The ``*_into`` names are the compiled functions themselves, for the
+decode fast path (arrays only, no conversions; a bad argument is a ValueError).
 """
 from __future__ import annotations
 
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +61,9 @@ __all__ = [
     "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
     "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
     "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode", "MAX_THREADS",
+    "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_decode_into",
+    "attend_cached_into",
+    "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
@@ -634,6 +644,129 @@ def pool_backoffs() -> int:
     """How many times, since import, a spinning worker found itself preempted (the cores
     shared with other busy processes) and stopped spinning for a while (0.2 s)."""
     return int(_kernels.pool_backoffs())
+
+
+# ---------------------------------------------------------------------------------------------
+# the decode step's small row operations, and prepared kernel calls
+
+
+def _rows_f32(name: str, a, ndim: tuple[int, ...], writable: bool = False) -> np.ndarray:
+    """a as it is, if a C-contiguous float32 array of one of `ndim` dimensions (writable if
+    asked); else ValueError naming what was expected and what was found."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim not in ndim \
+            or not a.flags.c_contiguous or (writable and not a.flags.writeable):
+        want = " or ".join(f"{n}-D" for n in ndim)
+        raise ValueError(f"{name} must be a {'writable ' if writable else ''}C-contiguous "
+                         f"float32 {want} array, found "
+                         f"{getattr(a, 'dtype', type(a).__name__)} with shape "
+                         f"{getattr(a, 'shape', None)}"
+                         + ("" if not isinstance(a, np.ndarray) or a.flags.c_contiguous
+                            else " (not contiguous)"))
+    return a
+
+
+def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float, *,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm of each row, in one compiled call (_rowops.h).
+
+    Parameters
+    ----------
+    x : float32 (N, C) or (C,), C-contiguous
+    weight : float32 (C,)
+    eps : float (used as float32)
+    out : float32 of x's shape to write into (may be x itself), or None
+
+    Returns
+    -------
+    out : float32, x's shape: weight * (x * (1 / sqrt(mean(x^2) + eps))) per row, in
+        float32 with NumPy's operations and summation order (the same bits as
+        attention.rms_norm on this NumPy); _reference.rms_norm_rows_ref is its twin.
+    """
+    x = _rows_f32("x", x, (1, 2))
+    weight = _rows_f32("weight", weight, (1,))
+    out = np.empty_like(x) if out is None else _rows_f32("out", out, (x.ndim,), writable=True)
+    if out.shape != x.shape:
+        raise ValueError(f"out has shape {out.shape}, expected x's {x.shape}")
+    C = x.shape[-1]
+    _kernels.rms_norm_rows(x.reshape(-1, C), weight, float(eps), out.reshape(-1, C))
+    return out
+
+
+def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary embedding of rows in place (the half-split rule), one compiled call.
+
+    Parameters
+    ----------
+    x : float32 (N, Dh), C-contiguous, writable: the q and k heads of one token
+    cos, sin : float32 (h,), h <= Dh / 2: the token's position's tables (Rope.cos_sin)
+
+    Returns
+    -------
+    x, with x[:, :h], x[:, h:2h] = x1 cos - x2 sin, x2 cos + x1 sin (float32 products and
+    sums as attention.apply_rope computes them); columns past 2h unchanged.
+    """
+    x = _rows_f32("x", x, (2,), writable=True)
+    _kernels.rope_rows(x, _rows_f32("cos", cos, (1,)), _rows_f32("sin", sin, (1,)))
+    return x
+
+
+# The same two operations without the Python layer, for the decode fast path: 2-D
+# C-contiguous float32 arrays only, out required; anything else is a ValueError from the
+# compiled checks (type, layout, shapes), never a crash.
+rms_norm_rows_into: Callable[..., None] = _kernels.rms_norm_rows   # (x, weight, eps, out)
+rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, sin)
+# attend_decode without the Python layer: q, out (H, Dh) C-contiguous, k, v (Hkv, n, Dh)
+# with contiguous rows (a cache slice), all float32; scale; threads an int (no None).
+attend_decode_into: Callable[..., None] = _kernels.attend_decode   # (q, k, v, scale, out, threads)
+# KVCache.write_one and attend_decode_into in one call (the same kernel, the same bits):
+# (q (H, Dh), k_cache, v_cache (B, Hkv, S, Dh), k_new, v_new (Hkv, Dh), slot, start, scale,
+# out (H, Dh), threads): the new key / value go to slot `slot` of sequence 0, then out =
+# attention over slots start..slot. Every array float32 C-contiguous (ValueError otherwise).
+attend_cached_into: Callable[..., None] = _kernels.attend_cached
+
+
+def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int | None = None,
+                   activations: str = "f32") -> Callable[[np.ndarray, np.ndarray], None]:
+    """linear with its weight, bias, threads and activations checked once.
+
+    Returns p with p(x, out): out float32 (T, R) = x float32 (T, C) @ W.T (+ bias), both
+    2-D and C-contiguous, not overlapping: the same work and bits as
+    linear(x, w, bias, out=out, threads=threads, activations=activations), without the
+    per-call checks of the weight (~3 us a call less). ValueError for bad arguments, here
+    or at the call.
+    """
+    if not isinstance(w, WeightRef):
+        raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
+    b = None if bias is None else _rows_f32("bias", bias, (1,))
+    return _kernels.PreparedLinear(w, b, _threads(threads), activations)
+
+
+def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = False,
+                  threads: int | None = None) -> Callable[[np.ndarray], tuple]:
+    """route_topk with its settings checked once (no noise).
+
+    Returns p with p(logits float32 (T, E), C-contiguous) -> (ids int32 (T, K), weights
+    float32 (T, K)), the same as route_topk(logits, k, rule=rule,
+    norm_topk_prob=norm_topk_prob, threads=threads).
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"k must be an int, found {k!r}")
+    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), _threads(threads))
+
+
+def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
+                       threads: int | None = None, activations: str = "f32"
+                       ) -> Callable[..., None]:
+    """expert_ffn with its three weight stacks, threads and activations checked once.
+
+    Returns p with p(x, ids, weights, out): x float32 (T, D), ids int32 (T, K), weights
+    float32 (T, K), out float32 (T, D) (may be x), all C-contiguous: the same work and bits
+    as expert_ffn(x, ids, weights, w_gate, w_up, w_down, out=out, ...).
+    """
+    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    return _kernels.PreparedExperts(w_gate, w_up, w_down, _threads(threads), activations)
 
 
 def _apply_env() -> None:

@@ -115,6 +115,14 @@ class KVCache:
         self.pos[:, self.length:self.length + t] = positions
         self.length += t
 
+    def commit_one(self, position: int) -> None:
+        """commit for one real token of sequence 0 at RoPE position `position` (batch 1)."""
+        self.check_room(1)
+        n = self.length
+        self.valid[0, n] = True
+        self.pos[0, n] = position
+        self.length = n + 1
+
     # -- management -----------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every token (the memory is kept and simply overwritten later)."""

@@ -11,7 +11,10 @@ bottom in data-flow order:
 A decode step (one token of one sequence, a cache without padding) takes a fast path with the
 same operations: no mask, the residual stream updated in place, every per-layer vector in the
 cache's preallocated DecodeWork (Model.fast_decode = False turns it off). q, k and v, adjacent in
-the file, are one kernel call (one WeightRef over the three matrices).
+the file, are one kernel call (one WeightRef over the three matrices); the kernels are called
+prepared (weights checked at load), norms and RoPE are compiled row operations
+(Model.compiled_row_ops), and a plain decode call (no routing, mask or positions) enters
+through Model._decode_step, which skips the general input checks and the BLAS thread limit.
 
 Shape alphabet: B batch, S sequence (new tokens), T = B*S tokens, D hidden, V vocab,
 H / Hkv heads, Dh head dim, E experts, K experts per token, I expert intermediate,
@@ -194,16 +197,21 @@ class _Layer:
 class _Linear:
     """x (N, C) -> x @ W^T (+ b) through kernels.linear; a projection for Attention.
 
-    out: float32 (N, R) to write into (the decode fast path passes its buffers)."""
+    out: float32 (N, R) to write into (the decode fast path passes its buffers, 2-D and
+    contiguous as x: then the call is the prepared one, the weight checked at load)."""
 
-    __slots__ = ("w", "b", "threads", "activations")
+    __slots__ = ("w", "b", "threads", "activations", "prepared")
 
     def __init__(self, w: WeightRef, b: np.ndarray | None, threads: int, activations: str):
         self.w, self.b, self.threads, self.activations = w, b, threads, activations
+        self.prepared = kernels.prepare_linear(w, b, threads=threads, activations=activations)
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return kernels.linear(x, self.w, self.b, threads=self.threads, out=out,
-                              activations=self.activations)
+        if out is None:
+            return kernels.linear(x, self.w, self.b, threads=self.threads,
+                                  activations=self.activations)
+        self.prepared(x, out)
+        return out
 
 
 def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
@@ -218,6 +226,30 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
     return _Linear(ref, bias, threads, projs[0].activations)
 
 
+def _trace_layer(trace: RoutingTrace, i: int, moe: MoE, x: np.ndarray, ids: np.ndarray,
+                 wts: np.ndarray, gate: np.ndarray | None, B: int, S: int, threads: int) -> None:
+    """Append MoE layer i's routing (ids, weights (T, K), shared gate (T,), x (T, D)) to
+    trace, shaped (B, S, ...)."""
+    trace.layers.append(i)
+    trace.ids.append(ids.reshape(B, S, -1).astype(np.int32, copy=False))
+    trace.weights.append(wts.reshape(B, S, -1).astype(np.float32, copy=False))
+    if gate is not None:
+        trace.shared_gate.append(gate.reshape(B, S))
+    # the router matmul again, outside the timed stages: same kernel, same input, so the
+    # same logits the routing above was computed from
+    trace.logits.append(kernels.linear(x, moe.router, threads=threads).reshape(B, S, -1))
+
+
+def _norm_row(work: DecodeWork, x: np.ndarray, weight: np.ndarray, eps: np.float32,
+              out: np.ndarray) -> np.ndarray:
+    """RMSNorm of the residual row x (1, D) into out (1, D), by the work's compiled row
+    operation when it has one (the same bits as rms_norm_row)."""
+    if work.norm_rows is not None:
+        work.norm_rows(x, weight, eps, out)
+        return out
+    return rms_norm_row(x, weight, eps, out, work.tmp)
+
+
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None, activations="f32")`; see
     colibri.load."""
@@ -226,6 +258,11 @@ class Model:
     # residual stream updated in place, every per-layer vector in preallocated buffers (one
     # DecodeWork per cache). False sends every step through the general path (tests compare).
     fast_decode = True
+    # The decode fast path's RMSNorms and RoPE as compiled row operations (kernels.
+    # rms_norm_rows_into, rope_rows_into: NumPy's arithmetic in one call each) instead of
+    # chains of NumPy calls, and the cache write joined to the attention kernel's call
+    # (kernels.attend_cached_into). False: the NumPy code and KVCache.write_one (tests compare).
+    compiled_row_ops = True
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
                  activations: str = "f32"):
@@ -262,12 +299,15 @@ class Model:
             raise ColibriError(f"{f.path}: router rule {a.get('router')!r} is not supported "
                                f"(supported: softmax_topk)")
         self.rope = Rope.from_arch(a)
+        self._attend_cached = functools.partial(kernels.attend_cached_into, threads=t)
         self._eps32 = np.float32(self.eps)
         self._work_args = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
                            self.rope.rot_dim // 2)
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
         head = "tok_embeddings" if a.get("tie_word_embeddings") or "lm_head" not in f else "lm_head"
         self.head = weight_ref(f, buf, head)                                         # (V, D)
+        self._head = kernels.prepare_linear(self.head, threads=t, activations=self.activations)
+        self._cache_dims = (self.n_layers, self.n_kv_heads, self.head_dim)
         self.final_norm = _vector(f, "norm")
         window = a.get("sliding_window") or None
         layer_types = a.get("layer_types")
@@ -288,7 +328,7 @@ class Model:
                 q_norm=_vector(f, p + "attn.q_norm") if qk_norm != "none" else None,
                 k_norm=_vector(f, p + "attn.k_norm") if qk_norm != "none" else None,
                 clip_qkv=a.get("clip_qkv"), window=w, wqkv=_fused_linear((wq, wk, wv), t),
-                attend_one=functools.partial(kernels.attend_decode, threads=t))
+                attend_one=functools.partial(kernels.attend_decode_into, threads=t))
             if i in moe:
                 E = int(a["num_experts"])
                 shared = None
@@ -439,11 +479,18 @@ class Model:
         fast path (that token and every cached slot real, i.e. nothing to mask), else None."""
         if not self.fast_decode or not valid[0, 0] or not cache.valid[0, :cache.length].all():
             return None
+        return self._decode_work_of(cache)
+
+    def _decode_work_of(self, cache: KVCache) -> DecodeWork:
+        """The cache's DecodeWork for this model (made on first use, remade if the model's
+        settings changed)."""
         work = cache.scratch.get("decode")
-        key = self._work_args + (self.eps, True)
+        ops = ((kernels.rms_norm_rows_into, kernels.rope_rows_into, self._attend_cached)
+               if self.compiled_row_ops else (None, None, None))
+        key = self._work_args + (self.eps, True) + ops
         if work is None or work.key != key:
             work = cache.scratch["decode"] = DecodeWork(*self._work_args, cache.ctx, self.eps,
-                                                        proj_out=True)
+                                                        True, *ops)
         return work
 
     # -- forward ----------------------------------------------------------------------------------
@@ -455,9 +502,80 @@ class Model:
         last_only: compute the head for the last position only (logits (B, 1, V) / (1, V)),
         which is all a generation step needs.
         """
+        if (type(cache) is KVCache and cache.batch == 1 and self.fast_decode
+                and input_embeds is None and attention_mask is None and positions is None
+                and not return_routing):
+            logits = self._decode_step(input_ids, cache)
+            if logits is not None:
+                return logits
         with _blas_on_one_thread():
             return self._forward(input_ids, cache, positions, return_routing, input_embeds,
                                  attention_mask, last_only)
+
+    def _decode_step(self, input_ids, cache: KVCache) -> np.ndarray | None:
+        """A decode step the lean way, or None when this call is not one (the general entry
+        then checks, raises or runs it).
+
+        It is one when input_ids is one integer token ((1,) or (1, 1) array, in range), the
+        cache has room, no padding and this model's shapes, and every layer's attention is
+        compiled (so no BLAS call runs and the BLAS thread limit is not needed). The same
+        operations and bits as _forward's fast path, with fewer Python and NumPy calls around
+        them: each costs several microseconds in a decode step, whose weight streaming has
+        evicted the interpreter's code and data from the caches.
+        """
+        ids = input_ids
+        if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
+                or ids.dtype.kind not in "iu" or cache.length >= cache.ctx
+                or (cache.n_layers, cache.n_kv_heads, cache.head_dim) != self._cache_dims
+                or not all(layer.attn.attend_one is not None for layer in self.layers)):
+            return None
+        token, n = int(ids.reshape(-1)[0]), cache.length
+        if not 0 <= token < self.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:
+            return None
+        tm = self.timings
+        t0 = time.perf_counter()
+        work = self._decode_work_of(cache)
+        position = int(np.maximum.reduce(cache.pos[0, :n])) + 1 if n else 0   # no padding
+        h1 = self._embed_row(token, work.h)                                     # (1, D)
+        cos1, sin1 = self.rope.cos_sin_one(position)                            # (R/2,)
+        t0 = self._decode_layers(h1, cos1, sin1, cache, work, None, tm.add("embed", t0))
+        logits = np.empty((1, self.vocab_size), dtype=np.float32)
+        self._head(_norm_row(work, h1, self.final_norm, self._eps32, work.xa), logits)
+        tm.add("head", t0)
+        cache.commit_one(position)
+        return logits if ids.ndim == 1 else logits.reshape(1, 1, self.vocab_size)
+
+    def _embed_row(self, token: int, out: np.ndarray) -> np.ndarray:
+        """The embedding row of one token into out float32 (1, D), as embed decodes it."""
+        e = self.embedding
+        if isinstance(e, np.ndarray) and e.dtype == np.uint16:                 # bf16 bits
+            np.left_shift(e[token], 16, out=out.view(np.uint32), dtype=np.uint32)
+        elif isinstance(e, np.ndarray) and e.dtype in (np.float32, np.float16):
+            np.copyto(out[0], e[token])
+        else:
+            out[...] = self.embed(np.array([[token]]))[0]
+        return out
+
+    def _decode_layers(self, h1: np.ndarray, cos1: np.ndarray, sin1: np.ndarray,
+                       cache: KVCache, work: DecodeWork, trace: RoutingTrace | None,
+                       t0: float) -> float:
+        """The layers of a decode step on the residual row h1 (1, D), updated in place;
+        cos1 / sin1 (R/2,) of the token's position. Returns the time of the last stage."""
+        tm, eps = self.timings, self._eps32
+        for i, layer in enumerate(self.layers):
+            a = _norm_row(work, h1, layer.attn_norm, eps, work.xa)
+            np.add(h1, layer.attn.decode(a, cos1, sin1, cache, i, work), out=h1)
+            x = _norm_row(work, h1, layer.ffn_norm, eps, work.xf)                 # (1, D)
+            t0 = tm.add("attention", t0)
+            if isinstance(layer.ffn, MoE):
+                y, ids, wts, gate = layer.ffn(x, tm, out=work.y)
+                if trace is not None:
+                    _trace_layer(trace, i, layer.ffn, x, ids, wts, gate, 1, 1, self.threads)
+            else:
+                y = layer.ffn(x, tm)
+            np.add(h1, y, out=h1)
+            t0 = time.perf_counter()
+        return t0
 
     def _forward(self, input_ids, cache, positions, return_routing, input_embeds,
                  attention_mask, last_only):
@@ -476,43 +594,31 @@ class Model:
         masks: dict = {}
         cos, sin = self.rope.cos_sin(pos)                                     # (B, 1, S, R/2)
         if work is not None:            # decode fast path: h1 (1, D) is the residual stream
-            h1, eps, cos1, sin1 = h.reshape(1, D), self._eps32, cos[0, 0, 0], sin[0, 0, 0]
+            h1, cos1, sin1 = h.reshape(1, D), cos[0, 0, 0], sin[0, 0, 0]
         trace = RoutingTrace([], [], []) if return_routing else None
         t0 = tm.add("embed", t0)
-        for i, layer in enumerate(self.layers):
-            if work is not None:        # same operations, in place, into work's buffers
-                a = rms_norm_row(h1, layer.attn_norm, eps, work.xa, work.tmp)
-                np.add(h1, layer.attn.decode(a, cos1, sin1, cache, i, work), out=h1)
-                x = rms_norm_row(h1, layer.ffn_norm, eps, work.xf, work.tmp)   # (1, D)
-            else:
+        if work is not None:            # same operations, in place, into work's buffers
+            t0 = self._decode_layers(h1, cos1, sin1, cache, work, trace, t0)
+        else:
+            for i, layer in enumerate(self.layers):
                 w = layer.attn.window
                 if w not in masks:
                     masks[w] = build_mask(all_valid, S, w)                    # (B, S, L)
                 a = rms_norm(h, layer.attn_norm, self.eps)
                 h = h + layer.attn(a, cos, sin, masks[w], cache, i)
                 x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)   # (T, D)
-            t0 = tm.add("attention", t0)
-            if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(x, tm, out=None if work is None else work.y)
-                if trace is not None:
-                    trace.layers.append(i)
-                    trace.ids.append(ids.reshape(B, S, -1).astype(np.int32, copy=False))
-                    trace.weights.append(wts.reshape(B, S, -1).astype(np.float32, copy=False))
-                    if gate is not None:
-                        trace.shared_gate.append(gate.reshape(B, S))
-                    # the router matmul again, outside the timed stages: same kernel, same
-                    # input, so the same logits the routing above was computed from
-                    trace.logits.append(kernels.linear(x, layer.ffn.router, threads=self.threads)
-                                        .reshape(B, S, -1))
-            else:
-                y = layer.ffn(x, tm)
-            if work is not None:
-                np.add(h1, y, out=h1)
-            else:
+                t0 = tm.add("attention", t0)
+                if isinstance(layer.ffn, MoE):
+                    y, ids, wts, gate = layer.ffn(x, tm)
+                    if trace is not None:
+                        _trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S,
+                                     self.threads)
+                else:
+                    y = layer.ffn(x, tm)
                 h = h + y.reshape(B, S, D)
-            t0 = time.perf_counter()
+                t0 = time.perf_counter()
         if work is not None:
-            h = rms_norm_row(h1, self.final_norm, eps, work.xa, work.tmp).reshape(1, 1, D)
+            h = _norm_row(work, h1, self.final_norm, self._eps32, work.xa).reshape(1, 1, D)
         else:
             if last_only:
                 h = h[:, -1:]

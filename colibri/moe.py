@@ -75,19 +75,28 @@ class MoE:
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
 
+    def __post_init__(self):
+        # the kernel calls with their weights and settings checked once (kernels.prepare_*)
+        self._router = kernels.prepare_linear(self.router, threads=self.threads)
+        self._route = kernels.prepare_route(self.top_k, rule=self.rule,
+                                            norm_topk_prob=self.norm_topk_prob,
+                                            threads=self.threads)
+        self._experts = kernels.prepare_expert_ffn(self.w_gate, self.w_up, self.w_down,
+                                                   threads=self.threads,
+                                                   activations=self.activations)
+
     def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """x float32 (T, D) -> (y (T, D) f32, ids (T, K) int32, weights (T, K) f32,
-        shared-gate values (T,) f32 or None). out: float32 (T, D) for y (not x), or None."""
+        """x float32 (T, D) C-contiguous -> (y (T, D) f32, ids (T, K) int32, weights (T, K)
+        f32, shared-gate values (T,) f32 or None). out: float32 (T, D) for y (not x), or
+        None. The same kernels as linear / route_topk / expert_ffn, prepared at load."""
         t0 = time.perf_counter()
-        logits = kernels.linear(x, self.router, threads=self.threads)                # (T, E)
-        ids, weights = kernels.route_topk(logits, self.top_k, rule=self.rule,
-                                          norm_topk_prob=self.norm_topk_prob,
-                                          threads=self.threads)                      # (T, K)
+        logits = np.empty((x.shape[0], self.router.rows), dtype=np.float32)       # (T, E)
+        self._router(x, logits)
+        ids, weights = self._route(logits)                                           # (T, K)
         t0 = timings.add("router", t0)
-        y = kernels.expert_ffn(x, ids, weights, self.w_gate, self.w_up, self.w_down,
-                               threads=self.threads, out=out,
-                               activations=self.activations)                         # (T, D)
+        y = np.empty(x.shape, dtype=np.float32) if out is None else out
+        self._experts(x, ids, weights, y)                                            # (T, D)
         t0 = timings.add("experts", t0)
         gate_values = None
         if self.shared is not None:

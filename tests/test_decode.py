@@ -5,7 +5,8 @@ A step of one token of one sequence through a cache with no padding takes the fa
 stream updated in place, the attention over the cache in one compiled call
 (kernels.attend_decode, its own summation order). With that kernel the logits are within
 FAST_TOL of the general path's and the routing is the same; with the NumPy attention instead
-(attend_one None) the fast path performs the general path's operations on the same shapes,
+(attend_one None) the fast path performs the general path's operations on the same shapes
+(its RMSNorms and RoPE in NumPy, or compiled with NumPy's arithmetic and summation order),
 so logits and routing are bit-identical, for every family's attention variant (plain,
 biased q/k/v, per-head and full q/k norms with clip_qkv) and weight format; only past a
 sliding window (hidden slots left out instead of masked to zero) do the sums round
@@ -81,15 +82,19 @@ def test_fast_path_with_the_attention_kernel_matches_general_path(model, monkeyp
     np.testing.assert_array_equal(fast_cache.pos, slow_cache.pos)
 
 
-def test_fast_path_equals_general_path(model, monkeypatch):
-    """With the NumPy attention (no kernel) the fast path is bit-identical."""
+@pytest.mark.parametrize("row_ops", [True, False], ids=["compiled-row-ops", "numpy-row-ops"])
+def test_fast_path_equals_general_path(model, monkeypatch, row_ops):
+    """With the NumPy attention (no kernel) the fast path is bit-identical, its norms and
+    RoPE compiled (NumPy's arithmetic and summation order in C) or in NumPy."""
     m = model
+    monkeypatch.setattr(m, "compiled_row_ops", row_ops)
     for layer in m.layers:
         monkeypatch.setattr(layer.attn, "attend_one", None)
     tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
     fast, fast_traces, fast_cache = _run(m, tokens, True, monkeypatch)
     slow, slow_traces, slow_cache = _run(m, tokens, False, monkeypatch)
     assert "decode" in fast_cache.scratch and "decode" not in slow_cache.scratch
+    assert (fast_cache.scratch["decode"].norm_rows is not None) == row_ops
     if _windowed(m):
         err = float(np.abs(fast - slow).max() / np.abs(slow).max())
         assert err <= WINDOW_TOL
@@ -102,6 +107,34 @@ def test_fast_path_equals_general_path(model, monkeypatch):
                             b.ids + b.weights + b.logits + b.shared_gate):
                 np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(fast_cache.pos, slow_cache.pos)
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_fast_path_equals_general_path_with_quantized_activations(model, monkeypatch,
+                                                                   activations):
+    """The prepared calls of the fast and lean decode paths carry the activations setting:
+    with the NumPy attention, the same bits as the general path (q4 files, where the setting
+    changes the products)."""
+    if str(model.file.path).endswith("-f32.colibri"):
+        pytest.skip("no q4/q8 matrices: the activations setting changes nothing")
+    with api.load(model.file.path, threads=1, activations=activations) as m:
+        for layer in m.layers:
+            monkeypatch.setattr(layer.attn, "attend_one", None)
+        tokens = np.random.default_rng(6).integers(3, m.vocab_size, size=PROMPT + STEPS)
+        fast, _, fast_cache = _run(m, tokens, True, monkeypatch)
+        slow, _, _ = _run(m, tokens, False, monkeypatch)
+        assert "decode" in fast_cache.scratch
+        if _windowed(m):
+            tol = 2e-2 if activations == "int8" else 1e-4   # a code may flip with the sums
+            assert float(np.abs(fast - slow).max() / np.abs(slow).max()) <= tol
+        else:
+            np.testing.assert_array_equal(fast, slow)
+        monkeypatch.setattr(m, "fast_decode", True)  # the lean entry (no routing requested)
+        cache = m.new_cache(ctx=len(tokens))
+        api.forward(m, tokens[:PROMPT], cache=cache)
+        lean = np.concatenate([api.forward(m, np.array([t]), cache=cache)
+                               for t in tokens[PROMPT:]])
+        np.testing.assert_array_equal(lean, fast[PROMPT:])
 
 
 def test_fused_qkv_equals_three_projections(model, monkeypatch):
@@ -148,3 +181,54 @@ def test_work_buffers_are_reused_and_results_not_aliased(model):
     assert not np.shares_memory(a, b)
     # the buffers belong to the cache: a copy starts without them
     assert "decode" not in cache.copy().scratch
+
+
+def test_lean_decode_step_equals_the_fast_path(model, monkeypatch):
+    """A decode call without routing takes Model._decode_step (no BLAS limit, fewer NumPy
+    calls): the fast path's logits bit for bit, the same cache, (S,) and (1, S) inputs."""
+    m = model
+    taken = []
+    lean = m._decode_step
+
+    def counted(*args):
+        logits = lean(*args)
+        taken.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(m, "_decode_step", counted)
+    tokens = np.random.default_rng(4).integers(3, m.vocab_size, size=PROMPT + STEPS)
+    caches, outs = [], []
+    for routing in (False, True):
+        cache = m.new_cache(ctx=len(tokens))
+        api.forward(m, tokens[:PROMPT], cache=cache)
+        out = []
+        for j, t in enumerate(tokens[PROMPT:]):
+            ids = np.array([t]) if j % 2 else np.array([[t]])
+            got = api.forward(m, ids, cache=cache, return_routing=routing)
+            got = got[0] if routing else got
+            assert got.shape == ((1, m.vocab_size) if j % 2 else (1, 1, m.vocab_size))
+            out.append(got.reshape(1, -1))
+        caches.append(cache)
+        outs.append(np.concatenate(out))
+    assert sum(taken) == STEPS                 # every step without routing, none with it
+    np.testing.assert_array_equal(outs[0], outs[1])
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(caches[0].pos, caches[1].pos)
+    np.testing.assert_array_equal(caches[0].valid, caches[1].valid)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_embed_row_equals_embed(model, monkeypatch, dtype):
+    m = model
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((m.vocab_size, m.hidden_size)).astype(np.float32)
+    if dtype == "f16":
+        table = table.astype(np.float16)
+    elif dtype == "bf16":
+        table = (table.view(np.uint32) >> 16).astype(np.uint16)
+    monkeypatch.setattr(m, "embedding", table)
+    out = np.empty((1, m.hidden_size), np.float32)
+    for token in (0, 7, m.vocab_size - 1):
+        np.testing.assert_array_equal(m._embed_row(token, out), m.embed(np.array([[token]]))[0])
