@@ -53,32 +53,6 @@ static void colibri_attend_scalar(const float *q, int G, int Dh, const float *k,
 
 #if COLIBRI_X86
 
-/* exp(x) for x <= 0 (scores minus their maximum): Cephes' expf reduction and polynomial;
- * 0 below -87.3 (where expf is subnormal or 0), NaN for NaN. */
-COLIBRI_AVX2_INLINE __m256 colibri_exp_neg_avx2(__m256 x)
-{
-    const __m256 lo = _mm256_set1_ps(-87.3365447505f);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    __m256 t, r, p;
-    __m256i e;
-    x = _mm256_max_ps(x, lo);
-    t = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r = _mm256_fnmadd_ps(t, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(t, _mm256_set1_ps(-2.12194440e-4f), r);
-    p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(127)), 23);
-    p = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-    return _mm256_or_ps(p, nan);
-}
-
 /* 8 dot products q . k_j (j = 0..7, rows rs apart), Dh a multiple of 8, times scale:
  * one horizontal reduction for the 8 (two hadd levels, then the 128-bit halves summed). */
 COLIBRI_AVX2_INLINE __m256 colibri_scores8_avx2(const float *q, const float *k, ptrdiff_t rs,

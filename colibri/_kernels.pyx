@@ -97,6 +97,7 @@ cdef extern from "_simd.h" nogil:
                             float *out)
     void colibri_group_sums(const float *x, Py_ssize_t cols, Py_ssize_t group, float *xsum)
     float colibri_silu(float g)
+    void colibri_silu_mul(int isa, float *h, const float *u, Py_ssize_t n)
     float colibri_gumbel(uint64_t seed, uint64_t t, uint64_t e)
     enum:
         COLIBRI_GEMM_NR
@@ -933,48 +934,44 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
     cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t, rb, re
-    cdef float gv[COLIBRI_MAX_NT]
-    cdef float uv[COLIBRI_MAX_NT]
     cdef float ub[GATEUP_ROWS * COLIBRI_MAX_NT]
     cdef float *ht
     cdef int nt, block = g.block if g.block < u.block else u.block
     t0 = 0
     while t0 < n:
         nt = <int>(n - t0) if n - t0 < block else block
-        if g.iact and u.iact:
-            # both on the idot path: GATEUP_ROWS rows of gate (into h), then of up, per call
-            # (the f32 bodies measured slower so: their rows stay interleaved, below)
-            rb = r0
-            while rb < r1:
-                re = rb + GATEUP_ROWS if rb + GATEUP_ROWS < r1 else r1
+        # blocks of GATEUP_ROWS rows: gate into h, up into ub, then the SiLU product
+        rb = r0
+        while rb < r1:
+            re = rb + GATEUP_ROWS if rb + GATEUP_ROWS < r1 else r1
+            if g.iact and u.iact:
+                # both on the idot path: the block's gate rows in one call, then its up rows
+                # (the f32 bodies measured slower so: their rows stay interleaved, below)
                 g.idot(bg + rb * g.row_stride, g.row_stride, re - rb, D, g.group,
                        a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
                        h + t0 * I + rb, I)
                 u.idot(bu + rb * u.row_stride, u.row_stride, re - rb, D, u.group,
                        a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt,
                        ub, GATEUP_ROWS)
-                for t in range(nt):
-                    ht = h + (t0 + t) * I + rb
-                    for r in range(re - rb):
-                        ht[r] = colibri_silu(ht[r]) * ub[t * GATEUP_ROWS + r]
-                rb = re
-            t0 += nt
-            continue
-        for r in range(r0, r1):
-            if g.iact:
-                g.idot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, a.q + t0 * a.qs,
-                       a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, gv, 1)
             else:
-                g.dot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, x + t0 * xs, xs,
-                      xsg + t0 * ssg, ssg, nt, gv, 1)
-            if u.iact:
-                u.idot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, a.q + t0 * a.qs,
-                       a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, nt, uv, 1)
-            else:
-                u.dot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, x + t0 * xs, xs,
-                      xsu + t0 * ssu, ssu, nt, uv, 1)
+                for r in range(rb, re):
+                    if g.iact:
+                        g.idot(bg + r * g.row_stride, g.row_stride, 1, D, g.group,
+                               a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds,
+                               nt, h + t0 * I + r, I)
+                    else:
+                        g.dot(bg + r * g.row_stride, g.row_stride, 1, D, g.group, x + t0 * xs,
+                              xs, xsg + t0 * ssg, ssg, nt, h + t0 * I + r, I)
+                    if u.iact:
+                        u.idot(bu + r * u.row_stride, u.row_stride, 1, D, u.group,
+                               a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds,
+                               nt, ub + (r - rb), GATEUP_ROWS)
+                    else:
+                        u.dot(bu + r * u.row_stride, u.row_stride, 1, D, u.group, x + t0 * xs,
+                              xs, xsu + t0 * ssu, ssu, nt, ub + (r - rb), GATEUP_ROWS)
             for t in range(nt):
-                h[(t0 + t) * I + r] = colibri_silu(gv[t]) * uv[t]
+                colibri_silu_mul(_isa, h + (t0 + t) * I + rb, ub + t * GATEUP_ROWS, re - rb)
+            rb = re
         t0 += nt
 
 
@@ -1003,9 +1000,7 @@ cdef void _gateup_rows_gemm(const Wmat *g, const Wmat *u, Py_ssize_t e, const fl
             u.gemm(bu + p * u.row_stride, u.row_stride, nr, D, u.group, x + t0 * xs, xs,
                    t1 - t0, up, COLIBRI_GEMM_NR, panel)
             for t in range(t1 - t0):
-                ht = h + (t0 + t) * I + p
-                for i in range(nr):
-                    ht[i] = colibri_silu(ht[i]) * up[t * COLIBRI_GEMM_NR + i]
+                colibri_silu_mul(_isa, h + (t0 + t) * I + p, up + t * COLIBRI_GEMM_NR, nr)
             p += nr
 
 

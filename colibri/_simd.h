@@ -556,6 +556,61 @@ COLIBRI_AVX2_INLINE float colibri_hsum256(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+/* exp(x) for x <= 0 (attention scores minus their maximum, SiLU's exp(-|g|)): Cephes' expf
+ * reduction and polynomial (~1 ulp); 0 below -87.3 (where expf is subnormal or 0), NaN for
+ * NaN. */
+COLIBRI_AVX2_INLINE __m256 colibri_exp_neg_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.3365447505f);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 t, r, p;
+    __m256i e;
+    x = _mm256_max_ps(x, lo);
+    t = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_fnmadd_ps(t, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(t, _mm256_set1_ps(-2.12194440e-4f), r);
+    p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(t), _mm256_set1_epi32(127)), 23);
+    p = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_or_ps(p, nan);
+}
+
+/* silu(g) * u on 8 lanes: g * (g >= 0 ? 1 : e) / (1 + e) with e = exp(-|g|), which never
+ * overflows; very negative g gives -0 as the scalar formula does, NaN stays NaN. */
+COLIBRI_AVX2_INLINE __m256 colibri_silu_mul8_avx2(__m256 g, __m256 u)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 e = colibri_exp_neg_avx2(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));
+    const __m256 num = _mm256_blendv_ps(one, e, neg);
+    return _mm256_mul_ps(_mm256_div_ps(_mm256_mul_ps(g, num), _mm256_add_ps(one, e)), u);
+}
+
+/* h[i] = silu(h[i]) * u[i] for i < n; the last n % 8 through the same 8-lane code (a
+ * padded copy), so an element's bits do not depend on where a call's range starts. */
+COLIBRI_AVX2_FN void colibri_silu_mul_avx2(float *h, const float *u, ptrdiff_t n)
+{
+    ptrdiff_t i;
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(h + i, colibri_silu_mul8_avx2(_mm256_loadu_ps(h + i),
+                                                       _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(a, h + i, (size_t)(n - i) * 4);
+        memcpy(b, u + i, (size_t)(n - i) * 4);
+        _mm256_storeu_ps(a, colibri_silu_mul8_avx2(_mm256_loadu_ps(a), _mm256_loadu_ps(b)));
+        memcpy(h + i, a, (size_t)(n - i) * 4);
+    }
+}
+
 /* 8 consecutive elements of a plain-format row, widened to f32. */
 COLIBRI_AVX2_INLINE __m256 colibri_load8_avx2(int fmt, const uint8_t *row, ptrdiff_t c)
 {
@@ -1541,6 +1596,22 @@ static inline void colibri_quantize_plain(int isa, int wide, const float *x, ptr
             d[b] = colibri_quantize_block(isa, x + 32 * b, out, out + 16, &s);
         }
     }
+}
+
+/* The SwiGLU product of n values in place: h[i] = silu(h[i]) * u[i]. Scalar: libm expf;
+ * AVX2 (and AVX-512): an exp polynomial (~1 ulp), so the paths agree to a few ulp, not bit
+ * for bit; on one path the result of an element depends only on h[i] and u[i]. */
+static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t n)
+{
+    ptrdiff_t i;
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
+        colibri_silu_mul_avx2(h, u, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (i = 0; i < n; i++) h[i] = colibri_silu(h[i]) * u[i];
 }
 
 /* The quantized-activation row kernel of (isa, fmt, wide: int16 codes, else int8); NULL
