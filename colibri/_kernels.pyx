@@ -1377,6 +1377,29 @@ ctypedef struct AttendJob:
     float scale
 
 
+cdef _attend_run(const float *q, const float *k, const float *v, float *out, Py_ssize_t hs,
+                 Py_ssize_t rs, Py_ssize_t n, Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t Dh,
+                 float scale, int threads, str name):
+    """The attention of H query heads q (H, Dh) over n keys / values of Hkv heads (head h
+    at k + h * hs, position j at + j * rs; v the same) into out (H, Dh), on the pool, one
+    work item per kv head (checked arguments)."""
+    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
+    if nth > Hkv:
+        nth = <int>Hkv
+    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
+    if scratch == NULL:
+        raise MemoryError(f"{name}: no memory for {nth} x {n} scores")
+    cdef AttendJob job
+    job.q, job.k, job.v, job.out, job.s = q, k, v, out, scratch
+    job.hs, job.rs, job.n = hs, rs, n
+    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
+    try:
+        with nogil:
+            colibri_pool_run(nth, _attend_task, &job, Hkv)
+    finally:
+        free(scratch)
+
+
 cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:
     cdef const AttendJob *j = <const AttendJob *>ctx
     colibri_attend(j.isa, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
@@ -1410,21 +1433,8 @@ def attend_decode(const float[:, ::1] q, const float[:, :, :] k, const float[:, 
         raise ValueError("attend_decode: out must not overlap q")
     if Dh == 0:
         return
-    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
-    if nth > Hkv:
-        nth = <int>Hkv
-    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
-    if scratch == NULL:
-        raise MemoryError(f"attend_decode: no memory for {nth} x {n} scores")
-    cdef AttendJob job
-    job.q, job.k, job.v, job.out, job.s = &q[0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0], scratch
-    job.hs, job.rs, job.n = k.strides[0] // 4, k.strides[1] // 4, n
-    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
-    try:
-        with nogil:
-            colibri_pool_run(nth, _attend_task, &job, Hkv)
-    finally:
-        free(scratch)
+    _attend_run(&q[0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0], k.strides[0] // 4,
+                k.strides[1] // 4, n, H, Hkv, Dh, scale, threads, "attend_decode")
 
 
 # =============================================================================================
@@ -1600,22 +1610,8 @@ def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t
         for i in range(Dh):
             kc[(g * S + slot) * Dh + i] = knp[g * Dh + i]
             vc[(g * S + slot) * Dh + i] = vnp[g * Dh + i]
-    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
-    if nth > Hkv:
-        nth = <int>Hkv
-    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
-    if scratch == NULL:
-        raise MemoryError(f"attend_cached: no memory for {nth} x {n} scores")
-    cdef AttendJob job
-    job.q, job.out, job.s = qp, op, scratch
-    job.k, job.v = kc + start * Dh, vc + start * Dh
-    job.hs, job.rs, job.n = S * Dh, Dh, n
-    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
-    try:
-        with nogil:
-            colibri_pool_run(nth, _attend_task, &job, Hkv)
-    finally:
-        free(scratch)
+    _attend_run(qp, kc + start * Dh, vc + start * Dh, op, S * Dh, Dh, n, H, Hkv, Dh, scale,
+                threads, "attend_cached")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -396,38 +396,21 @@ static void colibri_dot_plain_scalar(int fmt, const uint8_t *row, ptrdiff_t cols
     }
 }
 
-static void colibri_dot_f32_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
-                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
-                                 ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)group; (void)xsum; (void)ss;
-    for (i = 0; i < nrows; i++)
-        colibri_dot_plain_scalar(COLIBRI_F32, row0 + i * rs, cols, x, xs, nt, out + i, os);
-}
+/* The plain-format entry points: the body per row (group and the sums unused). */
+#define COLIBRI_DEF_DOT_PLAIN_SCALAR(NAME, FMT)                                              \
+    static void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,    \
+                     ptrdiff_t group, const float *x, ptrdiff_t xs, const float *xsum,      \
+                     ptrdiff_t ss, int nt, float *out, ptrdiff_t os)                        \
+    {                                                                                        \
+        ptrdiff_t i;                                                                         \
+        (void)group; (void)xsum; (void)ss;                                                   \
+        for (i = 0; i < nrows; i++)                                                          \
+            colibri_dot_plain_scalar(FMT, row0 + i * rs, cols, x, xs, nt, out + i, os);      \
+    }
 
-static void colibri_dot_f16_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
-                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
-                                 ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)group; (void)xsum; (void)ss;
-    for (i = 0; i < nrows; i++)
-        colibri_dot_plain_scalar(COLIBRI_F16, row0 + i * rs, cols, x, xs, nt, out + i, os);
-}
-
-static void colibri_dot_bf16_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
-                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
-                                 ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)group; (void)xsum; (void)ss;
-    for (i = 0; i < nrows; i++)
-        colibri_dot_plain_scalar(COLIBRI_BF16, row0 + i * rs, cols, x, xs, nt, out + i, os);
-}
+COLIBRI_DEF_DOT_PLAIN_SCALAR(colibri_dot_f32_scalar, COLIBRI_F32)
+COLIBRI_DEF_DOT_PLAIN_SCALAR(colibri_dot_f16_scalar, COLIBRI_F16)
+COLIBRI_DEF_DOT_PLAIN_SCALAR(colibri_dot_bf16_scalar, COLIBRI_BF16)
 
 static void colibri_dot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols,
                                      ptrdiff_t group, const float *x, ptrdiff_t xs, int nt,
@@ -452,27 +435,22 @@ static void colibri_dot_quant_scalar(int fmt, const uint8_t *row, ptrdiff_t cols
     }
 }
 
-static void colibri_dot_q8_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
-                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
-                                 ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)xsum; (void)ss;
-    for (i = 0; i < nrows; i++)
-        colibri_dot_quant_scalar(COLIBRI_Q8, row0 + i * rs, cols, group, x, xs, nt, out + i, os);
-}
+/* The quantized entry points (the scalar body subtracts the q4 offset per element: the
+ * group sums are unused). */
+#define COLIBRI_DEF_DOT_QUANT_SCALAR(NAME, FMT)                                              \
+    static void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,    \
+                     ptrdiff_t group, const float *x, ptrdiff_t xs, const float *xsum,      \
+                     ptrdiff_t ss, int nt, float *out, ptrdiff_t os)                        \
+    {                                                                                        \
+        ptrdiff_t i;                                                                         \
+        (void)xsum; (void)ss;                                                                \
+        for (i = 0; i < nrows; i++)                                                          \
+            colibri_dot_quant_scalar(FMT, row0 + i * rs, cols, group, x, xs, nt, out + i,   \
+                                     os);                                                    \
+    }
 
-static void colibri_dot_q4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows,
-                                 ptrdiff_t cols, ptrdiff_t group, const float *x, ptrdiff_t xs,
-                                 const float *xsum, ptrdiff_t ss, int nt, float *out,
-                                 ptrdiff_t os)
-{
-    ptrdiff_t i;
-    (void)xsum; (void)ss;     /* the scalar body subtracts the offset per element */
-    for (i = 0; i < nrows; i++)
-        colibri_dot_quant_scalar(COLIBRI_Q4, row0 + i * rs, cols, group, x, xs, nt, out + i, os);
-}
+COLIBRI_DEF_DOT_QUANT_SCALAR(colibri_dot_q8_scalar, COLIBRI_Q8)
+COLIBRI_DEF_DOT_QUANT_SCALAR(colibri_dot_q4_scalar, COLIBRI_Q4)
 
 /* int8 / int16 activations, the specification: per token, per 32-block, the exact integer dot
  * of the codes with q (int8 at colibri_qpos, or int16 at colibri_qpos16 when wide), then
