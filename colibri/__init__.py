@@ -5,6 +5,17 @@
     logits = colibri.forward(model, ids)                    # NumPy in, float32 logits out
     text = model.generate("def fib(n):", max_new_tokens=32)
     f = colibri.open("model.colibri")                       # the raw file: tensors as views
+
+Shape alphabet, used in every docstring and comment of the package:
+    B batch (sequences)          S new tokens per sequence     T = B*S token rows
+    P cache slots (context)      L keys attended (slots in use + S)
+    D hidden                     V vocabulary                  H / Hkv query / key-value heads
+    G = H / Hkv                  Dh head dim                   Dr rotary dims (Dr/2 frequencies)
+    E experts                    K experts per token           I expert intermediate
+    Is shared-expert intermediate                              Id dense-mlp intermediate
+    R rows (outputs) and C columns (inputs) of a weight matrix
+    Q quantization group size    NT tokens per kernel pass
+docs/architecture.md draws the layers and the path of one token through them.
 """
 __version__ = "0.1.0"   # before the imports: submodules read it
 
