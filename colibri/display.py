@@ -81,7 +81,7 @@ def model_html(model) -> str:
     from .inspect import totals
     cf, a = model.file, model.arch
     t = totals(cf)
-    archs = ", ".join((model.config or {}).get("architectures") or [])
+    archs = ", ".join((model.hf_config or {}).get("architectures") or [])
     moe = a.get("moe_layers", list(range(model.n_layers)))
     shared = a.get("shared_expert_intermediate_size") or 0
     active = t["active_parameters_per_token"]
@@ -115,7 +115,7 @@ def model_html(model) -> str:
                       f"{conv.get('source')}, {conv.get('date')}"))
     groups = [(_e(g["group"]), _e(", ".join(g["dtypes"])), str(g["tensors"]),
                _e(_count(g["parameters"])), _e(_bytes(g["bytes"]))) for g in tensor_groups(cf)]
-    config = json.dumps(model.config, indent=1, sort_keys=True, default=str)
+    config = json.dumps(model.hf_config, indent=1, sort_keys=True, default=str)
     return (
         f'<div style="font-family:sans-serif;font-size:13px">'
         f"<b>colibri Model</b> {_e(a.get('family'))}"

@@ -355,10 +355,20 @@ class ColibriFile:
         self.metadata = self._parse_metadata(prefix, h)
         self.config = self.metadata.get("config", {})
         self.arch = self.metadata.get("arch", {})
+        self._model_config = None
         self.user_metadata = self.metadata.get("user", {})
         tok = self.metadata.get("tokenizer")
         self.tokenizer_files = tok["files"] if tok is not None else None
         self.tensors = TensorTable(names, self._pos, table)
+
+    @property
+    def model_config(self) -> "ModelConfig":
+        """The typed "arch" metadata (colibri.config.ModelConfig), built on first use;
+        ConfigError naming this file and the field when it is missing or wrong."""
+        if self._model_config is None:
+            from .config import ModelConfig
+            self._model_config = ModelConfig.from_metadata(self.arch, source=str(self.path))
+        return self._model_config
 
     def _check_regions(self, h: dict) -> None:
         """Table, expert index and metadata: inside [header_size, data_offset), disjoint,

@@ -275,7 +275,8 @@ class Model:
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
         self.threads = int(threads) if threads is not None else kernels.default_threads()
         a = self.arch = dict(self.file.arch)
-        self.config = self.file.config
+        self.config = self.file.model_config      # typed geometry (colibri.config.ModelConfig)
+        self.hf_config = self.file.config         # the checkpoint's config.json, as converted
         self.vocab_size = int(a["vocab_size"])
         self.hidden_size = int(a["hidden_size"])
         self.n_layers = int(a["num_hidden_layers"])
