@@ -1,11 +1,11 @@
 """Reading a Hugging Face config.json into a `ModelConfig`: the fields every family reads the
 same way, and the helpers a family uses for the rest.
 
-    cfg = build(hf, family="mixtral", rope_theta=1e6, num_experts=..., ...)
+    cfg = build(hf, family="mixtral", default_rope_theta=1e6, num_experts=..., ...)
 
 Every problem is a ConfigError naming the config.json field: "config.json: field 'x' ...". A
-field config.json does not have takes the family's default (the value its transformers config
-class would use), or, when the family gives none, ModelConfig's.
+field config.json does not have takes the family's default where the family gives one (its
+expert count, top-k, rope theta), else ModelConfig's.
 """
 from __future__ import annotations
 
@@ -166,14 +166,15 @@ def refuse_attention_bias(hf: HFConfig, family: str) -> None:
         raise ConfigError(f"config.json: attention_bias=true is not supported for {family}")
 
 
-def build(hf: HFConfig, *, family: str, rope_theta: float = ModelConfig.rope_theta,
-                 **family_fields: Any) -> ModelConfig:
+def build(hf: HFConfig, *, family: str,
+          default_rope_theta: float = ModelConfig.rope_theta,
+          **family_fields: Any) -> ModelConfig:
     """The ModelConfig of `hf`: the fields every family reads the same way, then the
-    family's own (`family_fields`, ModelConfig field names); `rope_theta` is the family's
-    default when config.json has none."""
+    family's own (`family_fields`, ModelConfig field names, overriding the shared ones);
+    `default_rope_theta` applies when config.json has no rope theta."""
     check_activation(hf)
     heads, kv_heads, head_dim = attention_dims(hf)
-    theta, scaling = rope(hf, rope_theta)
+    theta, scaling = rope(hf, default_rope_theta)
     n_layers = get_int(hf, "num_hidden_layers")
     fields = dict(
         family=family,
@@ -188,7 +189,7 @@ def build(hf: HFConfig, *, family: str, rope_theta: float = ModelConfig.rope_the
         rms_norm_eps=get_float(hf, "rms_norm_eps", ModelConfig.rms_norm_eps),
         max_position_embeddings=get_int(hf, "max_position_embeddings",
                                         ModelConfig.max_position_embeddings),
-        tie_word_embeddings=get_bool(hf, "tie_word_embeddings", False),
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings", ModelConfig.tie_word_embeddings),
         bos_token_id=token_id(hf, "bos_token_id"),
         eos_token_id=token_id(hf, "eos_token_id"),
         pad_token_id=token_id(hf, "pad_token_id"),

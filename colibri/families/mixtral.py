@@ -24,7 +24,7 @@ NAME_MAP = {
 def model_config(hf: HFConfig) -> ModelConfig:
     window = hf.get("sliding_window") or None          # 0 and null both mean "none"
     return build(
-        hf, family="mixtral", rope_theta=1e6,
+        hf, family="mixtral", default_rope_theta=1e6,
         **experts(hf, ("num_local_experts", "num_experts"), 8, default_top_k=2),
         moe_intermediate_size=get_int(hf, "intermediate_size"),
         norm_topk_prob=True,
