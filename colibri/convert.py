@@ -3,7 +3,7 @@
     convert(src, dst, dtype="auto", quant="none", quantize=("experts", "shared"))
 
 Two stages:
-1. plan(): read config.json, pick the family, derive the arch dict, list the canonical tensors
+1. plan(): read config.json, pick the family, derive the ModelConfig, list the canonical tensors
    with the shapes config.json implies, and match every one to a checkpoint key (shapes and
    dtypes come from the safetensors headers; no tensor data is read). Every mismatch is an
    error that names the checkpoint key, the config fields and expected vs found; a checkpoint
@@ -36,9 +36,11 @@ import numpy as np
 
 from . import __version__
 from . import quant as qmod
+from .config import ModelConfig
 from .errors import ColibriError
 from .families import Family, canonical_tensors, get_family
-from .families.base import IGNORABLE_SUFFIXES, CanonicalTensor, Source
+from .families.base import IGNORABLE_SUFFIXES, Source
+from .families.tensors import CanonicalTensor
 
 DTYPES = ("auto", "f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")
@@ -178,8 +180,8 @@ class PlannedTensor:
 class Plan:
     src: Path
     family: Family
-    config: dict
-    arch: dict
+    hf_config: dict                 # config.json as read
+    config: ModelConfig             # stored as the file's "arch" metadata
     tensors: list[PlannedTensor]
     dtype: str                      # resolved default dtype of weight matrices
     quant: str
@@ -194,8 +196,8 @@ class Plan:
 
     def metadata(self, user: Mapping[str, str] | None = None) -> dict:
         return {
-            "config": self.config,
-            "arch": self.arch,
+            "config": self.hf_config,
+            "arch": self.config.to_metadata(),
             "tokenizer": self.tokenizer,
             "user": dict(user or {}),
             "converter": {
@@ -237,10 +239,10 @@ def _parse_roles(quantize: Iterable[str] | str) -> tuple[str, ...]:
     return roles
 
 
-def _match(t: CanonicalTensor, family: Family, arch: dict,
+def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
            ckpt: Mapping[str, CheckpointTensor]) -> tuple[Source, CheckpointTensor]:
     """The checkpoint tensor holding canonical tensor t, shape-checked against config.json."""
-    sources = family.sources(t, arch)
+    sources = family.sources(t, cfg)
     for s in sources:
         if s.key in ckpt:
             break
@@ -252,7 +254,7 @@ def _match(t: CanonicalTensor, family: Family, arch: dict,
     if c.shape != want:
         raise ColibriError(
             f"checkpoint tensor {s.key!r} has shape {c.shape}, but config.json implies "
-            f"{want} ({family.explain(dims, arch)})")
+            f"{want} ({family.explain(dims, cfg)})")
     if c.dtype not in _SOURCE_DTYPES:
         extra = " (FP8 checkpoints are not supported)" if c.dtype.startswith("F8") else ""
         raise ColibriError(f"checkpoint tensor {s.key!r} has dtype {c.dtype}, unsupported"
@@ -310,20 +312,20 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         raise ColibriError(f"{src}: not a folder (expected a Hugging Face model folder)")
     if not (src / "config.json").is_file():
         raise ColibriError(f"{src}: no config.json (expected a Hugging Face model folder)")
-    config = read_json(src / "config.json", "config.json")
-    if not isinstance(config, dict):
+    hf_config = read_json(src / "config.json", "config.json")
+    if not isinstance(hf_config, dict):
         raise ColibriError(f"{src / 'config.json'}: expected a JSON object")
-    family = get_family(config.get("model_type"))
-    arch = family.arch(config)
+    family = get_family(hf_config.get("model_type"))
+    cfg = family.model_config(hf_config)
     ckpt = scan_checkpoint(src)
 
     matched, used = [], set()
-    for t in canonical_tensors(arch):
-        s, c = _match(t, family, arch, ckpt)
+    for t in canonical_tensors(cfg):
+        s, c = _match(t, family, cfg, ckpt)
         matched.append((t, s, c))
         used.add(s.key)
     ignorable = [k for k in ckpt if k not in used and (
-        k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and arch["tie_word_embeddings"]))]
+        k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings))]
     extra = sorted(set(ckpt) - used - set(ignorable))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -349,7 +351,7 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         if t.role is not None:
             t.group_size = g
     quantized = sorted({t.role for t in tensors if t.role is not None}, key=ROLES.index)
-    return Plan(src, family, config, arch, tensors, base, quant, g, quantized, gate,
+    return Plan(src, family, hf_config, cfg, tensors, base, quant, g, quantized, gate,
                 ignored=ignorable)
 
 
@@ -465,8 +467,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"convert {src.name}", disable=not progress, leave=False)
     try:
-        with ColibriWriter(dst, p.specs(), metadata, n_layers=p.arch["num_hidden_layers"],
-                           n_experts=p.arch["num_experts"], checksums=checksums,
+        with ColibriWriter(dst, p.specs(), metadata, n_layers=p.config.num_hidden_layers,
+                           n_experts=p.config.num_experts, checksums=checksums,
                            overwrite=force) as writer:
             for shard, todo in by_shard.items():
                 reader = _ShardReader(src / shard, budget=max(largest, 64 << 20))

@@ -144,7 +144,7 @@ def check_arch(cf: ColibriFile) -> list[str]:
         return [] if not arch else [f"metadata arch names unknown family "
                                     f"{arch.get('family')!r}"]
     try:
-        expected = {t.name: t.shape for t in canonical_tensors(arch)}
+        expected = {t.name: t.shape for t in canonical_tensors(cf.model_config)}
     except (KeyError, TypeError, ValueError) as e:
         return [f"metadata arch is incomplete ({type(e).__name__}: {e})"]
     problems = []

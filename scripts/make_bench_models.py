@@ -180,9 +180,9 @@ def _tensor_plan(cfg) -> list[tuple[str, tuple[int, ...], int | None]]:
     from colibri.families import canonical_tensors, get_family
     cdict = cfg.to_dict()
     fam = get_family(cdict["model_type"])
-    arch = fam.arch(cdict)
-    keys = dict((canon, key) for key, canon in fam.tensor_map(arch))
-    return [(keys[t.name], t.shape, t.layer) for t in canonical_tensors(arch)]
+    model_config = fam.model_config(cdict)
+    keys = dict((canon, key) for key, canon in fam.tensor_map(model_config))
+    return [(keys[t.name], t.shape, t.layer) for t in canonical_tensors(model_config)]
 
 
 def _draw(rng: np.random.Generator, key: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from colibri import quant
+from colibri.config import ConfigError
 from colibri.convert import ConversionWarning, convert, plan
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile, ColibriWriter
@@ -173,6 +174,17 @@ def test_metadata_travels(hf_checkpoint, tmp_path):
         assert conv["date"].endswith("+00:00")
 
 
+def test_arch_metadata_is_the_model_config(hf_checkpoint, tmp_path, family_name):
+    """The file's "arch" is the family's ModelConfig of config.json, and reads back as it."""
+    src = hf_checkpoint(family_name)
+    p = plan(src)
+    assert p.config == p.family.model_config(json.loads((src / "config.json").read_text()))
+    with ColibriFile(convert(src, tmp_path / "m.colibri", progress=False)) as cf:
+        assert cf.arch == p.config.to_metadata()
+        assert cf.model_config == p.config
+        assert (cf.n_layers, cf.n_experts) == (p.config.num_hidden_layers, p.config.num_experts)
+
+
 def test_tied_embeddings_have_no_lm_head(hf_checkpoint, tmp_path):
     src = hf_checkpoint("qwen3_moe", tie_word_embeddings=True)
     with ColibriFile(convert(src, tmp_path / "m.colibri", progress=False)) as cf:
@@ -252,6 +264,15 @@ def test_unsupported_family(editable, tmp_path):
     with pytest.raises(ColibriError, match="'llama'.*mixtral.*olmoe.*qwen2_moe.*qwen3_moe"):
         convert(src, tmp_path / "x.colibri", progress=False)
     assert not (tmp_path / "x.colibri").exists()
+
+
+def test_bad_config_field_is_named_before_anything_is_written(editable, tmp_path):
+    src = editable("qwen2_moe")
+    edit_config(src, norm_topk_prob="yes")
+    with pytest.raises(ConfigError, match="config.json: field 'norm_topk_prob' must be true or "
+                                          "false, found 'yes'"):
+        convert(src, tmp_path / "x.colibri", progress=False)
+    assert os.listdir(tmp_path) == ["src"]
 
 
 def test_missing_shard_is_named(editable, tmp_path):

@@ -5,7 +5,7 @@ a small synthetic model file, a best-of timer for the track_* GB/s figures.
     asv run --quick --python=same                   # one pass on the installed package
 
 Nothing here needs torch or transformers: the model is written with colibri's own writer
-from the family's config -> arch map, with random weights.
+from the family's ModelConfig of the config, with random weights.
 """
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ def make_model(path: str, config: dict | None = None, quant: str = "q4", seed: i
     from colibri.families import canonical_tensors, get_family
 
     config = dict(config or SMALL_MIXTRAL)
-    arch = get_family(config["model_type"]).arch(config)
+    model_config = get_family(config["model_type"]).model_config(config)
     rng = np.random.default_rng(seed)
     specs, arrays = [], {}
-    for t in canonical_tensors(arch):
+    for t in canonical_tensors(model_config):
         if len(t.shape) == 1:
             dtype, a = "f32", np.ones(t.shape, np.float32)
         else:
@@ -95,9 +95,9 @@ def make_model(path: str, config: dict | None = None, quant: str = "q4", seed: i
         gs = 32 if dtype in ("q8", "q4") else 0
         specs.append(cf.TensorSpec.infer(t.name, dtype, t.shape, group_size=gs))
         arrays[t.name] = a
-    meta = {"config": config, "arch": arch, "tokenizer": None, "user": {}}
-    with cf.ColibriWriter(path, specs, meta, n_layers=arch["num_hidden_layers"],
-                          n_experts=arch["num_experts"], checksums=False) as w:
+    meta = {"config": config, "arch": model_config.to_metadata(), "tokenizer": None, "user": {}}
+    with cf.ColibriWriter(path, specs, meta, n_layers=model_config.num_hidden_layers,
+                          n_experts=model_config.num_experts, checksums=False) as w:
         for name, a in arrays.items():
             w.write(name, a)
     return path

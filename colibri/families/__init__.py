@@ -1,14 +1,16 @@
 """Registry of the model families the converter knows.
 
 Adding a family: write `colibri/families/<model_type>.py` exposing `FAMILY` (a `base.Family`:
-config → arch dict, and the checkpoint name of each canonical tensor), list it in `_MODULES`,
-and add its tiny checkpoint to tests/hf_factory.py.
+config.json → ModelConfig, built with config_json.build from what the family does differently,
+and the checkpoint name of each canonical tensor), list it in `_MODULES`, and add its tiny
+checkpoint to tests/hf_factory.py.
 """
 from __future__ import annotations
 
 from ..errors import ColibriError
 from . import mixtral, olmoe, qwen2_moe, qwen3_moe
-from .base import ConfigError, Family, canonical_tensors
+from .base import Family
+from .tensors import canonical_tensors
 
 _MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe)
 
@@ -24,4 +26,4 @@ def get_family(model_type: str | None) -> Family:
                            f"{', '.join(sorted(FAMILIES))}") from None
 
 
-__all__ = ["FAMILIES", "ConfigError", "Family", "canonical_tensors", "get_family"]
+__all__ = ["FAMILIES", "Family", "canonical_tensors", "get_family"]

@@ -9,10 +9,10 @@ then to the layers whose `layer_types` entry is "sliding_attention".
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from .base import (DENSE_MLP_NAMES, LLAMA_NAMES, QWEN_EXPERT_NAMES, ConfigError, Family,
-                   check_experts, common_arch, get_bool, get_int, sparse_layers)
+from ..config import ConfigError, ModelConfig
+from .base import DENSE_MLP_NAMES, LLAMA_NAMES, QWEN_EXPERT_NAMES, Family
+from .config_json import (HFConfig, build, experts, get_bool, get_int, qwen_window,
+                          sparse_layers)
 
 NAME_MAP = {
     **LLAMA_NAMES,
@@ -28,52 +28,41 @@ NAME_MAP = {
 }
 
 
-def layer_types(config: Mapping[str, Any], n_layers: int) -> list[str]:
+def layer_types(hf: HFConfig) -> tuple[str, ...]:
     """Per-layer attention type, as Qwen2MoeConfig derives it when config.json has none."""
-    types = config.get("layer_types")
+    n_layers = get_int(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
     if types is None:
-        use = get_bool(config, "use_sliding_window", False)
-        max_window = get_int(config, "max_window_layers", 28, minimum=0)
+        use = get_bool(hf, "use_sliding_window", False)
+        max_window = get_int(hf, "max_window_layers", 28, minimum=0)
         types = ["sliding_attention" if use and (i + 1) % 2 and i < max_window
                  else "full_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers:
         raise ConfigError(f"config.json: layer_types must list {n_layers} entries "
                           f"(num_hidden_layers), found {types!r}")
-    return list(types)
+    return tuple(types)
 
 
-def arch(config: Mapping[str, Any]) -> dict:
-    a = common_arch(config, family="qwen2_moe", default_theta=10000.0)
-    n_layers = a["num_hidden_layers"]
-    n_experts = get_int(config, "num_experts", config.get("num_local_experts", 60))
-    top_k = get_int(config, "num_experts_per_tok", 4)
-    check_experts(n_experts, top_k, "num_experts")
-    moe_layers = sparse_layers(config, n_layers)
-    shared = get_int(config, "shared_expert_intermediate_size", 0, minimum=0)
-    use_window = get_bool(config, "use_sliding_window", False)
-    a.update(
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=get_int(config, "moe_intermediate_size"),
-        norm_topk_prob=get_bool(config, "norm_topk_prob", False),
+def model_config(hf: HFConfig) -> ModelConfig:
+    shared = get_int(hf, "shared_expert_intermediate_size", 0, minimum=0)
+    return build(
+        hf, family="qwen2_moe",
+        **experts(hf, ("num_experts", "num_local_experts"), 60, default_top_k=4),
+        **sparse_layers(hf),
+        moe_intermediate_size=get_int(hf, "moe_intermediate_size"),
+        norm_topk_prob=get_bool(hf, "norm_topk_prob", False),
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared > 0,
-        moe_layers=moe_layers,
-        dense_intermediate_size=(get_int(config, "intermediate_size")
-                                 if len(moe_layers) < n_layers else 0),
         # Qwen1.5 always has q/k/v biases; transformers 5 names the switch qkv_bias
-        attention_bias=get_bool(config, "qkv_bias", True),
-        qk_norm="none",
-        clip_qkv=None,
-        sliding_window=(get_int(config, "sliding_window", None) if use_window else None),
-        layer_types=layer_types(config, n_layers),
+        attention_bias=get_bool(hf, "qkv_bias", True),
+        sliding_window=qwen_window(hf),
+        layer_types=layer_types(hf),
     )
-    return a
 
 
 FAMILY = Family(
     model_type="qwen2_moe",
-    arch=arch,
+    model_config=model_config,
     name_map=NAME_MAP,
     config_fields={"dense_intermediate_size": "intermediate_size",
                    "attention_bias": "qkv_bias"},

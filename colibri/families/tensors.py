@@ -1,0 +1,110 @@
+"""The canonical tensors of a model (SPEC §1.7): which ones it has and their shapes, following
+from its ModelConfig alone, the same for every family.
+
+    for t in canonical_tensors(cfg): t.name, t.shape, t.dims    # "layers.3.attn.wq", ...
+
+Shapes in the package's alphabet: V vocab, D hidden, H / Hkv heads, Dh head dim, E experts,
+I expert intermediate, Is shared-expert intermediate, Id dense-mlp intermediate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ModelConfig
+
+EXPERT_PROJS = ("w_gate", "w_up", "w_down")
+
+# Each dimension is a product of ModelConfig fields (or integer literals); kept as text so a
+# shape mismatch can say which config fields it came from.
+DIMS: dict[str, tuple[str, ...]] = {
+    "tok_embeddings": ("vocab_size", "hidden_size"),                      # (V, D)
+    "norm": ("hidden_size",),                                             # (D,)
+    "lm_head": ("vocab_size", "hidden_size"),                             # (V, D)
+    "attn_norm": ("hidden_size",),
+    "ffn_norm": ("hidden_size",),
+    "attn.wq": ("num_attention_heads*head_dim", "hidden_size"),          # (H*Dh, D)
+    "attn.wk": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
+    "attn.wv": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
+    "attn.wo": ("hidden_size", "num_attention_heads*head_dim"),          # (D, H*Dh)
+    "attn.bq": ("num_attention_heads*head_dim",),
+    "attn.bk": ("num_key_value_heads*head_dim",),
+    "attn.bv": ("num_key_value_heads*head_dim",),
+    "attn.q_norm/full": ("num_attention_heads*head_dim",),               # OLMoE
+    "attn.k_norm/full": ("num_key_value_heads*head_dim",),
+    "attn.q_norm/per_head": ("head_dim",),                               # Qwen3
+    "attn.k_norm/per_head": ("head_dim",),
+    "moe.router": ("num_experts", "hidden_size"),                        # (E, D)
+    "moe.experts.w_gate": ("moe_intermediate_size", "hidden_size"),      # (I, D)
+    "moe.experts.w_up": ("moe_intermediate_size", "hidden_size"),        # (I, D)
+    "moe.experts.w_down": ("hidden_size", "moe_intermediate_size"),      # (D, I)
+    "moe.shared.w_gate": ("shared_expert_intermediate_size", "hidden_size"),  # (Is, D)
+    "moe.shared.w_up": ("shared_expert_intermediate_size", "hidden_size"),
+    "moe.shared.w_down": ("hidden_size", "shared_expert_intermediate_size"),
+    "moe.shared_gate": ("1", "hidden_size"),                             # (1, D)
+    "mlp.w_gate": ("dense_intermediate_size", "hidden_size"),            # (Id, D)
+    "mlp.w_up": ("dense_intermediate_size", "hidden_size"),
+    "mlp.w_down": ("hidden_size", "dense_intermediate_size"),            # (D, Id)
+}
+
+
+def eval_dim(expr: str, cfg: ModelConfig) -> int:
+    """'num_attention_heads*head_dim' -> H*Dh of `cfg`."""
+    out = 1
+    for factor in expr.split("*"):
+        out *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
+    return out
+
+
+@dataclass(frozen=True)
+class CanonicalTensor:
+    """One tensor of the .colibri file, as the ModelConfig implies it."""
+    name: str                      # e.g. "layers.3.moe.experts.5.w_up"
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]          # ModelConfig-field expression behind each dimension
+    kind: str                      # key of the name map: "attn.wq", "moe.experts.w_up", ...
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None        # "w_gate" | "w_up" | "w_down" for routed experts
+
+
+def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
+    """Every tensor a model with this config has, in model order (embedding, layers, head)."""
+    out: list[CanonicalTensor] = []
+
+    def add(name: str, kind: str, dims_key: str | None = None, **where: Any) -> None:
+        dims = DIMS[dims_key or kind]
+        out.append(CanonicalTensor(name, tuple(eval_dim(d, cfg) for d in dims), dims, kind,
+                                   **where))
+
+    add("tok_embeddings", "tok_embeddings")
+    moe_layers = set(cfg.moe_layer_ids)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        add(p + "attn_norm", "attn_norm", layer=i)
+        for w in ("wq", "wk", "wv", "wo"):
+            add(p + "attn." + w, "attn." + w, layer=i)
+        if cfg.attention_bias:
+            for b in ("bq", "bk", "bv"):
+                add(p + "attn." + b, "attn." + b, layer=i)
+        if cfg.qk_norm != "none":
+            for n in ("q_norm", "k_norm"):
+                add(p + "attn." + n, "attn." + n, f"attn.{n}/{cfg.qk_norm}", layer=i)
+        add(p + "ffn_norm", "ffn_norm", layer=i)
+        if i in moe_layers:
+            add(p + "moe.router", "moe.router", layer=i)
+            for e in range(cfg.num_experts):
+                for w in EXPERT_PROJS:
+                    add(f"{p}moe.experts.{e}.{w}", "moe.experts." + w, layer=i, expert=e, proj=w)
+            if cfg.has_shared_expert:
+                for w in EXPERT_PROJS:
+                    add(p + "moe.shared." + w, "moe.shared." + w, layer=i)
+                if cfg.shared_expert_gate:
+                    add(p + "moe.shared_gate", "moe.shared_gate", layer=i)
+        else:
+            for w in EXPERT_PROJS:
+                add(p + "mlp." + w, "mlp." + w, layer=i)
+    add("norm", "norm")
+    if not cfg.tie_word_embeddings:
+        add("lm_head", "lm_head")
+    return out
