@@ -26,8 +26,8 @@ from .api import default_model_path, forward, generate, load, stream
 from .kv_cache import CacheOverflowError, KVCache
 from .model import Model, RoutingTrace
 from .sampling import Sampler
-from .stats import RoutingStats, routing_stats
-from .trace import Trace, iter_trace, trace   # binds the function to colibri.trace
+from .tools.stats import RoutingStats
+from .tools.trace import Trace, iter_trace, routing_stats, trace
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -40,8 +41,6 @@ class NoTokenizerError(ColibriError, ValueError):
 def _import_transformers_quietly() -> None:
     """Import transformers without its "PyTorch was not found" notice: colibri uses only its
     tokenizer classes, which need no torch, so the notice would only mislead."""
-    import os
-    import sys
     if "transformers" in sys.modules:
         return
     key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"      # transformers' own switch for such notices

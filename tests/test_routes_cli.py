@@ -16,7 +16,7 @@ from colibri.format import ColibriFile  # noqa: E402
 
 from cli_helpers import one_line_error  # noqa: E402
 from cli_helpers import run as run_cli  # noqa: E402
-from colibri.trace import trace  # noqa: E402
+from colibri.tools.trace import trace  # noqa: E402
 
 PROMPT = "def fibonacci(n): return n"
 

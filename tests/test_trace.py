@@ -1,4 +1,4 @@
-"""colibri.trace: the routing a forward pass used, per token and MoE layer, as arrays.
+"""colibri.tools.trace: the routing a forward pass used, per token and MoE layer, as arrays.
 
 Checked against Model.forward(return_routing=True) (the same ids and weights), against
 transformers' router_logits and aux_loss on tiny checkpoints, across chunk sizes, windows,
@@ -13,16 +13,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import importlib  # noqa: E402
-
 import colibri.api as api  # noqa: E402
+import colibri.tools.trace as trace_mod  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
-from colibri.stats import RoutingStats, routing_stats  # noqa: E402
 from colibri.tokenizer import NoTokenizerError  # noqa: E402
-from colibri.trace import Trace, UnknownLayerError, iter_trace, softmax, trace  # noqa: E402
-
-# the module (colibri.trace may be bound to the function of the same name by the package)
-trace_mod = importlib.import_module("colibri.trace")
+from colibri.tools.display import trace_html  # noqa: E402
+from colibri.tools.stats import RoutingStats  # noqa: E402
+from colibri.tools.trace import (Trace, UnknownLayerError, iter_trace, routing_stats,  # noqa: E402
+                                 softmax, trace)
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n"
 
@@ -251,7 +249,6 @@ def test_trace_html_escapes_and_colours(mixtral):
     assert f"{len(tr)} tokens × 2 MoE layers, top-2 of 4 experts" in html
     long = trace(m, TEXT)._repr_html_()
     assert "more tokens" not in long
-    from colibri.display import trace_html
     assert "more tokens" in trace_html(trace(m, TEXT), max_tokens=4)
 
 

@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ColibriError
+from ..errors import ColibriError
+from ..model import Model
+from ..tokenizer import NoTokenizerError
 
 __all__ = ["perplexity", "plan_windows", "PerplexityResult", "KLStats", "token_logprobs",
            "check_same_vocabulary", "format_markdown", "MIN_CTX"]
@@ -179,7 +181,6 @@ class PerplexityResult:
 
 def _model(m, threads: int | None, activations: str = "f32"):
     """(Model, opened_here) for a Model or a path."""
-    from .model import Model
     if isinstance(m, Model):
         return m, False
     return Model(m, threads=threads, activations=activations), True
@@ -218,7 +219,6 @@ def _token_ids(model, data) -> np.ndarray:
     if isinstance(data, str):
         tok = model.tokenizer
         if tok is None:
-            from .tokenizer import NoTokenizerError
             raise NoTokenizerError(f"{model.file.path} carries no tokenizer, so text cannot be "
                                    f"scored; give token ids instead")
         with _quiet_transformers():      # no "longer than the maximum length" warning: we cut

@@ -1,8 +1,7 @@
 """Routing as data: which experts each token chose, with what weights, out of which distribution.
 
     import colibri
-    from colibri.trace import trace, iter_trace
-    tr = trace(model, "def fib(n):")          # a Trace
+    tr = colibri.trace(model, "def fib(n):")  # a Trace (colibri.tools.trace)
     tr.experts        int32   (T, L, K)  experts chosen per token and MoE layer, heaviest first
     tr.weights        float32 (T, L, K)  their combine weights, as the forward pass used them
     tr.logits         float32 (T, L, E)  raw router logits
@@ -18,8 +17,9 @@ A trace is taken from the forward pass itself (`Model.forward(..., return_routin
 
 Long inputs run in windows of `window` tokens (default: the model's context, at most 4096),
 each window through a fresh KV cache, fed `batch_size` tokens per forward call. `iter_trace`
-yields one Trace per call, so a caller that folds them into statistics (colibri.stats) holds one
-chunk at a time, whatever the length of the text; `trace` concatenates them. A text file given
+yields one Trace per call, so a caller that folds them into statistics (colibri.tools.stats,
+as `routing_stats` does) holds one chunk at a time, whatever the length of the text; `trace`
+concatenates them. A text file given
 as a `pathlib.Path` is read and tokenized piece by piece (at line ends), never whole.
 
 Shape alphabet: T tokens, L MoE layers, K experts per token, E experts.
@@ -32,11 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ColibriError
-from .kv_cache import DEFAULT_MAX_CTX
-from .tokenizer import NoTokenizerError
+from ..errors import ColibriError
+from ..kv_cache import DEFAULT_MAX_CTX
+from ..tokenizer import NoTokenizerError
+from .display import trace_html
+from .stats import RoutingStats
 
-__all__ = ["Trace", "trace", "iter_trace", "UnknownLayerError", "format_route"]
+__all__ = ["Trace", "trace", "iter_trace", "routing_stats", "UnknownLayerError", "format_route"]
 
 DEFAULT_BATCH = 256              # tokens per forward call
 _FILE_PIECE = 1 << 16            # characters of a text file tokenized at a time
@@ -219,9 +221,8 @@ class Trace:
         flat = (np.arange(L)[None, :, None] * E + self.experts).reshape(-1)
         return np.bincount(flat, minlength=L * E).reshape(L, E).astype(np.int64)
 
-    def stats(self, **kwargs):
-        """RoutingStats of this trace (colibri.stats); kwargs go to RoutingStats."""
-        from .stats import RoutingStats
+    def stats(self, **kwargs) -> RoutingStats:
+        """RoutingStats of this trace (colibri.tools.stats); kwargs go to RoutingStats."""
         return RoutingStats.from_trace(self, **kwargs)
 
     # -- text, JSON, HTML, files -----------------------------------------------------------------
@@ -263,7 +264,6 @@ class Trace:
                 "tokens": rows}
 
     def _repr_html_(self) -> str:
-        from .display import trace_html
         return trace_html(self)
 
     def __repr__(self) -> str:
@@ -398,7 +398,7 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
                 _, routing = model.forward(chunk, cache=cache, return_routing=True, last_only=True)
                 yield Trace.from_routing(routing, chunk, np.arange(start, start + n),
                                          tokenizer=model.tokenizer,
-                                         n_experts=int(model.arch["num_experts"]))
+                                         n_experts=model.config.num_experts)
                 i += n
                 seen += n
 
@@ -408,10 +408,32 @@ def trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: int | N
     """The routing of every token of `source` as one Trace (see iter_trace for the arguments).
 
     Memory: T x L x (2K + 2E) x 4 bytes; for statistics over long texts use
-    colibri.stats.routing_stats, which folds the chunks as they come.
+    routing_stats, which folds the chunks as they come.
     """
     parts = list(iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
                             window=window))
     if not parts:
         raise ValueError("the input has no tokens")
     return parts[0] if len(parts) == 1 else Trace.concat(parts)
+
+
+def routing_stats(model, source, *, batch_size: int = DEFAULT_BATCH,
+                  max_tokens: int | None = None, window: int | None = None,
+                  layers: Iterable[int] | None = None, **kwargs) -> RoutingStats:
+    """Statistics of `source` (text, list of texts, pathlib.Path of a text file, or ids),
+    folded chunk by chunk: memory O(L·E²) plus one chunk of routing, whatever the length.
+
+    layers: restrict to these MoE layers; other arguments as iter_trace;
+    kwargs go to RoutingStats (lru_sizes, rare_threshold).
+    """
+    stats = None
+    for part in iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
+                           window=window):
+        if layers is not None:
+            part = part.select_layers(layers)
+        if stats is None:
+            stats = RoutingStats(part.layers, part.n_experts, part.top_k, **kwargs)
+        stats.update(part)
+    if stats is None:
+        raise ValueError("the input has no tokens")
+    return stats

@@ -1,6 +1,6 @@
 """Expert statistics over routing traces, accumulated chunk by chunk.
 
-    from colibri.stats import RoutingStats, routing_stats
+    from colibri import routing_stats                # colibri.tools.trace.routing_stats
     st = routing_stats(model, Path("corpus.txt"))    # streamed: one chunk of routing at a time
     st = trace.stats()                               # or over one Trace
     st.utilisation      float64 (L, E)   load / fair share; 1 = fair, 0 = dead
@@ -34,17 +34,22 @@ full distribution over the E experts (softmax of the logits).
                      weight = more recent). The cache stays warm across sequences.  (L, n_sizes)
 
 Statistics that need router probabilities (aux_loss, entropies) are NaN when a trace had none.
+
+This module reads a trace's arrays only (the `RoutingArrays` protocol below), so it sits under
+colibri.tools.trace, which builds traces from a model and folds them here (`Trace.stats()`,
+`routing_stats`).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from .trace import Trace, iter_trace
+from .display import stats_html
 
-__all__ = ["RoutingStats", "routing_stats", "default_lru_sizes", "entropy"]
+__all__ = ["RoutingStats", "RoutingArrays", "default_lru_sizes", "entropy"]
 
 DEFAULT_RARE = 0.1          # utilisation below a tenth of the fair share counts as rare
 
@@ -61,6 +66,21 @@ def entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         terms = np.where(p > 0, p * np.log(p), 0.0)
     return -terms.sum(axis=axis)
+
+
+class RoutingArrays(Protocol):
+    """What the statistics read of a trace (colibri.tools.trace.Trace is one)."""
+    experts: np.ndarray               # int32 (T, L, K) chosen experts, heaviest first
+    weights: np.ndarray               # float32 (T, L, K) their combine weights
+    probs: np.ndarray | None          # float32 (T, L, E) router distribution, or None
+    positions: np.ndarray             # int64 (T,) position in its sequence
+    layers: list[int]                 # (L,) MoE layer numbers
+    n_experts: int                    # E
+
+    @property
+    def top_k(self) -> int: ...       # K
+
+    def __len__(self) -> int: ...     # T
 
 
 class RoutingStats:
@@ -101,11 +121,11 @@ class RoutingStats:
         self._clock = 0
 
     @classmethod
-    def from_trace(cls, trace: Trace, **kwargs) -> "RoutingStats":
+    def from_trace(cls, trace: RoutingArrays, **kwargs) -> "RoutingStats":
         return cls(trace.layers, trace.n_experts, trace.top_k, **kwargs).update(trace)
 
     # -- accumulation ------------------------------------------------------------------------------
-    def update(self, trace: Trace) -> "RoutingStats":
+    def update(self, trace: RoutingArrays) -> "RoutingStats":
         """Fold one trace in (tokens in order; a token at position p+1 right after one at
         position p continues its sequence, across updates too). Returns self."""
         if trace.layers != self.layers or trace.n_experts != self.n_experts \
@@ -340,31 +360,9 @@ class RoutingStats:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        from .display import stats_html
         return stats_html(self)
 
     def __repr__(self) -> str:
         return (f"RoutingStats({self.tokens} tokens, MoE layers {self.layers}, top-{self.top_k} "
                 f"of {self.n_experts} experts)")
 
-
-def routing_stats(model, source, *, batch_size: int = 256, max_tokens: int | None = None,
-                  window: int | None = None, layers: Iterable[int] | None = None,
-                  **kwargs) -> RoutingStats:
-    """Statistics of `source` (text, list of texts, pathlib.Path of a text file, or ids),
-    folded chunk by chunk: memory O(L·E²) plus one chunk of routing, whatever the length.
-
-    layers: restrict to these MoE layers; other arguments as colibri.trace.iter_trace;
-    kwargs go to RoutingStats (lru_sizes, rare_threshold).
-    """
-    stats = None
-    for part in iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
-                           window=window):
-        if layers is not None:
-            part = part.select_layers(layers)
-        if stats is None:
-            stats = RoutingStats(part.layers, part.n_experts, part.top_k, **kwargs)
-        stats.update(part)
-    if stats is None:
-        raise ValueError("the input has no tokens")
-    return stats

@@ -6,7 +6,7 @@ no global figure list to leak into, the same code on a headless server and in a 
 (Jupyter shows a returned Figure). Each function returns the Figure; pass `ax=` to draw into
 an axes of your own figure instead. Save with `fig.savefig("out.png")`.
 
-    from colibri import plot
+    from colibri.tools import plot
     plot.expert_heatmap(stats).savefig("experts.png")        # layers × experts, utilisation
     plot.token_map(trace)                                   # tokens × layers, chosen experts
     plot.coactivation(stats, layer=3)                       # experts × experts of one layer
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .stats import RoutingStats
-from .trace import Trace
+from .trace import Trace, UnknownLayerError
 
 __all__ = ["expert_heatmap", "token_map", "coactivation"]
 
@@ -130,7 +130,6 @@ def coactivation(data, layer: int | None = None, *, ax=None, normalize: bool = T
     st = _stats(data)
     layer = st.layers[0] if layer is None else layer
     if layer not in st.layers:
-        from .trace import UnknownLayerError
         raise UnknownLayerError(f"layer {layer} is not a MoE layer of this model (MoE "
                                 f"layers: {', '.join(map(str, st.layers))})")
     j = st.layers.index(layer)
