@@ -121,8 +121,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> list[int]:
+        """Token ids of `text`. verbose=False: no warning that the text is longer than the
+        model's context (for callers that cut it into windows)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=verbose))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,

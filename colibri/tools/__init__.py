@@ -10,6 +10,8 @@ ColibriFile, the engine never needs them.
     perplexity  perplexity over a text, KL against a base model (`colibri perplexity`)
     bench       prompt and generation speed, llama-bench style (`colibri bench`)
 
-Imports run one way: display and inspect at the bottom, stats over display, trace over
-stats, plot over both; perplexity and bench beside them, over the engine.
+Imports run one way, downward: inspect at the bottom (over the file format), display over
+inspect, stats over display, trace over stats (and the engine), plot over trace and stats;
+bench over inspect and the engine, perplexity over the engine only. The engine imports none
+of them (Model._repr_html_ reaches display when a notebook asks).
 """

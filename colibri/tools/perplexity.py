@@ -30,7 +30,6 @@ Shape alphabet: W windows in a batch, C ctx, V vocab, N scored tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -200,29 +199,14 @@ def check_same_vocabulary(model, base) -> None:
                            f"{what}")
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:                 # pragma: no cover - transformers is a dependency
-        yield
-        return
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 def _token_ids(model, data) -> np.ndarray:
     if isinstance(data, str):
         tok = model.tokenizer
         if tok is None:
             raise NoTokenizerError(f"{model.file.path} carries no tokenizer, so text cannot be "
                                    f"scored; give token ids instead")
-        with _quiet_transformers():      # no "longer than the maximum length" warning: we cut
-            ids = np.asarray(tok.encode(data), dtype=np.int64)
+        # verbose=False: no "longer than the maximum length" warning, the windows cut it
+        ids = np.asarray(tok.encode(data, verbose=False), dtype=np.int64)
     else:
         ids = np.asarray(data)
         if ids.dtype.kind not in "iu" or ids.ndim != 1:

@@ -22,14 +22,16 @@ __all__ = ["expert_heatmap", "token_map", "coactivation"]
 
 
 def _mpl():
-    """(Figure class, matplotlib.colors) or a clear ImportError."""
+    """(Figure class, matplotlib.colors, matplotlib.colormaps) or a clear ImportError.
+    matplotlib is optional: imported here, when a plot is drawn."""
     try:
         import matplotlib.colors as colors
+        from matplotlib import colormaps
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("colibri.plot needs matplotlib, which is not installed: "
+        raise ImportError("colibri.tools.plot needs matplotlib, which is not installed: "
                           "pip install matplotlib") from None
-    return Figure, colors
+    return Figure, colors, colormaps
 
 
 def _stats(data) -> RoutingStats:
@@ -41,7 +43,7 @@ def _stats(data) -> RoutingStats:
 
 
 def _axes(ax, size):
-    Figure, _ = _mpl()
+    Figure, _, _ = _mpl()
     if ax is not None:
         return ax.figure, ax
     fig = Figure(figsize=size, layout="constrained")
@@ -55,7 +57,7 @@ def expert_heatmap(data, *, ax=None, title: str | None = None, annotate: bool | 
     dead experts (no token) are marked ×. annotate: print the values in the cells
     (default: when there are at most 256 cells).
     """
-    _, colors = _mpl()
+    _, colors, _ = _mpl()
     st = _stats(data)
     u = st.utilisation                                                        # (L, E)
     L, E = u.shape
@@ -92,14 +94,13 @@ def token_map(trace: Trace, *, ax=None, rank: int = 0, max_tokens: int = 96,
         raise TypeError(f"expected a Trace, got {type(trace).__name__}")
     if not 0 <= rank < trace.top_k:
         raise ValueError(f"rank must be in [0, {trace.top_k}), got {rank}")
-    _, colors = _mpl()
+    _, colors, colormaps = _mpl()
     tr = trace[:max_tokens]
     T, L, E = len(tr), tr.n_layers, tr.n_experts
     img = tr.experts[:, :, rank]                                              # (T, L)
     fig, ax = _axes(ax, (min(14.0, 3.0 + 0.55 * L * max(1, tr.top_k) / 2),
                          min(30.0, 1.2 + 0.22 * T)))
     base = "tab10" if E <= 10 else "tab20" if E <= 20 else "turbo"
-    from matplotlib import colormaps
     cmap = colormaps[base].resampled(E) if base == "turbo" else \
         colors.ListedColormap(colormaps[base].colors[:E])
     im = ax.imshow(img, cmap=cmap, vmin=-0.5, vmax=E - 0.5, aspect="auto",

@@ -299,9 +299,9 @@ def _encode(model, text: str, first: bool = True) -> np.ndarray:
     if tok is None:
         raise NoTokenizerError(f"{model.file.path}: this model file carries no tokenizer; "
                                f"pass token ids instead of text")
-    # the transformers tokenizer itself, to pass verbose=False: a long piece of a file is
-    # meant to exceed model_max_length (it runs in windows), so its warning is noise here
-    ids = tok.hf.encode(text, add_special_tokens=first, verbose=False)
+    # a long piece of a file is meant to exceed the model's context (it runs in windows), so
+    # the tokenizer's warning about that would be noise here
+    ids = tok.encode(text, add_special_tokens=first, verbose=False)
     return np.asarray(ids, dtype=np.int64)
 
 
