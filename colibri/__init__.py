@@ -13,6 +13,7 @@ Shape alphabet, used in every docstring and comment of the package:
     G = H / Hkv                  Dh head dim                   Dr rotary dims (Dr/2 frequencies)
     E experts                    K experts per token           I expert intermediate
     Is shared-expert intermediate                              Id dense-mlp intermediate
+    M MoE layers (the layer axis of a routing trace)
     R rows (outputs) and C columns (inputs) of a weight matrix
     Q quantization group size    NT tokens per kernel pass
 docs/architecture.md draws the layers and the path of one token through them.

@@ -128,20 +128,21 @@ def test_inspect_json_totals(model, capsys):
     report = json.loads(out)
     with ColibriFile(model) as cf:
         infos = list(cf.tensors.values())
-        arch = cf.arch
+        config = cf.model_config
+        assert report["arch"] == cf.arch                 # the metadata as the file stores it
         assert [t["name"] for t in report["tensors"]] == [i.name for i in infos]
         assert report["header"]["tensor_count"] == len(infos)
     params = sum(math.prod(i.shape) for i in infos)
     per_expert = sum(math.prod(i.shape) for i in infos if ".experts.0." in i.name) // \
-        len(arch["moe_layers"])
+        len(config.moe_layer_ids)
     routed = sum(math.prod(i.shape) for i in infos if ".moe.experts." in i.name)
     t = report["totals"]
     assert t["parameters"] == params
     assert t["tensor_bytes"] == sum(i.nbytes for i in infos)
-    assert t["experts_per_layer"] == arch["num_experts"] == 4
+    assert t["experts_per_layer"] == config.num_experts == 4
     assert t["parameters_per_expert"] == per_expert == 3 * 32 * 64
     assert t["active_parameters_per_token"] == \
-        params - routed + len(arch["moe_layers"]) * arch["num_experts_per_tok"] * per_expert
+        params - routed + len(config.moe_layer_ids) * config.num_experts_per_tok * per_expert
     assert report["user"]["licence"] == "apache-2.0"
     assert report["tokenizer"]["present"] is True
     assert report["converter"]["quant"] == "q4"

@@ -60,9 +60,10 @@ def _check(args, model) -> None:
     if args.ctx is not None and args.ctx > model.max_context:
         raise ColibriError(f"--ctx {args.ctx} exceeds the model's context length "
                            f"{model.max_context}")
-    if args.layer is not None and args.layer not in model.moe_layers:
+    moe_layers = model.config.moe_layer_ids
+    if args.layer is not None and args.layer not in moe_layers:
         raise ColibriError(f"layer {args.layer} is not a MoE layer of {model.file.path} "
-                           f"(MoE layers: {', '.join(map(str, model.moe_layers))})")
+                           f"(MoE layers: {', '.join(map(str, moe_layers))})")
     if args.table and args.prompt is not None:
         raise ColibriError("--table is for -f FILE; with -p the table is always printed")
     if args.plot_kind == "tokens" and args.file is not None:

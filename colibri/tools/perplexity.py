@@ -26,7 +26,8 @@ and maximum; the same-top-token rate (argmax of both logits equal); and the perp
 PPL(model) / PPL(base). Both models must share the tokenizer (the same tokenizer.json) and
 the vocabulary size.
 
-Shape alphabet: W windows in a batch, C ctx, V vocab, N scored tokens.
+Shapes in the package's alphabet (colibri): B windows in a batch, S = ctx tokens each, V vocab;
+n scored tokens of a window, N of the whole text.
 """
 from __future__ import annotations
 
@@ -260,8 +261,8 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
         base_nll: list[np.ndarray] = []
         for start in range(0, len(windows), batch):
             group = windows[start:start + batch]
-            x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (W, C)
-            logits = m.forward(x)                                                  # (W, C, V)
+            x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (B, S)
+            logits = m.forward(x)                                                  # (B, S, V)
             blogits = b.forward(x) if b is not None else None
             for j, (_, first) in enumerate(group):
                 targets = x[j, first:]                                             # (n,)

@@ -51,7 +51,7 @@ def _axes(ax, size):
 
 
 def expert_heatmap(data, *, ax=None, title: str | None = None, annotate: bool | None = None):
-    """Utilisation (load / fair share) per MoE layer and expert: an (L, E) image.
+    """Utilisation (load / fair share) per MoE layer and expert: an (M, E) image.
 
     data: RoutingStats or Trace. Colour: blue below the fair share, white at 1, red above;
     dead experts (no token) are marked ×. annotate: print the values in the cells
@@ -59,9 +59,9 @@ def expert_heatmap(data, *, ax=None, title: str | None = None, annotate: bool | 
     """
     _, colors, _ = _mpl()
     st = _stats(data)
-    u = st.utilisation                                                        # (L, E)
-    L, E = u.shape
-    fig, ax = _axes(ax, (min(14.0, 4.5 + 0.4 * E), min(12.0, 2.0 + 0.4 * L)))
+    u = st.utilisation                                                        # (M, E)
+    M, E = u.shape
+    fig, ax = _axes(ax, (min(14.0, 4.5 + 0.4 * E), min(12.0, 2.0 + 0.4 * M)))
     vmax = max(2.0, float(u.max()))
     im = ax.imshow(u, cmap="RdBu_r", norm=colors.TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax),
                    aspect="auto", interpolation="nearest")
@@ -70,13 +70,13 @@ def expert_heatmap(data, *, ax=None, title: str | None = None, annotate: bool | 
         ax.scatter(dead_e, dead_l, marker="x", s=40, c="black", linewidths=1.5,
                    label="dead (no token)")
         ax.legend(loc="upper right", fontsize="small", framealpha=0.8)
-    if annotate if annotate is not None else L * E <= 256:
+    if annotate if annotate is not None else M * E <= 256:
         for (j, e), v in np.ndenumerate(u):
             ax.text(e, j, f"{v:.1f}", ha="center", va="center", fontsize=7,
                     color="white" if abs(v - 1) > 0.6 * (vmax - 1) else "black")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
-    ax.set_yticks(range(L), [str(x) for x in st.layers])
+    ax.set_yticks(range(M), [str(x) for x in st.layers])
     if E <= 64:
         ax.set_xticks(range(E))
     ax.set_title(title or f"expert utilisation, {st.tokens} tokens, top-{st.top_k} of {E}")
@@ -96,22 +96,22 @@ def token_map(trace: Trace, *, ax=None, rank: int = 0, max_tokens: int = 96,
         raise ValueError(f"rank must be in [0, {trace.top_k}), got {rank}")
     _, colors, colormaps = _mpl()
     tr = trace[:max_tokens]
-    T, L, E = len(tr), tr.n_layers, tr.n_experts
-    img = tr.experts[:, :, rank]                                              # (T, L)
-    fig, ax = _axes(ax, (min(14.0, 3.0 + 0.55 * L * max(1, tr.top_k) / 2),
+    T, M, E = len(tr), tr.n_layers, tr.n_experts
+    img = tr.experts[:, :, rank]                                              # (T, M)
+    fig, ax = _axes(ax, (min(14.0, 3.0 + 0.55 * M * max(1, tr.top_k) / 2),
                          min(30.0, 1.2 + 0.22 * T)))
     base = "tab10" if E <= 10 else "tab20" if E <= 20 else "turbo"
     cmap = colormaps[base].resampled(E) if base == "turbo" else \
         colors.ListedColormap(colormaps[base].colors[:E])
     im = ax.imshow(img, cmap=cmap, vmin=-0.5, vmax=E - 0.5, aspect="auto",
                    interpolation="nearest")
-    if annotate if annotate is not None else T * L <= 600:
+    if annotate if annotate is not None else T * M <= 600:
         for (t, j), _ in np.ndenumerate(img):
             ax.text(j, t, " ".join(str(int(e)) for e in tr.experts[t, j]), ha="center",
                     va="center", fontsize=7)
     labels = [repr(s)[1:-1][:14] for s in tr.tokens]
     ax.set_yticks(range(T), [f"{t} {s}" for t, s in enumerate(labels)], fontsize=7)
-    ax.set_xticks(range(L), [f"L{x}" for x in tr.layers])
+    ax.set_xticks(range(M), [f"L{x}" for x in tr.layers])
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("token")
     which = "top expert" if rank == 0 else f"expert of rank {rank}"
