@@ -179,7 +179,8 @@ def test_no_files_no_tokenizer():
 
 
 def test_files_without_tokenizer_json():
-    with pytest.raises(ColibriError, match=r"no tokenizer.json \(files: \['tokenizer_config.json'\]"):
+    with pytest.raises(ColibriError,
+                       match=r"no tokenizer.json \(files: \['tokenizer_config.json'\]"):
         Tokenizer.from_files({"tokenizer_config.json": "{}"})
 
 
