@@ -659,7 +659,7 @@ class Model:
 
     def _repr_html_(self) -> str:
         """Notebook display: config, sizes, formats, bytes per expert (colibri.tools.display)."""
-        from .tools.display import model_html   # tools sit above the engine: imported here only
+        from .tools.display import model_html   # notebook display, above the engine: on demand
         return model_html(self)
 
     def __repr__(self) -> str:
