@@ -2,7 +2,7 @@
 
 Checked against Model.forward(return_routing=True) (the same ids and weights), against
 transformers' router_logits and aux_loss on tiny checkpoints, across chunk sizes, windows,
-files read piece by piece and several texts; plus the notebook HTML of Trace and Model.
+files read piece by piece and several texts. The notebook HTML is in test_display.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import colibri.api as api  # noqa: E402
 import colibri.tools.trace as trace_mod  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.tokenizer import NoTokenizerError  # noqa: E402
-from colibri.tools.display import trace_html  # noqa: E402
 from colibri.tools.stats import RoutingStats  # noqa: E402
 from colibri.tools.trace import (Trace, UnknownLayerError, iter_trace, routing_stats,  # noqa: E402
                                  softmax, trace)
@@ -234,32 +233,3 @@ def test_trace_validation():
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         Trace(np.full((1, 1, 2), 4), np.ones((1, 1, 2)), probs=np.full((1, 1, 4), 0.25))
     np.testing.assert_allclose(softmax(np.array([0.0, np.log(3.0)])), [0.25, 0.75], rtol=1e-6)
-
-
-# --------------------------------------------------------------------------------------------
-# notebook display
-# --------------------------------------------------------------------------------------------
-
-def test_trace_html_escapes_and_colours(mixtral):
-    _, m = mixtral
-    tr = trace(m, "a<b> & 'c'")
-    html = tr._repr_html_()
-    assert html.count("<tr>") == len(tr) + 1 and "L0" in html and "L1" in html
-    assert "&lt;" in html and "<b>" not in html.replace("<b>colibri Trace</b>", "")
-    assert "background:hsl(" in html
-    assert f"{len(tr)} tokens × 2 MoE layers, top-2 of 4 experts" in html
-    long = trace(m, TEXT)._repr_html_()
-    assert "more tokens" not in long
-    assert "more tokens" in trace_html(trace(m, TEXT), max_tokens=4)
-
-
-def test_model_html(qwen):
-    _, m = qwen
-    html = m._repr_html_()
-    for needle in ("qwen2_moe", "Qwen2MoeForCausalLM", "2 (1 MoE, 1 dense)", "top-2",
-                   "shared expert 96", "active per token", "per expert", "mmap", "router",
-                   "routed experts", "shared expert", "dense mlp", "config.json",
-                   "moe_intermediate_size"):
-        assert needle in html, needle
-    assert html.count("<table") == 2
-    assert "KiB" in html                                 # the file size, human-readable
