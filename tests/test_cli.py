@@ -1,7 +1,9 @@
 """The `colibri` command line (colibri/cli.py): version, commands, one-line errors, warnings,
---debug, the console script; and `colibri convert`. `colibri inspect` is in test_inspect.py."""
+--debug, the console script; `colibri convert`; the arguments the commands share
+(commands/common.py). `colibri inspect` is in test_inspect.py."""
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -9,7 +11,10 @@ import sys
 import pytest
 
 from colibri import __version__
-from colibri.cli import COMMANDS, main
+from colibri.api import default_model_path
+from colibri.cli import COMMANDS, build_parser, main
+from colibri.commands import common
+from colibri.kernels import ACTIVATIONS
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 
@@ -103,3 +108,46 @@ def test_tokenizer_warning_is_one_line(hf_checkpoint, tmp_path, capsys):
     assert code == 0
     assert err.strip().startswith("colibri convert: warning: ") and "tokenizer.json" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# the arguments the commands share (colibri/commands/common.py)
+# --------------------------------------------------------------------------------------------
+
+def _actions(command: str) -> dict:
+    sub = build_parser().commands[command]
+    return {a.dest: a for a in sub._actions}
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "perplexity", "routes"])
+def test_commands_share_model_and_threads(command):
+    a = _actions(command)
+    assert a["model"].nargs == "?" and a["model"].help == common.MODEL_HELP
+    assert a["threads"].default is None and "physical cores" in a["threads"].help
+    args = build_parser().parse_args([command] + (["-p", "x"] if command == "routes" else
+                                                  ["-f", "x"] if command == "perplexity" else []))
+    assert common.model_path(args.model) == default_model_path()
+    assert common.model_path("m.colibri") == "m.colibri"           # as given, not normalised
+
+
+def test_activations_and_lists():
+    for command in ("generate", "perplexity"):
+        assert _actions(command)["activations"].choices == ACTIVATIONS
+        assert _actions(command)["activations"].default == "f32"
+    assert _actions("bench")["activations"].default == ["f32"]
+    assert common.activation_list("f32,int8") == ["f32", "int8"]
+    assert common.int_list(1)("1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="activations must be among"):
+        common.activation_list("f32,f64")
+    with pytest.raises(argparse.ArgumentTypeError, match="values must be >= 1"):
+        common.int_list(1)("0,2")
+
+
+def test_open_model_and_range_checks():
+    args = argparse.Namespace(model=None, threads=1)                  # no --activations: f32
+    with common.open_model(args) as m:
+        assert str(m.file.path) == str(default_model_path())
+        assert m.threads == 1 and m.activations == "f32"
+    common.check_at_least([("--ctx", None, 4), ("--batch", 1, 1)])    # unset or in range
+    with pytest.raises(ColibriError, match=r"^--ctx 2 is out of range \(must be >= 4\)$"):
+        common.check_at_least([("--batch", 1, 1), ("--ctx", 2, 4)])
