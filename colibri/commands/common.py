@@ -83,6 +83,7 @@ def add_ctx_arg(p: argparse.ArgumentParser, *flags: str, help: str) -> None:
 
 
 def add_seed_arg(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """--seed S (default: the command's: bench draws its ids from 0, generate from a fresh one)."""
     p.add_argument("--seed", type=int, default=default, metavar="S", help=help)
 
 

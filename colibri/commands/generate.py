@@ -20,7 +20,7 @@ from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_c
 def register(subparsers, parents=()) -> None:
     p = subparsers.add_parser(
         "generate", parents=list(parents), help="generate text from a prompt",
-        description=f"Continue a prompt with a .colibri model, streaming the text to stdout. "
+        description="Continue a prompt with a .colibri model, streaming the text to stdout. "
                     f"{SHIPPED_MODEL}")
     add_model_arg(p)
     p.add_argument("-p", "--prompt", help="the prompt text")
