@@ -19,8 +19,8 @@ Long inputs run in windows of `window` tokens (default: the model's context, at 
 each window through a fresh KV cache, fed `batch_size` tokens per forward call. `iter_trace`
 yields one Trace per call, so a caller that folds them into statistics (colibri.tools.stats,
 as `routing_stats` does) holds one chunk at a time, whatever the length of the text; `trace`
-concatenates them. A text file given
-as a `pathlib.Path` is read and tokenized piece by piece (at line ends), never whole.
+concatenates them. A text file given as a `pathlib.Path` is read and tokenized piece by piece
+(at line ends), never whole.
 
 Shapes in the package's alphabet (colibri): T tokens, M MoE layers, K experts per token,
 E experts.
