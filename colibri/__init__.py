@@ -13,6 +13,7 @@ Shape alphabet, used in every docstring and comment of the package:
     G = H / Hkv                  Dh head dim                   Dr rotary dims (Dr/2 frequencies)
     E experts                    K experts per token           I expert intermediate
     Is shared-expert intermediate                              Id dense-mlp intermediate
+    M MoE layers (the layer axis of a routing trace)
     R rows (outputs) and C columns (inputs) of a weight matrix
     Q quantization group size    NT tokens per kernel pass
 docs/architecture.md draws the layers and the path of one token through them.
@@ -26,8 +27,8 @@ from .api import default_model_path, forward, generate, load, stream
 from .kv_cache import CacheOverflowError, KVCache
 from .model import Model, RoutingTrace
 from .sampling import Sampler
-from .stats import RoutingStats, routing_stats
-from .trace import Trace, iter_trace, trace   # binds the function to colibri.trace
+from .tools.stats import RoutingStats
+from .tools.trace import Trace, iter_trace, routing_stats, trace
 
 
 __all__ = [

@@ -1,6 +1,8 @@
 """The `colibri` command: argparse with one module per subcommand in colibri/commands/.
 
-Each module exposes `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+Each module exposes `register(subparsers)`, which adds its parser and sets `func(args) -> int`;
+the arguments several commands take (MODEL with the shipped model as default, --threads,
+--activations, --ctx, --seed, -o) and opening the model come from commands/common.py.
 Errors a user can cause (bad arguments, a missing file, a ColibriError) print one line
 `colibri <cmd>: error: ...` on stderr and exit 2; `--debug` shows the traceback instead.
 """

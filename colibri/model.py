@@ -658,8 +658,8 @@ class Model:
         self.close()
 
     def _repr_html_(self) -> str:
-        """Notebook display: config, sizes, formats, bytes per expert (colibri.display)."""
-        from .display import model_html
+        """Notebook display: config, sizes, formats, bytes per expert (colibri.tools.display)."""
+        from .tools.display import model_html   # notebook display, above the engine: on demand
         return model_html(self)
 
     def __repr__(self) -> str:

@@ -5,7 +5,9 @@ generation_config.json, chat_template.jinja) are the Hugging Face ones, kept as 
 tokenizer is built in memory with `tokenizers.Tokenizer.from_str` wrapped in transformers'
 `PreTrainedTokenizerFast` (which brings special tokens and `apply_chat_template`); only if
 that fails is the folder written to a temporary directory for `AutoTokenizer`. No BPE is
-implemented here.
+implemented here. tokenizers and transformers are imported when a tokenizer is first built,
+not at `import colibri`: transformers alone takes longer to import (~0.6 s) than the whole
+package, and a model used with token ids never needs it.
 
 `IncrementalDecoder` turns a growing list of ids into text pieces for streaming: a piece is
 emitted only once it decodes to complete characters, so a multi-byte character split over
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -36,12 +39,9 @@ class NoTokenizerError(ColibriError, ValueError):
     """Text was given to a model whose file carries no tokenizer."""
 
 
-
 def _import_transformers_quietly() -> None:
     """Import transformers without its "PyTorch was not found" notice: colibri uses only its
     tokenizer classes, which need no torch, so the notice would only mislead."""
-    import os
-    import sys
     if "transformers" in sys.modules:
         return
     key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"      # transformers' own switch for such notices
@@ -54,6 +54,7 @@ def _import_transformers_quietly() -> None:
             del os.environ[key]
         else:
             os.environ[key] = saved
+
 
 def _content(tok: Any) -> Any:
     """AddedToken-style dicts ({"content": ...}) -> their string; other values unchanged."""
@@ -94,7 +95,8 @@ def _build_hf(files: dict[str, str]):
             with tempfile.TemporaryDirectory(prefix="colibri-tok-") as tmp:
                 for name, text in files.items():
                     if os.path.basename(name) != name:
-                        raise ColibriError(f"tokenizer file name {name!r} is not a plain file name")
+                        raise ColibriError(f"tokenizer file name {name!r} is not a plain "
+                                           f"file name")
                     with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                         f.write(text)
                 return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
@@ -113,8 +115,10 @@ class Tokenizer:
     @classmethod
     def from_files(cls, files: dict[str, str]) -> "Tokenizer":
         if "tokenizer.json" not in files:
-            raise ColibriError(f"the embedded tokenizer has no tokenizer.json (files: {sorted(files)})")
-        gen = json.loads(files["generation_config.json"]) if "generation_config.json" in files else None
+            raise ColibriError(f"the embedded tokenizer has no tokenizer.json "
+                               f"(files: {sorted(files)})")
+        gen = (json.loads(files["generation_config.json"]) if "generation_config.json" in files
+               else None)
         return cls(_build_hf(files), gen)
 
     # -- ids <-> text ------------------------------------------------------------------------
@@ -122,8 +126,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = True,
+               verbose: bool = True) -> list[int]:
+        """Token ids of `text`. verbose=False: no warning that the text is longer than the
+        model's context (for callers that cut it into windows)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=verbose))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
@@ -138,13 +145,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: str | list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: str | list[dict],
+                            add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
         A plain string is taken as one user message.
         """
         if not self.has_chat_template:
-            raise ColibriError("this model's tokenizer has no chat template; generate without chat mode")
+            raise ColibriError("this model's tokenizer has no chat template; generate without "
+                               "chat mode")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -193,7 +202,8 @@ class IncrementalDecoder:
     # how many tokens before the new ones are decoded along with them, for context
     _CONTEXT_TOKENS = 6
 
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = (),
+                 skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = [int(i) for i in context][-self._CONTEXT_TOKENS:]

@@ -7,7 +7,7 @@ models of scripts/make_bench_models.py, in one run.
     python scripts/bench.py ... --llama-src SRC --json results.json  # + llama.cpp, + JSON
 
 For each model and format (q4, q8, bf16: MODELS/<name>/<name>-<q>.colibri):
-- colibri: colibri.bench.run_bench (pp{P}, tg{N}, llama-bench style), which also measures
+- colibri: colibri.tools.bench.run_bench (pp{P}, tg{N}, llama-bench style), which also measures
   the read bandwidth with colibri.kernels.read_bandwidth at the same thread count; decode is
   printed as a fraction of the ceiling bandwidth / bytes-per-token;
 - llama.cpp (when llama-cpp-python is installed and --llama-src names the llama.cpp tree it
@@ -103,7 +103,7 @@ def _fits_transformers(hf: Path) -> bool:
 def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int],
         n_prompt: int, n_gen: int, reps: int, llama_src: str | None, peers: bool,
         say=print, activations: tuple[str, ...] = ("f32",)) -> list[dict]:
-    from colibri.bench import run_bench
+    from colibri.tools.bench import run_bench
 
     import bench_llama_cpp as lcpp
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs: figures taken on a busy machine understate the 2-thread "
           f"rows most (docs/performance.md)")
     if args.json:
-        from colibri.bench import json_ready
+        from colibri.tools.bench import json_ready
         Path(args.json).write_text(json.dumps({"rows": json_ready(rows),
                                                "ratios": ratios(rows)}, indent=1))
     return 0

@@ -1,17 +1,20 @@
-"""The `colibri` command line: convert and inspect, through main([...]) and the console script."""
+"""The `colibri` command line (colibri/cli.py): version, commands, one-line errors, warnings,
+--debug, the console script; `colibri convert`; the arguments the commands share
+(commands/common.py). `colibri inspect` is in test_inspect.py."""
 from __future__ import annotations
 
-import json
-import math
+import argparse
 import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from colibri import __version__
-from colibri.cli import COMMANDS, main
+from colibri.api import default_model_path
+from colibri.cli import COMMANDS, build_parser, main
+from colibri.commands import common
+from colibri.kernels import ACTIVATIONS
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 
@@ -26,8 +29,6 @@ def model(hf_checkpoint, tmp_path_factory):
                  "q4", "--group-size", "32", "--meta", "licence=apache-2.0", "note=x y",
                  "-q"]) == 0
     return dst
-
-
 
 
 def test_version_and_commands(capsys):
@@ -109,106 +110,44 @@ def test_tokenizer_warning_is_one_line(hf_checkpoint, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_inspect_report(model, capsys):
-    code, out, err = run(capsys, "inspect", str(model))
-    assert code == 0 and err == ""
-    for needle in ("qwen2_moe", "shared expert 96", "tokenizer.json", "user.licence",
-                   "apache-2.0", "q4 g32 on experts,shared", "layers.0.moe.router",
-                   "layers.1.mlp.w_down", "active per token", "by dtype"):
-        assert needle in out, needle
-    # experts 1.. are folded in the human table, listed with --full
-    assert "layers.0.moe.experts.2.w_up" not in out
-    _, full, _ = run(capsys, "inspect", str(model), "--full")
-    assert "layers.0.moe.experts.2.w_up" in full
+# --------------------------------------------------------------------------------------------
+# the arguments the commands share (colibri/commands/common.py)
+# --------------------------------------------------------------------------------------------
+
+def _actions(command: str) -> dict:
+    sub = build_parser().commands[command]
+    return {a.dest: a for a in sub._actions}
 
 
-def test_inspect_json_totals(model, capsys):
-    code, out, _ = run(capsys, "inspect", str(model), "--json")
-    assert code == 0
-    report = json.loads(out)
-    with ColibriFile(model) as cf:
-        infos = list(cf.tensors.values())
-        arch = cf.arch
-        assert [t["name"] for t in report["tensors"]] == [i.name for i in infos]
-        assert report["header"]["tensor_count"] == len(infos)
-    params = sum(math.prod(i.shape) for i in infos)
-    per_expert = sum(math.prod(i.shape) for i in infos if ".experts.0." in i.name) // \
-        len(arch["moe_layers"])
-    routed = sum(math.prod(i.shape) for i in infos if ".moe.experts." in i.name)
-    t = report["totals"]
-    assert t["parameters"] == params
-    assert t["tensor_bytes"] == sum(i.nbytes for i in infos)
-    assert t["experts_per_layer"] == arch["num_experts"] == 4
-    assert t["parameters_per_expert"] == per_expert == 3 * 32 * 64
-    assert t["active_parameters_per_token"] == \
-        params - routed + len(arch["moe_layers"]) * arch["num_experts_per_tok"] * per_expert
-    assert report["user"]["licence"] == "apache-2.0"
-    assert report["tokenizer"]["present"] is True
-    assert report["converter"]["quant"] == "q4"
+@pytest.mark.parametrize("command", ["generate", "bench", "perplexity", "routes"])
+def test_commands_share_model_and_threads(command):
+    a = _actions(command)
+    assert a["model"].nargs == "?" and a["model"].help == common.MODEL_HELP
+    assert a["threads"].default is None and "physical cores" in a["threads"].help
+    args = build_parser().parse_args([command] + (["-p", "x"] if command == "routes" else
+                                                  ["-f", "x"] if command == "perplexity" else []))
+    assert common.model_path(args.model) == default_model_path()
+    assert common.model_path("m.colibri") == "m.colibri"           # as given, not normalised
 
 
-@pytest.mark.parametrize("name", ["layers.0.moe.experts.2.w_down", "tok_embeddings", "norm",
-                                  "layers.0.attn.bq"])
-def test_inspect_tensor_rows(model, capsys, name):
-    with ColibriFile(model) as cf:
-        full = cf.to_float32(name).reshape(-1, cf.tensors[name].shape[-1])
-    code, out, _ = run(capsys, "inspect", str(model), "--tensor", name, "--rows", "3", "--json")
-    assert code == 0
-    rows = np.array(json.loads(out)["rows"], dtype=np.float32)
-    np.testing.assert_array_equal(rows, full[:3])
-    code, out, _ = run(capsys, "inspect", str(model), "--tensor", name, "--rows", "2")
-    lines = out.strip().splitlines()
-    assert code == 0 and lines[0].startswith(name)
-    assert len(lines) == 1 + min(2, full.shape[0])
+def test_activations_and_lists():
+    for command in ("generate", "perplexity"):
+        assert _actions(command)["activations"].choices == ACTIVATIONS
+        assert _actions(command)["activations"].default == "f32"
+    assert _actions("bench")["activations"].default == ["f32"]
+    assert common.activation_list("f32,int8") == ["f32", "int8"]
+    assert common.int_list(1)("1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="activations must be among"):
+        common.activation_list("f32,f64")
+    with pytest.raises(argparse.ArgumentTypeError, match="values must be >= 1"):
+        common.int_list(1)("0,2")
 
 
-def test_inspect_unknown_tensor_suggests(model, capsys):
-    code, _, err = run(capsys, "inspect", str(model), "--tensor", "layers.0.moe.expert.2.w_up")
-    line = one_line_error(err, "inspect")
-    assert code == 2 and "did you mean" in line and "layers.0.moe.experts.2.w_up" in line
-
-
-def test_validate_good_and_corrupted(model, tmp_path, capsys):
-    code, out, _ = run(capsys, "inspect", str(model), "--validate")
-    assert code == 0 and "valid" in out and "INVALID" not in out
-    code, out, _ = run(capsys, "inspect", str(model), "--validate", "--json")
-    assert code == 0 and json.loads(out)["valid"] is True
-
-    bad = tmp_path / "bad.colibri"
-    shutil.copy(model, bad)
-    with ColibriFile(bad) as cf:
-        offset = cf.tensors["layers.1.mlp.w_up"].offset
-    with open(bad, "r+b") as f:
-        f.seek(offset + 10)
-        byte = f.read(1)
-        f.seek(offset + 10)
-        f.write(bytes([byte[0] ^ 0x5A]))
-    code, out, _ = run(capsys, "inspect", str(bad), "--validate")
-    assert code == 1 and "INVALID" in out and "layers.1.mlp.w_up" in out
-    code, out, _ = run(capsys, "inspect", str(bad), "--validate", "--json")
-    report = json.loads(out)
-    assert code == 1 and report["valid"] is False
-    assert any("layers.1.mlp.w_up" in p for p in report["problems"])
-
-
-def test_validate_truncated_file(model, tmp_path, capsys):
-    bad = tmp_path / "short.colibri"
-    bad.write_bytes(model.read_bytes()[:-100])
-    code, out, _ = run(capsys, "inspect", str(bad), "--validate")
-    assert code == 1 and "INVALID" in out
-    code, _, err = run(capsys, "inspect", str(bad))      # without --validate: a usage error
-    assert code == 2 and str(bad) in one_line_error(err, "inspect")
-
-
-def test_validate_checks_tensors_against_the_arch(model, tmp_path, capsys):
-    """A structurally sound file whose tensors do not match its arch metadata is invalid."""
-    from colibri.format import save
-    with ColibriFile(model) as cf:
-        arch, emb = cf.arch, cf.to_float32("tok_embeddings")
-    odd = tmp_path / "odd.colibri"
-    save(odd, {"tok_embeddings": emb, "extra": np.ones(4, np.float32)}, {"arch": arch})
-    code, out, _ = run(capsys, "inspect", str(odd), "--validate")
-    assert code == 1
-    assert "'layers.0.attn.wq' missing" in out and "'extra' is not part of" in out
-    code, out, _ = run(capsys, "inspect", str(odd))      # no experts, no arch totals: still fine
-    assert code == 0 and "tok_embeddings" in out
+def test_open_model_and_range_checks():
+    args = argparse.Namespace(model=None, threads=1)                  # no --activations: f32
+    with common.open_model(args) as m:
+        assert str(m.file.path) == str(default_model_path())
+        assert m.threads == 1 and m.activations == "f32"
+    common.check_at_least([("--ctx", None, 4), ("--batch", 1, 1)])    # unset or in range
+    with pytest.raises(ColibriError, match=r"^--ctx 2 is out of range \(must be >= 4\)$"):
+        common.check_at_least([("--batch", 1, 1), ("--ctx", 2, 4)])

@@ -14,7 +14,7 @@ import colibri  # noqa: E402
 from cli_helpers import run as run_cli  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.perplexity import (check_same_vocabulary, format_markdown, perplexity,  # noqa: E402
+from colibri.tools.perplexity import (check_same_vocabulary, format_markdown, perplexity,  # noqa: E402
                                 plan_windows)
 
 TEXT = ("The hummingbird is small, fast and frugal. Mixture of experts models route each "

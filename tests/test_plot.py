@@ -1,4 +1,4 @@
-"""colibri.plot: each figure renders without a display (Agg), holds the data it claims, saves a
+"""colibri.tools.plot: each figure renders without a display (Agg), holds the data it claims, saves a
 PNG; a missing matplotlib gives the install hint."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from colibri import plot  # noqa: E402
-from colibri.stats import RoutingStats  # noqa: E402
-from colibri.trace import Trace, UnknownLayerError  # noqa: E402
+from colibri.tools import plot  # noqa: E402
+from colibri.tools.stats import RoutingStats  # noqa: E402
+from colibri.tools.trace import Trace, UnknownLayerError  # noqa: E402
 
 T, L, E, K = 12, 3, 6, 2
 
@@ -108,6 +108,6 @@ def test_missing_matplotlib_says_how_to_install(st, monkeypatch):
 def test_import_colibri_does_not_import_matplotlib():
     import subprocess
     import sys
-    code = "import colibri, colibri.plot, sys; print('matplotlib' in sys.modules)"
+    code = "import colibri, colibri.tools.plot, sys; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

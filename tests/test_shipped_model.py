@@ -9,7 +9,7 @@ import pytest
 
 import colibri
 from colibri.api import default_model_path
-from colibri.perplexity import perplexity
+from colibri.tools.perplexity import perplexity
 
 # Python that is not in the training corpus (written for this test).
 SNIPPET = '''

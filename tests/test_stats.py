@@ -1,4 +1,4 @@
-"""colibri.stats: every statistic against numbers worked out by hand on a 5-token, 2-layer,
+"""colibri.tools.stats: every statistic against numbers worked out by hand on a 5-token, 2-layer,
 4-expert, top-2 trace; streaming (chunked updates) equals one update; the auxiliary loss
 against transformers' load_balancing_loss_func."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from colibri.stats import RoutingStats, default_lru_sizes, entropy
-from colibri.trace import Trace
+from colibri.tools.stats import RoutingStats, default_lru_sizes, entropy
+from colibri.tools.trace import Trace
 
 # experts by descending weight, weights; token t = row, one block per layer
 L0 = [([0, 1], [0.6, 0.4]), ([1, 0], [0.7, 0.3]), ([1, 2], [0.5, 0.5]), ([2, 1], [0.8, 0.2]),

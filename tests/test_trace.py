@@ -1,8 +1,8 @@
-"""colibri.trace: the routing a forward pass used, per token and MoE layer, as arrays.
+"""colibri.tools.trace: the routing a forward pass used, per token and MoE layer, as arrays.
 
 Checked against Model.forward(return_routing=True) (the same ids and weights), against
 transformers' router_logits and aux_loss on tiny checkpoints, across chunk sizes, windows,
-files read piece by piece and several texts; plus the notebook HTML of Trace and Model.
+files read piece by piece and several texts. The notebook HTML is in test_display.py.
 """
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import importlib  # noqa: E402
-
 import colibri.api as api  # noqa: E402
+import colibri.tools.trace as trace_mod  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
-from colibri.stats import RoutingStats, routing_stats  # noqa: E402
 from colibri.tokenizer import NoTokenizerError  # noqa: E402
-from colibri.trace import Trace, UnknownLayerError, iter_trace, softmax, trace  # noqa: E402
-
-# the module (colibri.trace may be bound to the function of the same name by the package)
-trace_mod = importlib.import_module("colibri.trace")
+from colibri.tools.stats import RoutingStats  # noqa: E402
+from colibri.tools.trace import (Trace, UnknownLayerError, iter_trace, routing_stats,  # noqa: E402
+                                 softmax, trace)
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n"
 
@@ -65,8 +62,9 @@ def test_trace_is_the_forward_pass_routing(which, request):
     ids = np.asarray(m.tokenizer.encode(TEXT))
     tr = trace(m, TEXT)
     _, rt = m.forward(ids, return_routing=True)
-    T, L, K, E = len(ids), len(m.moe_layers), m.arch["num_experts_per_tok"], m.arch["num_experts"]
-    assert tr.layers == rt.layers == m.moe_layers
+    c = m.config
+    T, L, K, E = len(ids), len(c.moe_layer_ids), c.num_experts_per_tok, c.num_experts
+    assert tr.layers == rt.layers == list(c.moe_layer_ids)
     assert tr.experts.shape == (T, L, K) and tr.experts.dtype == np.int32
     assert tr.weights.shape == (T, L, K) and tr.weights.dtype == np.float32
     assert tr.probs.shape == (T, L, E) and tr.probs.dtype == np.float32
@@ -81,7 +79,7 @@ def test_trace_is_the_forward_pass_routing(which, request):
     # the chosen experts are the top-k of the distribution, their weights its values
     top = np.take_along_axis(tr.probs, tr.experts, -1)
     assert (top.min(-1) >= np.sort(tr.probs, -1)[..., -K] - 1e-7).all()
-    want = top / top.sum(-1, keepdims=True) if m.arch["norm_topk_prob"] else top
+    want = top / top.sum(-1, keepdims=True) if m.config.norm_topk_prob else top
     np.testing.assert_allclose(tr.weights, want, rtol=1e-5, atol=1e-7)
     if which == "qwen":
         assert tr.shared_gate.shape == (T, L) and tr.shared_gate.dtype == np.float32
@@ -104,7 +102,7 @@ def test_trace_matches_transformers_router_logits_and_aux_loss(which, request):
     want = np.stack([x.numpy() for x in out.router_logits], axis=1)            # (T, L, E)
     np.testing.assert_allclose(tr.logits, want, rtol=1e-4, atol=1e-5)
     p = torch.softmax(torch.from_numpy(want), -1)
-    w, ids = torch.topk(p, m.arch["num_experts_per_tok"], dim=-1)
+    w, ids = torch.topk(p, m.config.num_experts_per_tok, dim=-1)
     np.testing.assert_array_equal(tr.experts, ids.numpy())
     np.testing.assert_allclose(tr.probs, p.numpy(), rtol=1e-4, atol=1e-6)
     st = tr.stats()
@@ -235,33 +233,3 @@ def test_trace_validation():
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
         Trace(np.full((1, 1, 2), 4), np.ones((1, 1, 2)), probs=np.full((1, 1, 4), 0.25))
     np.testing.assert_allclose(softmax(np.array([0.0, np.log(3.0)])), [0.25, 0.75], rtol=1e-6)
-
-
-# --------------------------------------------------------------------------------------------
-# notebook display
-# --------------------------------------------------------------------------------------------
-
-def test_trace_html_escapes_and_colours(mixtral):
-    _, m = mixtral
-    tr = trace(m, "a<b> & 'c'")
-    html = tr._repr_html_()
-    assert html.count("<tr>") == len(tr) + 1 and "L0" in html and "L1" in html
-    assert "&lt;" in html and "<b>" not in html.replace("<b>colibri Trace</b>", "")
-    assert "background:hsl(" in html
-    assert f"{len(tr)} tokens × 2 MoE layers, top-2 of 4 experts" in html
-    long = trace(m, TEXT)._repr_html_()
-    assert "more tokens" not in long
-    from colibri.display import trace_html
-    assert "more tokens" in trace_html(trace(m, TEXT), max_tokens=4)
-
-
-def test_model_html(qwen):
-    _, m = qwen
-    html = m._repr_html_()
-    for needle in ("qwen2_moe", "Qwen2MoeForCausalLM", "2 (1 MoE, 1 dense)", "top-2",
-                   "shared expert 96", "active per token", "per expert", "mmap", "router",
-                   "routed experts", "shared expert", "dense mlp", "config.json",
-                   "moe_intermediate_size"):
-        assert needle in html, needle
-    assert html.count("<table") == 2
-    assert "KiB" in html                                 # the file size, human-readable

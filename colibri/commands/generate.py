@@ -12,16 +12,17 @@ import sys
 import numpy as np
 
 from ..errors import ColibriError
-from ..kernels import ACTIVATIONS
+from ..tools.trace import Trace, format_route
+from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
+                     add_model_arg, add_seed_arg, add_threads_arg, open_model)
 
 
 def register(subparsers, parents=()) -> None:
     p = subparsers.add_parser(
         "generate", parents=list(parents), help="generate text from a prompt",
         description="Continue a prompt with a .colibri model, streaming the text to stdout. "
-                    "Without MODEL, the small model shipped with colibri is used.")
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=".colibri file (default: the bundled tiny-moe.colibri)")
+                    f"{SHIPPED_MODEL}")
+    add_model_arg(p)
     p.add_argument("-p", "--prompt", help="the prompt text")
     p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
                    help="tokens to generate at most (default: %(default)s)")
@@ -35,16 +36,10 @@ def register(subparsers, parents=()) -> None:
                    help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
                    help="repetition penalty; 1 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="random seed (default: a fresh one each run)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="kernel threads (default: physical cores)")
-    p.add_argument("--activations", choices=ACTIVATIONS, default="f32",
-                   help="activations of the q4/q8 matmuls: f32 (exact to the stored weights), "
-                        "int16 (16-bit codes per 32 values: within ~1e-4, faster) or int8 "
-                        "(8-bit codes like llama.cpp: fastest) (default: %(default)s)")
-    p.add_argument("--ctx", type=int, default=None, metavar="N",
-                   help="KV cache size in tokens (default: prompt + N)")
+    add_seed_arg(p, None, help="random seed (default: a fresh one each run)")
+    add_threads_arg(p)
+    add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
+    add_ctx_arg(p, help="KV cache size in tokens (default: prompt + N)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     p.add_argument("--verbose", action="store_true",
@@ -111,9 +106,8 @@ def _same_terminal() -> bool:
 
 def _routing_line(model, step) -> str:
     """One stderr line per token, "token 3 17 'x' L0 → [3 0.62, 5 0.38] L1 → [...]": the
-    step's routing read as a colibri.trace Trace, cells formatted as `colibri routes` does."""
-    from ..trace import Trace, format_route
-
+    step's routing read as a colibri.tools.trace Trace, cells formatted as `colibri routes`
+    does."""
     tr = Trace.from_routing(step.routing, [step.token], tokenizer=model.tokenizer)
     text = repr(tr.tokens[0]) if model.tokenizer is not None else ""
     parts = [f"token {step.index} {step.token} {text}".rstrip()]
@@ -123,11 +117,8 @@ def _routing_line(model, step) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import default_model_path, load
-
     _check(args)
-    model = load(args.model if args.model is not None else default_model_path(), threads=args.threads,
-                 activations=args.activations)
+    model = open_model(args)
     embeds = _load_embeddings(args.embeddings, model.hidden_size) if args.embeddings else None
     if args.prompt is not None and model.tokenizer is None:
         raise ColibriError(f"{model.file.path} has no tokenizer, so a text prompt cannot be "

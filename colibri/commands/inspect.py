@@ -8,9 +8,10 @@ import math
 
 import numpy as np
 
-from .. import inspect as report
 from ..errors import ColibriError, ColibriFormatError
 from ..format import ColibriFile
+from ..tools import inspect as report
+from .common import add_model_arg, model_path
 
 
 def register(subparsers, parents=()) -> None:
@@ -18,8 +19,7 @@ def register(subparsers, parents=()) -> None:
         "inspect", parents=list(parents), help="show what is inside a .colibri file",
         description="Show the header, metadata, tensor table and totals of a .colibri file; "
                     "the first rows of one tensor; or validate it.")
-    p.add_argument("file", nargs="?", metavar="FILE",
-                   help=".colibri file (default: the bundled tiny-moe.colibri)")
+    add_model_arg(p, "file", "FILE")
     p.add_argument("--tensor", metavar="NAME", help="print the first rows of this tensor "
                    "(dequantized when quantized)")
     p.add_argument("--rows", type=int, default=None, metavar="N", help="rows for --tensor "
@@ -67,11 +67,10 @@ def gate_report(cf: ColibriFile, layer: int, rows: int | None = None) -> dict:
     i, j = np.unravel_index(np.argmax(np.where(np.eye(E, dtype=bool), -np.inf, cos)), cos.shape) \
         if E > 1 else (0, 0)
     notes = []
-    arch = cf.arch if isinstance(cf.arch, dict) else {}
-    if arch.get("num_experts") and arch.get("hidden_size") and \
-            (E, D) != (arch["num_experts"], arch["hidden_size"]):
+    config = report.model_config(cf)
+    if config is not None and (E, D) != (config.num_experts, config.hidden_size):
         notes.append(f"shape {E}x{D} is not (num_experts, hidden_size) = "
-                     f"({arch['num_experts']}, {arch['hidden_size']}): transposed?")
+                     f"({config.num_experts}, {config.hidden_size}): transposed?")
     if not finite.all():
         notes.append(f"{int((~finite).sum())} non-finite values")
     if (norms == 0).any():
@@ -133,9 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise ColibriError("--layer goes with --dump-gate")
     if args.dump_gate and (args.tensor is not None or args.validate):
         raise ColibriError("--dump-gate cannot be combined with --tensor or --validate")
-    if args.file is None:
-        from ..api import default_model_path
-        args.file = str(default_model_path())
+    args.file = str(model_path(args.file))
     if args.dump_gate:
         with ColibriFile(args.file) as cf:
             if args.layer is None:

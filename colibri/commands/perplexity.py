@@ -1,6 +1,6 @@
 """colibri perplexity [MODEL] -f FILE: perplexity over a text, and KL against a base model.
 
-The method is in colibri/perplexity.py and docs/benchmarks.md.
+The method is in colibri/tools/perplexity.py and docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ColibriError
-from ..kernels import ACTIVATIONS
+from ..tools.perplexity import MIN_CTX, format_markdown, perplexity
+from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_model_arg,
+                     add_output_arg, add_threads_arg, check_at_least, model_path)
 
 
 def register(subparsers, parents=()) -> None:
@@ -23,15 +25,12 @@ def register(subparsers, parents=()) -> None:
                     "is scored; or sliding windows with --stride). With --kl-base, the same "
                     "windows also run through a base model (e.g. the f32 conversion of the same "
                     "checkpoint) and the KL divergence per token, the same-top-token rate and "
-                    "the perplexity ratio say what the quantization cost. Without MODEL, the "
-                    "small model shipped with colibri is used.")
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=".colibri file (default: the bundled tiny-moe.colibri)")
+                    f"the perplexity ratio say what the quantization cost. {SHIPPED_MODEL}")
+    add_model_arg(p)
     p.add_argument("-f", "--file", required=True, metavar="FILE",
                    help="UTF-8 text file, or a .npy array of token ids")
-    p.add_argument("-c", "--ctx", type=int, default=None, metavar="N",
-                   help="window length in tokens (default: 512, or the model's context if "
-                        "shorter)")
+    add_ctx_arg(p, "-c", "--ctx", help="window length in tokens (default: 512, or the model's "
+                                       "context if shorter)")
     p.add_argument("--stride", type=int, default=None, metavar="S",
                    help="sliding windows every S tokens (1 <= S < ctx), each scoring the "
                         "tokens no earlier window scored (default: off)")
@@ -40,14 +39,12 @@ def register(subparsers, parents=()) -> None:
                         "same-top-token rate and the perplexity ratio")
     p.add_argument("-b", "--batch", type=int, default=1, metavar="B",
                    help="windows per forward pass (default: %(default)s)")
-    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="kernel threads (default: physical cores)")
-    p.add_argument("-a", "--activations", choices=ACTIVATIONS, default="f32",
-                   help="activations of MODEL's q4/q8 matmuls: f32 (exact), int16 or int8 "
-                        "(faster); the base always runs f32, so --kl-base MODEL measures their "
-                        "cost (default: %(default)s)")
-    p.add_argument("-o", "--output", choices=("md", "json"), default="md",
-                   help="markdown tables or JSON (default: %(default)s)")
+    add_threads_arg(p, "-t", "--threads")
+    add_activations_arg(p, "-a", "--activations",
+                        help="activations of MODEL's q4/q8 matmuls: f32 (exact), int16 or int8 "
+                             "(faster); the base always runs f32, so --kl-base MODEL measures "
+                             "their cost (default: %(default)s)")
+    add_output_arg(p, help="markdown tables or JSON (default: %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -70,15 +67,10 @@ def _read_data(path: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import default_model_path
-    from ..perplexity import MIN_CTX, format_markdown, perplexity
-
-    for flag, value, minimum in (("--ctx", args.ctx, MIN_CTX), ("--stride", args.stride, 1),
-                                 ("--batch", args.batch, 1), ("--threads", args.threads, 1)):
-        if value is not None and value < minimum:
-            raise ColibriError(f"{flag} {value} is out of range (must be >= {minimum})")
+    check_at_least((("--ctx", args.ctx, MIN_CTX), ("--stride", args.stride, 1),
+                    ("--batch", args.batch, 1), ("--threads", args.threads, 1)))
     data = _read_data(args.file)
-    model = args.model if args.model is not None else default_model_path()
+    model = model_path(args.model)
     show = args.output == "md" and sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:

@@ -1,7 +1,7 @@
 """colibri routes [MODEL] (-p PROMPT | -f FILE): which experts each token chose, and statistics.
 
 With -p, one aligned line per token ("token 0 'def' → L0 [3 0.62, 5 0.38]  L1 [...]") then
-the statistics of colibri.stats (utilisation, balance, entropy, persistence, LRU hit rates).
+the statistics of colibri.tools.stats (utilisation, balance, entropy, persistence, LRU hit rates).
 With -f, the file is streamed through the model in windows and only the statistics are kept
 (memory O(layers x experts²)); --table prints every token's line as it goes.
 --plot OUT.png saves a figure: the token x layer map for a prompt, the utilisation heatmap
@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 
 from ..errors import ColibriError
+from ..tools import plot
+from ..tools.stats import RoutingStats
+from ..tools.trace import iter_trace, trace as trace_of
+from .common import SHIPPED_MODEL, add_ctx_arg, add_model_arg, add_threads_arg, open_model
 
 PLOT_KINDS = ("auto", "heatmap", "tokens", "coactivation")
 
@@ -24,9 +28,8 @@ def register(subparsers, parents=()) -> None:
         "routes", parents=list(parents), help="show the experts each token is routed to",
         description="Run a prompt or a text file through a .colibri model and show, per token "
                     "and MoE layer, the experts chosen with their weights, then expert "
-                    "statistics. Without MODEL, the small model shipped with colibri is used.")
-    p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=".colibri file (default: the bundled tiny-moe.colibri)")
+                    f"statistics. {SHIPPED_MODEL}")
+    add_model_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="the text to route")
     src.add_argument("-f", "--file", metavar="FILE",
@@ -39,12 +42,10 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--table", action="store_true", help="with -f: also print every token's "
                    "routing")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="kernel threads (default: physical cores)")
+    add_threads_arg(p)
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="route at most N tokens (default: all)")
-    p.add_argument("--ctx", type=int, default=None, metavar="N",
-                   help="tokens per window: longer text restarts with an empty cache "
+    add_ctx_arg(p, help="tokens per window: longer text restarts with an empty cache "
                         "(default: the model's context, at most 4096)")
     p.add_argument("--batch", type=int, default=256, metavar="N",
                    help="tokens per forward pass (default: %(default)s)")
@@ -59,9 +60,10 @@ def _check(args, model) -> None:
     if args.ctx is not None and args.ctx > model.max_context:
         raise ColibriError(f"--ctx {args.ctx} exceeds the model's context length "
                            f"{model.max_context}")
-    if args.layer is not None and args.layer not in model.moe_layers:
+    moe_layers = model.config.moe_layer_ids
+    if args.layer is not None and args.layer not in moe_layers:
         raise ColibriError(f"layer {args.layer} is not a MoE layer of {model.file.path} "
-                           f"(MoE layers: {', '.join(map(str, model.moe_layers))})")
+                           f"(MoE layers: {', '.join(map(str, moe_layers))})")
     if args.table and args.prompt is not None:
         raise ColibriError("--table is for -f FILE; with -p the table is always printed")
     if args.plot_kind == "tokens" and args.file is not None:
@@ -74,8 +76,7 @@ def _check(args, model) -> None:
 
 
 def _plot(args, trace, stats) -> None:
-    try:
-        from .. import plot
+    try:        # plot imports matplotlib when it draws: ImportError without it
         kind = args.plot_kind
         if kind == "auto":
             kind = "tokens" if trace is not None else "heatmap"
@@ -92,14 +93,9 @@ def _plot(args, trace, stats) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import default_model_path, load
-    from ..stats import RoutingStats
-    from ..trace import iter_trace, trace as trace_of
-
     if args.file is not None and not Path(args.file).is_file():
         raise ColibriError(f"{args.file}: no such file")
-    model = load(args.model if args.model is not None else default_model_path(),
-                 threads=args.threads)
+    model = open_model(args)
     _check(args, model)
     layers = None if args.layer is None else [args.layer]
     kw = dict(batch_size=args.batch, max_tokens=args.max_tokens, window=args.ctx)

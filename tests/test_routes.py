@@ -1,5 +1,5 @@
-"""`colibri routes` and `colibri inspect --dump-gate`: output against the library, --json,
---plot, and bad arguments as one clear line with exit status 2."""
+"""`colibri routes` (colibri/commands/routes.py): output against the library, --json, --plot,
+and bad arguments as one clear line with exit status 2."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,10 @@ pytest.importorskip("transformers")
 from colibri import api  # noqa: E402
 from colibri.cli import COMMANDS  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.format import ColibriFile  # noqa: E402
 
 from cli_helpers import one_line_error  # noqa: E402
 from cli_helpers import run as run_cli  # noqa: E402
-from colibri.trace import trace  # noqa: E402
+from colibri.tools.trace import trace  # noqa: E402
 
 PROMPT = "def fibonacci(n): return n"
 
@@ -143,42 +142,3 @@ def test_routes_bad_sources(paths, tmp_path, capsys):
 def test_routes_default_model(capsys):
     code, out, _ = run(capsys, "routes", "-p", "def f(x):", "--threads", "1")
     assert code == 0 and out.startswith("token 0 ") and "aux loss" in out
-
-
-# --------------------------------------------------------------------------------------------
-# inspect --dump-gate
-# --------------------------------------------------------------------------------------------
-
-def test_dump_gate_text_and_json(paths, capsys):
-    with ColibriFile(paths["mixtral"]) as cf:
-        w = cf.to_float32("layers.1.moe.router")                              # (E, D)
-    norms = np.linalg.norm(w.astype(np.float64), axis=1)
-    code, out, err = run(capsys, "inspect", paths["mixtral"], "--dump-gate", "--layer", "1")
-    assert code == 0 and err == ""
-    lines = out.splitlines()
-    assert lines[0] == "layers.1.moe.router: f32 4x64 (experts x hidden), layer 1"
-    assert lines[1].startswith(f"  expert 0  norm {norms[0]:.4g}")
-    assert f"min {norms.min():.4g} (expert {norms.argmin()})" in out
-    assert "cosine between rows" in out and "non-finite 0" in out
-    code, out, _ = run(capsys, "inspect", paths["mixtral"], "--dump-gate", "--layer", "1",
-                       "--json")
-    d = json.loads(out)
-    np.testing.assert_allclose(d["matrix"], w, rtol=1e-6)
-    np.testing.assert_allclose(d["row_norms"], norms, rtol=1e-6)
-    assert d["tensor"]["name"] == "layers.1.moe.router" and d["summary"]["experts"] == 4
-    code, out, _ = run(capsys, "inspect", paths["mixtral"], "--dump-gate", "--layer", "0",
-                       "--rows", "2")
-    assert "... 2 more experts" in out
-
-
-@pytest.mark.parametrize("args, match", [
-    (["--dump-gate", "--layer", "1"], "layer 1 has no router .* MoE layers: 0"),
-    (["--dump-gate"], "--dump-gate needs --layer L .*: 0\\)"),
-    (["--layer", "0"], "--layer goes with --dump-gate"),
-    (["--dump-gate", "--layer", "0", "--tensor", "norm"], "cannot be combined"),
-])
-def test_dump_gate_bad_arguments(paths, capsys, args, match):
-    import re
-    code, out, err = run(capsys, "inspect", paths["qwen2_moe"], *args)
-    assert code == 2 and out == ""
-    assert re.search(match, one_line_error(err, "inspect"))

@@ -26,11 +26,11 @@ and maximum; the same-top-token rate (argmax of both logits equal); and the perp
 PPL(model) / PPL(base). Both models must share the tokenizer (the same tokenizer.json) and
 the vocabulary size.
 
-Shape alphabet: W windows in a batch, C ctx, V vocab, N scored tokens.
+Shapes in the package's alphabet (colibri): B windows in a batch, S = ctx tokens each, V vocab;
+n scored tokens of a window, N of the whole text.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ColibriError
+from ..errors import ColibriError
+from ..model import Model
+from ..tokenizer import NoTokenizerError
 
 __all__ = ["perplexity", "plan_windows", "PerplexityResult", "KLStats", "token_logprobs",
            "check_same_vocabulary", "format_markdown", "MIN_CTX"]
@@ -179,7 +181,6 @@ class PerplexityResult:
 
 def _model(m, threads: int | None, activations: str = "f32"):
     """(Model, opened_here) for a Model or a path."""
-    from .model import Model
     if isinstance(m, Model):
         return m, False
     return Model(m, threads=threads, activations=activations), True
@@ -199,30 +200,14 @@ def check_same_vocabulary(model, base) -> None:
                            f"{what}")
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:                 # pragma: no cover - transformers is a dependency
-        yield
-        return
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 def _token_ids(model, data) -> np.ndarray:
     if isinstance(data, str):
         tok = model.tokenizer
         if tok is None:
-            from .tokenizer import NoTokenizerError
             raise NoTokenizerError(f"{model.file.path} carries no tokenizer, so text cannot be "
                                    f"scored; give token ids instead")
-        with _quiet_transformers():      # no "longer than the maximum length" warning: we cut
-            ids = np.asarray(tok.encode(data), dtype=np.int64)
+        # verbose=False: no "longer than the maximum length" warning, the windows cut it
+        ids = np.asarray(tok.encode(data, verbose=False), dtype=np.int64)
     else:
         ids = np.asarray(data)
         if ids.dtype.kind not in "iu" or ids.ndim != 1:
@@ -276,8 +261,8 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
         base_nll: list[np.ndarray] = []
         for start in range(0, len(windows), batch):
             group = windows[start:start + batch]
-            x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (W, C)
-            logits = m.forward(x)                                                  # (W, C, V)
+            x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (B, S)
+            logits = m.forward(x)                                                  # (B, S, V)
             blogits = b.forward(x) if b is not None else None
             for j, (_, first) in enumerate(group):
                 targets = x[j, first:]                                             # (n,)

@@ -1,28 +1,29 @@
 """Routing as data: which experts each token chose, with what weights, out of which distribution.
 
     import colibri
-    from colibri.trace import trace, iter_trace
-    tr = trace(model, "def fib(n):")          # a Trace
-    tr.experts        int32   (T, L, K)  experts chosen per token and MoE layer, heaviest first
-    tr.weights        float32 (T, L, K)  their combine weights, as the forward pass used them
-    tr.logits         float32 (T, L, E)  raw router logits
-    tr.probs          float32 (T, L, E)  softmax of the logits over all E experts
-    tr.shared_gate    float32 (T, L) | None   sigmoid gate of the shared expert (Qwen2-MoE)
+    tr = colibri.trace(model, "def fib(n):")  # a Trace (colibri.tools.trace)
+    tr.experts        int32   (T, M, K)  experts chosen per token and MoE layer, heaviest first
+    tr.weights        float32 (T, M, K)  their combine weights, as the forward pass used them
+    tr.logits         float32 (T, M, E)  raw router logits
+    tr.probs          float32 (T, M, E)  softmax of the logits over all E experts
+    tr.shared_gate    float32 (T, M) | None   sigmoid gate of the shared expert (Qwen2-MoE)
     tr.token_ids      int64   (T,)       the tokens
     tr.positions      int64   (T,)       position inside its window; 0 starts a new sequence
     tr.tokens         list[str] (T)      each token's text (decoded on first use)
-    tr.layers         list[int] (L)      the model's MoE layer numbers (dense layers route nothing)
+    tr.layers         list[int] (M)      the model's MoE layer numbers (dense layers route nothing)
 
 A trace is taken from the forward pass itself (`Model.forward(..., return_routing=True)`), so
 `experts` and `weights` are the ids and weights the expert kernels received, not a recomputation.
 
 Long inputs run in windows of `window` tokens (default: the model's context, at most 4096),
 each window through a fresh KV cache, fed `batch_size` tokens per forward call. `iter_trace`
-yields one Trace per call, so a caller that folds them into statistics (colibri.stats) holds one
-chunk at a time, whatever the length of the text; `trace` concatenates them. A text file given
-as a `pathlib.Path` is read and tokenized piece by piece (at line ends), never whole.
+yields one Trace per call, so a caller that folds them into statistics (colibri.tools.stats,
+as `routing_stats` does) holds one chunk at a time, whatever the length of the text; `trace`
+concatenates them. A text file given as a `pathlib.Path` is read and tokenized piece by piece
+(at line ends), never whole.
 
-Shape alphabet: T tokens, L MoE layers, K experts per token, E experts.
+Shapes in the package's alphabet (colibri): T tokens, M MoE layers, K experts per token,
+E experts.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ColibriError
-from .kv_cache import DEFAULT_MAX_CTX
-from .tokenizer import NoTokenizerError
+from ..errors import ColibriError
+from ..kv_cache import DEFAULT_MAX_CTX
+from ..tokenizer import NoTokenizerError
+from .display import trace_html
+from .stats import RoutingStats
 
-__all__ = ["Trace", "trace", "iter_trace", "UnknownLayerError", "format_route"]
+__all__ = ["Trace", "trace", "iter_trace", "routing_stats", "UnknownLayerError", "format_route"]
 
 DEFAULT_BATCH = 256              # tokens per forward call
 _FILE_PIECE = 1 << 16            # characters of a text file tokenized at a time
@@ -65,7 +68,7 @@ def _token_label(text: str, width: int = 16) -> str:
 
 
 class Trace:
-    """Routing of T tokens through the L MoE layers of a model (see the module docstring).
+    """Routing of T tokens through the M MoE layers of a model (see the module docstring).
 
     Construct with `trace()` / `iter_trace()`, or by hand for tests and other engines:
     `Trace(experts, weights, logits=..., probs=..., token_ids=..., positions=..., layers=...)`.
@@ -76,20 +79,20 @@ class Trace:
     def __init__(self, experts, weights, *, logits=None, probs=None, token_ids=None,
                  positions=None, layers: Sequence[int] | None = None, shared_gate=None,
                  n_experts: int | None = None, tokenizer=None, tokens: Sequence[str] | None = None):
-        self.experts = np.asarray(experts, dtype=np.int32)                      # (T, L, K)
-        self.weights = np.asarray(weights, dtype=np.float32)                    # (T, L, K)
+        self.experts = np.asarray(experts, dtype=np.int32)                      # (T, M, K)
+        self.weights = np.asarray(weights, dtype=np.float32)                    # (T, M, K)
         if self.experts.ndim != 3 or self.experts.shape != self.weights.shape:
-            raise ValueError(f"experts and weights must both have shape (T, L, K); got "
+            raise ValueError(f"experts and weights must both have shape (T, M, K); got "
                              f"{self.experts.shape} and {self.weights.shape}")
-        T, L, K = self.experts.shape
+        T, M, K = self.experts.shape
         self.logits = None if logits is None else np.asarray(logits, dtype=np.float32)
         if probs is None and self.logits is not None:
             probs = softmax(self.logits)
         self.probs = None if probs is None else np.asarray(probs, dtype=np.float32)
         for name in ("logits", "probs"):
             a = getattr(self, name)
-            if a is not None and (a.ndim != 3 or a.shape[:2] != (T, L)):
-                raise ValueError(f"{name} must have shape ({T}, {L}, E), got {a.shape}")
+            if a is not None and (a.ndim != 3 or a.shape[:2] != (T, M)):
+                raise ValueError(f"{name} must have shape ({T}, {M}, E), got {a.shape}")
         if n_experts is None:
             if self.probs is not None:
                 n_experts = self.probs.shape[2]
@@ -103,11 +106,11 @@ class Trace:
                           else np.asarray(token_ids, dtype=np.int64).reshape(T))
         self.positions = (np.arange(T, dtype=np.int64) if positions is None
                           else np.asarray(positions, dtype=np.int64).reshape(T))
-        self.layers = list(range(L)) if layers is None else [int(x) for x in layers]
-        if len(self.layers) != L:
-            raise ValueError(f"{len(self.layers)} layer numbers for {L} layers of routing")
+        self.layers = list(range(M)) if layers is None else [int(x) for x in layers]
+        if len(self.layers) != M:
+            raise ValueError(f"{len(self.layers)} layer numbers for {M} layers of routing")
         self.shared_gate = None if shared_gate is None else \
-            np.asarray(shared_gate, dtype=np.float32).reshape(T, L)
+            np.asarray(shared_gate, dtype=np.float32).reshape(T, M)
         self.tokenizer = tokenizer
         self._tokens = None if tokens is None else list(tokens)
 
@@ -119,7 +122,7 @@ class Trace:
 
         token_ids (S,): the ids that pass consumed; positions (S,): their positions.
         """
-        def stack(arrays, last):            # L x (S, last) -> (S, L, last)
+        def stack(arrays, last):            # M x (S, last) -> (S, M, last)
             return np.stack([np.asarray(a).reshape(len(token_ids), last) for a in arrays], axis=1)
 
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -158,7 +161,7 @@ class Trace:
         return self._tokens
 
     def layer_index(self, layer: int) -> int:
-        """Index j along the L axis of MoE layer number `layer`."""
+        """Index j along the M axis of MoE layer number `layer`."""
         try:
             return self.layers.index(int(layer))
         except ValueError:
@@ -214,14 +217,13 @@ class Trace:
     # -- quick statistics --------------------------------------------------------------------------
     @property
     def expert_counts(self) -> np.ndarray:
-        """int64 (L, E): how many tokens chose each expert in each MoE layer."""
-        L, E = self.n_layers, self.n_experts
-        flat = (np.arange(L)[None, :, None] * E + self.experts).reshape(-1)
-        return np.bincount(flat, minlength=L * E).reshape(L, E).astype(np.int64)
+        """int64 (M, E): how many tokens chose each expert in each MoE layer."""
+        M, E = self.n_layers, self.n_experts
+        flat = (np.arange(M)[None, :, None] * E + self.experts).reshape(-1)
+        return np.bincount(flat, minlength=M * E).reshape(M, E).astype(np.int64)
 
-    def stats(self, **kwargs):
-        """RoutingStats of this trace (colibri.stats); kwargs go to RoutingStats."""
-        from .stats import RoutingStats
+    def stats(self, **kwargs) -> RoutingStats:
+        """RoutingStats of this trace (colibri.tools.stats); kwargs go to RoutingStats."""
         return RoutingStats.from_trace(self, **kwargs)
 
     # -- text, JSON, HTML, files -----------------------------------------------------------------
@@ -263,7 +265,6 @@ class Trace:
                 "tokens": rows}
 
     def _repr_html_(self) -> str:
-        from .display import trace_html
         return trace_html(self)
 
     def __repr__(self) -> str:
@@ -299,9 +300,9 @@ def _encode(model, text: str, first: bool = True) -> np.ndarray:
     if tok is None:
         raise NoTokenizerError(f"{model.file.path}: this model file carries no tokenizer; "
                                f"pass token ids instead of text")
-    # the transformers tokenizer itself, to pass verbose=False: a long piece of a file is
-    # meant to exceed model_max_length (it runs in windows), so its warning is noise here
-    ids = tok.hf.encode(text, add_special_tokens=first, verbose=False)
+    # a long piece of a file is meant to exceed the model's context (it runs in windows), so
+    # the tokenizer's warning about that would be noise here
+    ids = tok.encode(text, add_special_tokens=first, verbose=False)
     return np.asarray(ids, dtype=np.int64)
 
 
@@ -398,7 +399,7 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
                 _, routing = model.forward(chunk, cache=cache, return_routing=True, last_only=True)
                 yield Trace.from_routing(routing, chunk, np.arange(start, start + n),
                                          tokenizer=model.tokenizer,
-                                         n_experts=int(model.arch["num_experts"]))
+                                         n_experts=model.config.num_experts)
                 i += n
                 seen += n
 
@@ -407,11 +408,33 @@ def trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: int | N
           window: int | None = None) -> Trace:
     """The routing of every token of `source` as one Trace (see iter_trace for the arguments).
 
-    Memory: T x L x (2K + 2E) x 4 bytes; for statistics over long texts use
-    colibri.stats.routing_stats, which folds the chunks as they come.
+    Memory: T x M x (2K + 2E) x 4 bytes; for statistics over long texts use
+    routing_stats, which folds the chunks as they come.
     """
     parts = list(iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
                             window=window))
     if not parts:
         raise ValueError("the input has no tokens")
     return parts[0] if len(parts) == 1 else Trace.concat(parts)
+
+
+def routing_stats(model, source, *, batch_size: int = DEFAULT_BATCH,
+                  max_tokens: int | None = None, window: int | None = None,
+                  layers: Iterable[int] | None = None, **kwargs) -> RoutingStats:
+    """Statistics of `source` (text, list of texts, pathlib.Path of a text file, or ids),
+    folded chunk by chunk: memory O(M·E²) plus one chunk of routing, whatever the length.
+
+    layers: restrict to these MoE layers; other arguments as iter_trace;
+    kwargs go to RoutingStats (lru_sizes, rare_threshold).
+    """
+    stats = None
+    for part in iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
+                           window=window):
+        if layers is not None:
+            part = part.select_layers(layers)
+        if stats is None:
+            stats = RoutingStats(part.layers, part.n_experts, part.top_k, **kwargs)
+        stats.update(part)
+    if stats is None:
+        raise ValueError("the input has no tokens")
+    return stats

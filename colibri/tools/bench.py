@@ -46,9 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, kernels
-from .errors import ColibriError
-from .format import ColibriFile
+from .. import __version__, kernels
+from ..api import default_model_path, load
+from ..errors import ColibriError
+from ..format import ColibriFile
+from ..generate import decode_one
+from .inspect import model_config, totals
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",
            "format_machine_notes", "peak_rss_bytes", "json_ready", "DEFAULT_BANDWIDTH_BYTES"]
@@ -79,9 +82,9 @@ def bytes_per_token(cf: ColibriFile) -> dict[str, int]:
     tied embedding matrix; embedding: one row of tok_embeddings. "total" sums them.
     The KV cache is not counted (it depends on the context, not on the weights).
     """
-    arch = cf.arch or {}
+    config = model_config(cf)
     t = cf.tensors
-    k = int(arch.get("num_experts_per_tok") or 0)
+    k = config.num_experts_per_tok if config is not None else 0
     parts = dict.fromkeys(("attention", "router", "experts", "shared", "dense", "norms", "head",
                            "embedding"), 0)
     expert_layers: set[int] = set()
@@ -128,10 +131,8 @@ def bytes_per_token(cf: ColibriFile) -> dict[str, int]:
 
 def model_facts(cf: ColibriFile) -> dict[str, Any]:
     """Name, family, file size, parameters (total and active per token), format label."""
-    from .inspect import totals
-
     tot = totals(cf)
-    arch = cf.arch or {}
+    config = model_config(cf)
     by_dtype = {d: v["bytes"] for d, v in tot["by_dtype"].items()}
     nbytes = sum(by_dtype.values()) or 1
     # dtypes holding at least 5 % of the weight bytes, largest first: "q4+f16"
@@ -140,12 +141,12 @@ def model_facts(cf: ColibriFile) -> dict[str, Any]:
     return {
         "model": Path(cf.path).stem,
         "model_path": str(cf.path),
-        "family": arch.get("family"),
+        "family": config.family if config is not None else None,
         "size_bytes": cf.file_size,
         "n_params": tot["parameters"],
         "n_params_active": tot["active_parameters_per_token"],
-        "n_experts": arch.get("num_experts"),
-        "n_experts_used": arch.get("num_experts_per_tok"),
+        "n_experts": config.num_experts if config is not None else None,
+        "n_experts_used": config.num_experts_per_tok if config is not None else None,
         "format": label,
         "bytes_by_dtype": by_dtype,
     }
@@ -198,8 +199,6 @@ def _pp_once(model, n: int, depth: int, rng) -> tuple[float, dict[str, float]]:
 
 def _tg_once(model, n: int, depth: int, rng) -> tuple[float, dict[str, float]]:
     """One tg repetition: n single-token steps through the cache, from depth `depth`."""
-    from .generate import decode_one
-
     cache = model.new_cache(ctx=depth + n)
     _prefill_depth(model, cache, depth, rng)
     ids = rng.integers(0, model.vocab_size, n)         # drawn up front: not timed
@@ -268,8 +267,6 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     read_bandwidth_gbs, ceiling_ts (bandwidth / bytes per token) and ceiling_fraction
     (tg rows: avg_ts / ceiling_ts; None for pp rows or without a bandwidth figure).
     """
-    from .api import default_model_path, load
-
     path = default_model_path() if model_path is None else Path(model_path)
     prompts = [p for p in _as_list(n_prompt, "n_prompt", 0) if p > 0]
     gens = [n for n in _as_list(n_gen, "n_gen", 0) if n > 0]

@@ -14,6 +14,8 @@ from html import escape
 
 import numpy as np
 
+from .inspect import human_bytes, totals
+
 __all__ = ["model_html", "trace_html", "stats_html", "tensor_groups", "expert_colour"]
 
 _TABLE = ("border-collapse:collapse;font-family:ui-monospace,SFMono-Regular,Menlo,monospace;"
@@ -49,7 +51,6 @@ def _table(rows: list[tuple], header: tuple | None = None) -> str:
 
 
 def _bytes(n: int) -> str:
-    from .inspect import human_bytes
     return human_bytes(int(n))
 
 
@@ -78,25 +79,24 @@ def tensor_groups(cf) -> list[dict]:
 
 def model_html(model) -> str:
     """Model card: family, layers, experts, attention, sizes, formats per tensor group, file."""
-    from .inspect import totals
-    cf, a = model.file, model.arch
+    cf, c = model.file, model.config
     t = totals(cf)
     archs = ", ".join((model.hf_config or {}).get("architectures") or [])
-    moe = a.get("moe_layers", list(range(model.n_layers)))
-    shared = a.get("shared_expert_intermediate_size") or 0
+    n_layers, moe = c.num_hidden_layers, c.moe_layer_ids
+    shared = c.shared_expert_intermediate_size
     active = t["active_parameters_per_token"]
     facts = [
-        ("family", f"{a.get('family')}" + (f" ({archs})" if archs else "")),
-        ("layers", f"{model.n_layers} ({len(moe)} MoE"
-         + (f", {model.n_layers - len(moe)} dense" if model.n_layers - len(moe) else "") + ")"),
-        ("experts", f"{a.get('num_experts')} × {a.get('moe_intermediate_size')} per MoE layer, "
-         f"top-{a.get('num_experts_per_tok')}, "
-         + ("renormalised" if a.get("norm_topk_prob") else "not renormalised")
-         + (f", shared expert {shared}" + (" (sigmoid gate)" if a.get("shared_expert_gate")
+        ("family", f"{c.family}" + (f" ({archs})" if archs else "")),
+        ("layers", f"{n_layers} ({len(moe)} MoE"
+         + (f", {n_layers - len(moe)} dense" if n_layers - len(moe) else "") + ")"),
+        ("experts", f"{c.num_experts} × {c.moe_intermediate_size} per MoE layer, "
+         f"top-{c.num_experts_per_tok}, "
+         + ("renormalised" if c.norm_topk_prob else "not renormalised")
+         + (f", shared expert {shared}" + (" (sigmoid gate)" if c.shared_expert_gate
                                           else "") if shared else "")),
-        ("attention", f"hidden {model.hidden_size}, heads {model.n_heads}/{model.n_kv_heads} × "
-         f"{model.head_dim}, qk_norm {a.get('qk_norm', 'none')}"),
-        ("vocab / context", f"{model.vocab_size} / {model.max_context}"),
+        ("attention", f"hidden {c.hidden_size}, heads {c.num_attention_heads}/"
+         f"{c.num_key_value_heads} × {c.head_dim}, qk_norm {c.qk_norm}"),
+        ("vocab / context", f"{c.vocab_size} / {model.max_context}"),
         ("parameters", f"{_count(t['parameters'])} total"
          + (f", {_count(active)} active per token ({active / max(1, t['parameters']):.1%})"
             if active is not None else "")),
@@ -118,7 +118,7 @@ def model_html(model) -> str:
     config = json.dumps(model.hf_config, indent=1, sort_keys=True, default=str)
     return (
         f'<div style="font-family:sans-serif;font-size:13px">'
-        f"<b>colibri Model</b> {_e(a.get('family'))}"
+        f"<b>colibri Model</b> {_e(c.family)}"
         + _table([(f"<b>{_e(k)}</b>", _e(v)) for k, v in facts])
         + "<details><summary>formats per tensor group</summary>"
         + _table(groups, ("group", "format", "tensors", "parameters", "bytes")) + "</details>"

@@ -2,7 +2,9 @@
 
 Functions return plain dicts (the `--json` output); `format_*` turn them into compact, aligned
 text for `colibri inspect`. Nothing here reads tensor data except `tensor_rows` (the rows
-asked for) and `validate` (everything).
+asked for) and `validate` (everything). A file is reported whatever its metadata holds: the
+counts that need the model's geometry use the typed config when the "arch" metadata makes
+one (`model_config`), and the report prints the "arch" object as the file stores it.
 """
 from __future__ import annotations
 
@@ -13,14 +15,25 @@ from typing import Any
 
 import numpy as np
 
-from . import quant
-from .errors import ColibriError
-from .format import ColibriFile, QuantizedTensor
+from .. import quant
+from ..config import ConfigError, ModelConfig
+from ..errors import ColibriError
+from ..families import FAMILIES, canonical_tensors
+from ..format import ColibriFile, QuantizedTensor
 
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w_gate|w_up|w_down)")
 
 
 # --- facts ------------------------------------------------------------------------------------
+
+def model_config(cf: ColibriFile) -> ModelConfig | None:
+    """The file's typed config, or None when its "arch" metadata is missing or not a valid one
+    (a file is still worth inspecting then)."""
+    try:
+        return cf.model_config
+    except ConfigError:
+        return None
+
 
 def totals(cf: ColibriFile) -> dict[str, Any]:
     """Parameter and byte counts; active parameters per token = every non-expert parameter +
@@ -44,8 +57,9 @@ def totals(cf: ColibriFile) -> dict[str, Any]:
     n_experts = cf.n_experts
     n_blocks = len(expert_layers) * n_experts
     per_expert_params = expert_params // n_blocks if n_blocks else 0
-    top_k = cf.arch.get("num_experts_per_tok") if isinstance(cf.arch, dict) else None
-    if isinstance(top_k, int) and top_k > 0:
+    config = model_config(cf)
+    top_k = config.num_experts_per_tok if config is not None else None
+    if top_k is not None:
         active = params - expert_params + len(expert_layers) * min(top_k, n_experts) * \
             per_expert_params
     else:       # no arch to say how many experts a token uses
@@ -138,14 +152,14 @@ def tensor_rows(cf: ColibriFile, name: str, rows: int = 4) -> np.ndarray:
 def check_arch(cf: ColibriFile) -> list[str]:
     """Problems between the metadata's arch dict and the tensor table (missing / extra tensors,
     shapes); nothing when the arch names no known family."""
-    from .families import FAMILIES, canonical_tensors
     arch = cf.arch
     if not isinstance(arch, dict) or arch.get("family") not in FAMILIES:
         return [] if not arch else [f"metadata arch names unknown family "
                                     f"{arch.get('family')!r}"]
     try:
-        expected = {t.name: t.shape for t in canonical_tensors(cf.model_config)}
-    except (KeyError, TypeError, ValueError) as e:
+        config = cf.model_config
+        expected = {t.name: t.shape for t in canonical_tensors(config)}
+    except (KeyError, TypeError, ValueError) as e:       # ConfigError is a ValueError
         return [f"metadata arch is incomplete ({type(e).__name__}: {e})"]
     problems = []
     for name, shape in expected.items():
@@ -155,13 +169,13 @@ def check_arch(cf: ColibriFile) -> list[str]:
             problems.append(f"tensor {name!r} has shape {cf.tensors[name].shape}, the arch "
                             f"implies {shape}")
     extra = [n for n in cf.tensors if n not in expected]
-    problems += [f"tensor {n!r} is not part of a {arch['family']} model" for n in extra[:10]]
-    if cf.n_experts != arch.get("num_experts"):
+    problems += [f"tensor {n!r} is not part of a {config.family} model" for n in extra[:10]]
+    if cf.n_experts != config.num_experts:
         problems.append(f"header n_experts {cf.n_experts} != arch num_experts "
-                        f"{arch.get('num_experts')}")
-    if cf.n_layers != arch.get("num_hidden_layers"):
+                        f"{config.num_experts}")
+    if cf.n_layers != config.num_hidden_layers:
         problems.append(f"header n_layers {cf.n_layers} != arch num_hidden_layers "
-                        f"{arch.get('num_hidden_layers')}")
+                        f"{config.num_hidden_layers}")
     return problems
 
 

@@ -1,0 +1,113 @@
+"""The arguments the commands share, defined once, and opening the model they name.
+
+Each `add_*` adds one argument where the command's parser lists it (so `--help` keeps each
+command's order); the flag spellings a command accepts (`-t` beside `--threads`, ...) and, where
+the meaning differs (`--ctx` is a KV cache size for generate, a window for perplexity and
+routes), the help text are the command's; type, default and metavar come from here.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..api import default_model_path, load
+from ..errors import ColibriError
+from ..kernels import ACTIVATIONS
+from ..model import Model
+
+MODEL_HELP = ".colibri file (default: the bundled tiny-moe.colibri)"
+SHIPPED_MODEL = "Without MODEL, the small model shipped with colibri is used."
+THREADS_HELP = "kernel threads (default: physical cores)"
+ACTIVATIONS_HELP = ("activations of the q4/q8 matmuls: f32 (exact to the stored weights), "
+                    "int16 (16-bit codes per 32 values: within ~1e-4, faster) or int8 "
+                    "(8-bit codes like llama.cpp: fastest)")
+
+
+# --- argparse types ---------------------------------------------------------------------------
+
+def int_list(minimum: int) -> Callable[[str], list[int]]:
+    """argparse type: '128' or '1,2,4' -> [ints], each >= minimum (llama-bench's list syntax)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated "
+                                             f"list of integers") from None
+        bad = [v for v in values if v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: values must be >= {minimum}")
+        return values
+    return parse
+
+
+def activation_list(text: str) -> list[str]:
+    """argparse type: 'f32' or 'f32,int16,int8' -> [names] (colibri.kernels.ACTIVATIONS)."""
+    values = text.split(",")
+    bad = [v for v in values if v not in ACTIVATIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: activations must be among "
+                                         f"{', '.join(ACTIVATIONS)}")
+    return values
+
+
+# --- the arguments ----------------------------------------------------------------------------
+
+def add_model_arg(p: argparse.ArgumentParser, dest: str = "model", metavar: str = "MODEL") -> None:
+    """The optional positional .colibri file; model_path() gives the shipped model without it."""
+    p.add_argument(dest, nargs="?", metavar=metavar, help=MODEL_HELP)
+
+
+def add_threads_arg(p: argparse.ArgumentParser, *flags: str, lists: bool = False,
+                    help: str = THREADS_HELP) -> None:
+    """--threads N (None: physical cores); lists: '1,2' runs each count (bench)."""
+    p.add_argument(*(flags or ("--threads",)), dest="threads", default=None,
+                   type=int_list(1) if lists else int, metavar="T" if lists else "N", help=help)
+
+
+def add_activations_arg(p: argparse.ArgumentParser, *flags: str, help: str,
+                        lists: bool = False) -> None:
+    """--activations f32|int16|int8 (default f32); lists: 'f32,int8' runs each (bench)."""
+    if lists:
+        p.add_argument(*(flags or ("--activations",)), dest="activations",
+                       type=activation_list, default=["f32"], metavar="A", help=help)
+    else:
+        p.add_argument(*(flags or ("--activations",)), dest="activations", choices=ACTIVATIONS,
+                       default="f32", help=help)
+
+
+def add_ctx_arg(p: argparse.ArgumentParser, *flags: str, help: str) -> None:
+    """--ctx N, tokens (None: the command's default, said in `help`)."""
+    p.add_argument(*(flags or ("--ctx",)), dest="ctx", type=int, default=None, metavar="N",
+                   help=help)
+
+
+def add_seed_arg(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """--seed S (default: the command's: bench draws its ids from 0, generate from a fresh one)."""
+    p.add_argument("--seed", type=int, default=default, metavar="S", help=help)
+
+
+def add_output_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """-o/--output md|json."""
+    p.add_argument("-o", "--output", choices=("md", "json"), default="md", help=help)
+
+
+# --- using them -------------------------------------------------------------------------------
+
+def model_path(path: str | None) -> str | Path:
+    """The MODEL argument as given, or the shipped model when it was left out."""
+    return path if path is not None else default_model_path()
+
+
+def open_model(args: argparse.Namespace) -> Model:
+    """The Model of args.model with args.threads and args.activations (f32 when the command
+    has no --activations)."""
+    return load(model_path(args.model), threads=args.threads,
+                activations=getattr(args, "activations", "f32"))
+
+
+def check_at_least(limits: Sequence[tuple[str, int | None, int]]) -> None:
+    """ColibriError for the first (flag, value, minimum) whose value (None: unset) is below."""
+    for flag, value, minimum in limits:
+        if value is not None and value < minimum:
+            raise ColibriError(f"{flag} {value} is out of range (must be >= {minimum})")
