@@ -17,9 +17,10 @@
  * array checks).
  * A new body (AVX-512 VNNI, AMX, NEON): a header of its own beside the others, included
  * here before dispatch.h (inside its own compile-time guard, as COLIBRI_X86 guards the x86
- * ones), a path code in types.h, and its entries in dispatch.h (colibri_isa_supported, the
- * *_for tables; gemm.h's table for a GEMM body). Every body matches scalar.h's results as
- * the existing ones do (the same bits, or the documented summation order of its path).
+ * ones), a path code in types.h (and its name in the Python side's list of ISAs), and its
+ * entries in dispatch.h (colibri_isa_supported, the *_for tables; gemm.h's table for a GEMM
+ * body). Every body matches scalar.h's results as the existing ones do (the same bits, or
+ * the documented summation order of its path).
  *
  * Three bodies of every row kernel:
  *   scalar  always compiled; the readable specification of each weight format and the
