@@ -1,9 +1,6 @@
 # colibri/pyx/attention.pxi: decode attention, one token's query heads over a KV cache
 # slice (csrc/attend.h).
 
-# =============================================================================================
-# decode attention: one token's query heads over a KV cache slice (csrc/attend.h)
-
 ctypedef struct AttendJob:
     # work item g = the G query heads of kv head g
     const float *q

@@ -1,8 +1,5 @@
 # colibri/pyx/bandwidth.pxi: the memory read kernel (read_sum).
 
-# =============================================================================================
-# memory read bandwidth
-
 ctypedef struct ReadJob:
     const uint8_t *p
     Py_ssize_t n, part

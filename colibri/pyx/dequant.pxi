@@ -1,7 +1,5 @@
-# colibri/pyx/dequant.pxi: dequantize, a test and debugging helper.
-
-# =============================================================================================
-# dequant (a test and debugging helper: the kernels above never build a dequantized matrix)
+# colibri/pyx/dequant.pxi: dequantize, a test and debugging helper (the kernels never build a
+# dequantized matrix).
 
 ctypedef struct DequantJob:
     const Wmat *m

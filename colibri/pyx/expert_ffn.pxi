@@ -1,8 +1,5 @@
-# colibri/pyx/expert_ffn.pxi: the expert FFN (SwiGLU per expert, combined per token
-# in k order) and the dense swiglu.
-
-# =============================================================================================
-# FFN: h = silu(x W_gate.T) * (x W_up.T); y = h W_down.T
+# colibri/pyx/expert_ffn.pxi: the expert FFN, per expert h = silu(x W_gate.T) * (x W_up.T),
+# y = h W_down.T, combined per token in k order (expert_ffn); and the dense swiglu.
 
 cdef enum:
     GATEUP_ROWS = 64            # idot gate/up rows per kernel call (then the SiLU product)

@@ -1,9 +1,6 @@
 # colibri/pyx/group_by_expert.pxi: the (token, k) slots grouped by expert
 # (the dispatch of an MoE layer).
 
-# =============================================================================================
-# dispatch: group the (token, k) slots by expert
-
 cdef void _count_sort(const int32_t *ids, Py_ssize_t n, Py_ssize_t E, int64_t *offsets,
                       int32_t *slots, int64_t *cursor) noexcept nogil:
     """offsets (E+1,): slots of expert e are slots[offsets[e]:offsets[e+1]], ascending.

@@ -1,7 +1,5 @@
-# colibri/pyx/linear.pxi: linear, y = x @ W.T (+ bias), on the row kernel or the GEMM path.
-
-# =============================================================================================
-# linear: y (T, R) = x (T, C) @ W.T (+ bias)
+# colibri/pyx/linear.pxi: linear, y (T, R) = x (T, C) @ W.T (+ bias), on the row kernel or the
+# GEMM path.
 
 cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssize_t n,
                        const float *xsum, Act a, const float *bias, float *y,

@@ -1,10 +1,7 @@
-# colibri/pyx/routing.pxi: routing, router logits -> top-k expert ids and weights.
+# colibri/pyx/routing.pxi: routing, logits (T, E) -> ids (T, K), weights (T, K).
 
 RULES = {"softmax_topk": 0, "topk_softmax": 1}
 
-
-# =============================================================================================
-# routing: logits (T, E) -> ids (T, K), weights (T, K)
 
 cdef void _softmax(const float *v, Py_ssize_t n, float *p) noexcept nogil:
     """p = softmax(v), max-subtracted; exp in f32, sum in f64. Never NaN for non-NaN v:

@@ -1,11 +1,8 @@
-# colibri/pyx/rowops.pxi: a decode step's row operations (RMSNorm, RoPE, attend_cached)
-# and the NumPy C API array checks they and the prepared calls use.
-
-# =============================================================================================
-# row operations of a decode step (csrc/rowops.h): RMSNorm of rows, RoPE of heads in place, and
-# the prepared calls (weights checked once). Their arrays are checked through NumPy's C API
-# (type, dtype, byte order, alignment, C order, writability, shapes): a decode step passes
-# ~150 arrays, and a typed memoryview costs ~1 us of buffer-protocol code per array.
+# colibri/pyx/rowops.pxi: a decode step's row operations (csrc/rowops.h: RMSNorm of rows, RoPE
+# of heads in place) and attend_cached. Their arrays, and those of the prepared calls
+# (prepared.pxi), are checked through NumPy's C API (type, dtype, byte order, alignment, C
+# order, writability, shapes): a decode step passes ~150 arrays, and a typed memoryview costs
+# ~1 us of buffer-protocol code per array.
 
 cdef extern from "csrc/npy.h":
     int colibri_npy_import() except -1

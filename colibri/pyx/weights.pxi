@@ -25,9 +25,6 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 cdef int _isa = colibri_isa_best()
 
 
-# =============================================================================================
-# weights and ISA
-
 def isa_supported(int code):
     """True when this CPU and OS run path `code` (0 scalar, 1 avx2, 2 avx512)."""
     return 0 <= code < COLIBRI_N_ISA and colibri_isa_supported(code) != 0
