@@ -1,4 +1,4 @@
-/* colibri/_rowops.h: the small per-token row operations of a decode step, in plain C.
+/* colibri/csrc/rowops.h: the small per-token row operations of a decode step, in plain C.
  *
  * A decode step normalises and rotates a few vectors per layer (RMSNorm of the residual row
  * twice, RoPE of the q and k heads, q/k norms for some families). In NumPy each is a chain of

@@ -1,4 +1,4 @@
-/* colibri/_npy.h: cheap checks of NumPy arrays through NumPy's C API, for calls made many
+/* colibri/csrc/npy.h: cheap checks of NumPy arrays through NumPy's C API, for calls made many
  * times per decode step (a typed memoryview goes through the buffer protocol: format
  * strings, ~1 us per array).
  *

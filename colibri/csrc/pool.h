@@ -1,4 +1,4 @@
-/* colibri/_pool.h: the kernels' thread pool.
+/* colibri/csrc/pool.h: the kernels' thread pool.
  *
  * Why not OpenMP: a decode step runs ~30 short parallel jobs (0.05-1 ms each) with Python
  * work in between. OpenMP's fork/join gives two bad choices there: idle workers that sleep

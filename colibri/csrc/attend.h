@@ -1,4 +1,4 @@
-/* colibri/_attend.h: attention of one new token over a KV cache (the decode fast path).
+/* colibri/csrc/attend.h: attention of one new token over a KV cache (the decode fast path).
  *
  * For query head h, with kv head g = h / G (G query heads per kv head):
  *   s_j   = scale * (q_h . k_g,j)                      j = 0 .. n-1
@@ -17,7 +17,7 @@
 #ifndef COLIBRI_ATTEND_H
 #define COLIBRI_ATTEND_H
 
-#include "_simd.h"
+#include "avx2.h"   /* the path codes, COLIBRI_AVX2_FN, colibri_exp_neg_avx2 */
 
 /* Query heads per kv head the AVX2 body handles (more: the scalar body). */
 #define COLIBRI_ATTEND_MAX_G 64

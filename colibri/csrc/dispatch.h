@@ -1,0 +1,210 @@
+/* csrc/dispatch.h: the run-time choice of the path. Which paths this CPU and OS run
+ * (colibri_isa_supported, colibri_isa_best), the row-kernel tables per (path, format)
+ * (colibri_dot_for, colibri_idot_for), and the per-path entry points of activation
+ * quantization, SwiGLU and the read kernel. (The GEMM table is in gemm.h.) */
+#ifndef COLIBRI_DISPATCH_H
+#define COLIBRI_DISPATCH_H
+
+#include "scalar.h"
+#include "avx2.h"
+#include "avx2_int.h"
+#include "avx512.h"
+
+/* ------------------------------------------------------------------------------------------
+ * Run-time choice of the path.
+ */
+
+/* 1 when this CPU and OS run the given path (the OS must save the vector registers:
+ * __builtin_cpu_supports checks XCR0 for AVX and AVX-512 state). */
+static int colibri_isa_supported(int isa)
+{
+    if (isa == COLIBRI_ISA_SCALAR) return 1;
+#if COLIBRI_X86
+    {
+        unsigned int a, b, c, d;
+        int f16c;
+        __builtin_cpu_init();
+        f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));   /* CPUID.1:ECX.F16C */
+        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c))
+            return 0;
+        if (isa == COLIBRI_ISA_AVX2) return 1;
+        if (isa == COLIBRI_ISA_AVX512)
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    }
+#endif
+    return 0;
+}
+
+/* The widest supported path. */
+static int colibri_isa_best(void)
+{
+    int isa;
+    for (isa = COLIBRI_N_ISA - 1; isa > 0; isa--)
+        if (colibri_isa_supported(isa)) return isa;
+    return COLIBRI_ISA_SCALAR;
+}
+
+/* The row kernel of (isa, fmt); NULL for an unknown pair or a path not compiled in. */
+static colibri_dot_fn colibri_dot_for(int isa, int fmt)
+{
+    static const colibri_dot_fn scalar[COLIBRI_N_FMT] = {
+        colibri_dot_f32_scalar, colibri_dot_f16_scalar, colibri_dot_bf16_scalar,
+        colibri_dot_q8_scalar, colibri_dot_q4_scalar};
+#if COLIBRI_X86
+    static const colibri_dot_fn avx2[COLIBRI_N_FMT] = {
+        colibri_dot_f32_avx2, colibri_dot_f16_avx2, colibri_dot_bf16_avx2,
+        colibri_dot_q8_avx2, colibri_dot_q4_avx2};
+    static const colibri_dot_fn avx512[COLIBRI_N_FMT] = {
+        colibri_dot_f32_avx512, colibri_dot_f16_avx512, colibri_dot_bf16_avx512,
+        colibri_dot_q8_avx512, colibri_dot_q4_avx512};
+#endif
+    if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
+    if (isa == COLIBRI_ISA_SCALAR) return scalar[fmt];
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2) return avx2[fmt];
+    if (isa == COLIBRI_ISA_AVX512) return avx512[fmt];
+#endif
+    return NULL;
+}
+
+/* One block of activations on path isa (the AVX2 body also serves AVX-512): the same bits. */
+static inline float colibri_quantize_block(int isa, const float *xb, int8_t *lo, int8_t *hi,
+                                           int32_t *s)
+{
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+        return colibri_quantize_block_avx2(xb, lo, hi, s);
+#endif
+    (void)isa;
+    return colibri_quantize_block_scalar(xb, lo, hi, s);
+}
+
+static inline float colibri_quantize_block16(int isa, const float *xb, int16_t *base, int32_t *s)
+{
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+        return colibri_quantize_block16_avx2(xb, base, s);
+#endif
+    (void)isa;
+    return colibri_quantize_block16_scalar(xb, base, s);
+}
+
+/* Code bytes of a packed token row of C columns: C rounded up to a pair of blocks. */
+static inline ptrdiff_t colibri_act_row_bytes(int wide, ptrdiff_t cols)
+{
+    return (wide ? 2 : 1) * ((cols + 63) / 64 * 64);
+}
+
+/* Blocks b0 .. b1 - 1 of the row x (C floats) into the packed row (q, d, s); wide: int16
+ * codes (q then holds 2-byte codes, addressed in bytes), else int8. */
+static inline void colibri_quantize_act(int isa, int wide, const float *x, ptrdiff_t b0,
+                                        ptrdiff_t b1, int8_t *q, float *d, int32_t *s)
+{
+    ptrdiff_t b;
+    for (b = b0; b < b1; b++) {
+        if (wide) {
+            int16_t *base = (int16_t *)(void *)q + 64 * (b >> 1) + 8 * (b & 1);
+            d[colibri_dpos(b)] = colibri_quantize_block16(isa, x + 32 * b, base,
+                                                          s + colibri_dpos(b));
+        } else {
+            int8_t *lo = q + 64 * (b >> 1) + 16 * (b & 1);
+            d[colibri_dpos(b)] = colibri_quantize_block(isa, x + 32 * b, lo, lo + 32,
+                                                        s + colibri_dpos(b));
+        }
+    }
+}
+
+/* A whole token row into the packed layout, with the padding (the partner of an odd last
+ * block: q 0; d, s up to npad entries: 0). */
+static inline void colibri_quantize_pad(int wide, ptrdiff_t cols, int8_t *q, float *d,
+                                        int32_t *s, ptrdiff_t npad)
+{
+    ptrdiff_t b, nb = cols / 32;
+    int i;
+    if (nb & 1) {
+        if (wide) {
+            int16_t *base = (int16_t *)(void *)q + 64 * (nb >> 1) + 8;
+            for (i = 0; i < 4; i++) memset(base + 16 * i, 0, 16);
+        } else {
+            memset(q + 64 * (nb >> 1) + 16, 0, 16);
+            memset(q + 64 * (nb >> 1) + 48, 0, 16);
+        }
+    }
+    for (b = nb; b < npad; b++) { d[colibri_dpos(b)] = 0.0f; s[colibri_dpos(b)] = 0; }
+}
+
+static inline void colibri_quantize_row(int isa, int wide, const float *x, ptrdiff_t cols,
+                                        int8_t *q, float *d, int32_t *s, ptrdiff_t npad)
+{
+    colibri_quantize_act(isa, wide, x, 0, cols / 32, q, d, s);
+    colibri_quantize_pad(wide, cols, q, d, s, npad);
+}
+
+/* The plain layout (quantize_activations): q (cols codes: int8, or int16 when wide),
+ * d (cols / 32). */
+static inline void colibri_quantize_plain(int isa, int wide, const float *x, ptrdiff_t cols,
+                                          void *q, float *d)
+{
+    ptrdiff_t b;
+    int32_t s;
+    int i;
+    for (b = 0; b < cols / 32; b++) {
+        if (wide) {
+            int16_t packed[64], *out = (int16_t *)q + 32 * b;
+            d[b] = colibri_quantize_block16(isa, x + 32 * b, packed, &s);
+            for (i = 0; i < 32; i++) out[i] = packed[16 * (i >> 3) + (i & 7)];
+        } else {
+            int8_t *out = (int8_t *)q + 32 * b;
+            d[b] = colibri_quantize_block(isa, x + 32 * b, out, out + 16, &s);
+        }
+    }
+}
+
+/* The SwiGLU product of n values in place: h[i] = silu(h[i]) * u[i]. Scalar: libm expf;
+ * AVX2 (and AVX-512): an exp polynomial (~1 ulp), so the paths agree to a few ulp, not bit
+ * for bit; on one path the result of an element depends only on h[i] and u[i]. */
+static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t n)
+{
+    ptrdiff_t i;
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
+        colibri_silu_mul_avx2(h, u, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (i = 0; i < n; i++) h[i] = colibri_silu(h[i]) * u[i];
+}
+
+/* The quantized-activation row kernel of (isa, fmt, wide: int16 codes, else int8); NULL
+ * unless fmt is q8 or q4. The AVX-512 path runs the AVX2 bodies (every AVX-512 CPU has
+ * AVX2): an AVX-512-specific body (VNNI's vpdpbusd / vpdpwssd) could not be tested on the
+ * machines this was written on, so it does not exist yet. */
+static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
+{
+    if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
+    if (isa == COLIBRI_ISA_SCALAR) {
+        if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_scalar : colibri_idot16_q4_scalar;
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
+    }
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
+        if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;
+    }
+#endif
+    return NULL;
+}
+
+static uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)
+{
+#if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX512) return colibri_read_sum_avx512(p, n);
+    if (isa == COLIBRI_ISA_AVX2) return colibri_read_sum_avx2(p, n);
+#endif
+    (void)isa;
+    return colibri_read_sum_scalar(p, n);
+}
+
+#endif /* COLIBRI_DISPATCH_H */

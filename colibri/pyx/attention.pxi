@@ -1,0 +1,73 @@
+# colibri/pyx/attention.pxi: decode attention, one token's query heads over a KV cache
+# slice (csrc/attend.h).
+
+ctypedef struct AttendJob:
+    # work item g = the G query heads of kv head g
+    const float *q
+    const float *k
+    const float *v
+    float *out
+    float *s                    # G * n floats of score scratch per thread
+    Py_ssize_t hs, rs, n
+    int G, Dh, isa
+    float scale
+
+
+cdef _attend_run(const float *q, const float *k, const float *v, float *out, Py_ssize_t hs,
+                 Py_ssize_t rs, Py_ssize_t n, Py_ssize_t H, Py_ssize_t Hkv, Py_ssize_t Dh,
+                 float scale, int threads, str name):
+    """The attention of H query heads q (H, Dh) over n keys / values of Hkv heads (head h
+    at k + h * hs, position j at + j * rs; v the same) into out (H, Dh), on the pool, one
+    work item per kv head (checked arguments)."""
+    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
+    if nth > Hkv:
+        nth = <int>Hkv
+    cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
+    if scratch == NULL:
+        raise MemoryError(f"{name}: no memory for {nth} x {n} scores")
+    cdef AttendJob job
+    job.q, job.k, job.v, job.out, job.s = q, k, v, out, scratch
+    job.hs, job.rs, job.n = hs, rs, n
+    job.G, job.Dh, job.isa, job.scale = <int>(H // Hkv), <int>Dh, _isa, scale
+    try:
+        with nogil:
+            colibri_pool_run(nth, _attend_task, &job, Hkv)
+    finally:
+        free(scratch)
+
+
+cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:
+    cdef const AttendJob *j = <const AttendJob *>ctx
+    colibri_attend(j.isa, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
+                   j.s + colibri_worker_num() * j.n * j.G, j.out, <int>(g * j.G),
+                   <int>((g + 1) * j.G))
+
+
+def attend_decode(const float[:, ::1] q, const float[:, :, :] k, const float[:, :, :] v,
+                  float scale, float[:, ::1] out, int threads):
+    """out (H, Dh) = softmax(scale * q k^T) v per head; q (H, Dh), k and v (Hkv, n, Dh)
+    float32 (rows contiguous, heads and positions strided), H a multiple of Hkv."""
+    _check_threads(threads)
+    cdef Py_ssize_t H = q.shape[0], Dh = q.shape[1], Hkv = k.shape[0], n = k.shape[1]
+    if k.shape[2] != Dh or v.shape[0] != Hkv or v.shape[1] != n or v.shape[2] != Dh:
+        raise ValueError(f"attend_decode: k ({k.shape[0]}, {k.shape[1]}, {k.shape[2]}) and v "
+                         f"({v.shape[0]}, {v.shape[1]}, {v.shape[2]}) must both be "
+                         f"(Hkv, n, {Dh}) for q of shape ({H}, {Dh})")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"attend_decode: {H} query heads are not a multiple of {Hkv} kv heads")
+    if n < 1:
+        raise ValueError("attend_decode: no position to attend to (n = 0)")
+    if out.shape[0] != H or out.shape[1] != Dh:
+        raise ValueError(f"attend_decode: out has shape ({out.shape[0]}, {out.shape[1]}), "
+                         f"expected ({H}, {Dh})")
+    if (k.strides[1] != v.strides[1] or k.strides[0] != v.strides[0] or k.strides[2] != 4
+            or v.strides[2] != 4 or k.strides[1] % 4 or k.strides[0] % 4):
+        raise ValueError("attend_decode: k and v must have the same strides, rows contiguous")
+    cdef const char *q0 = <const char *>&q[0, 0]
+    cdef const char *o0 = <const char *>&out[0, 0]
+    if q0 < o0 + 4 * H * Dh and o0 < q0 + 4 * H * Dh:
+        raise ValueError("attend_decode: out must not overlap q")
+    if Dh == 0:
+        return
+    _attend_run(&q[0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0], k.strides[0] // 4,
+                k.strides[1] // 4, n, H, Hkv, Dh, scale, threads, "attend_decode")
