@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__
+from . import __version__, dtypes
 from . import quant as qmod
 from .errors import ColibriError
 from .families import Family, canonical_tensors, get_family
@@ -283,7 +283,7 @@ def _pick_group_size(tensors: list[PlannedTensor], group_size: int | None) -> in
     if group_size is not None:
         for t in quantized:
             try:
-                qmod.check_group_size(t.canon.shape[-1], group_size, t.name)
+                dtypes.check_group_size(t.canon.shape[-1], group_size, t.name)
             except ValueError as e:
                 raise ColibriError(f"--group-size: {e}") from None
         return group_size

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri import quant
+from colibri import dtypes, quant
 from colibri.errors import ColibriError, ColibriFormatError
 from colibri.format import (
     ColibriFile, ColibriWriter, QuantizedTensor, TensorSpec, save,
@@ -141,7 +141,9 @@ def model_tensors(seed: int = 0, expert_dtypes=("q4", "bf16")) -> dict:
 
 METADATA = {
     "config": {"model_type": "toy", "hidden_size": D, "ünïcode": "γειά σου ✓"},
-    "arch": {"family": "toy", "num_experts": E},
+    "arch": {"family": "toy", "vocab_size": V, "hidden_size": D, "num_hidden_layers": L,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": I},
     "tokenizer": {"files": {"tokenizer.json": "{\"version\": \"1.0\"}"}},
     "user": {"licence": "apache-2.0", "note": "日本語"},
     "converter": {"colibri_version": "0.1.0"},
@@ -188,7 +190,7 @@ def test_roundtrip_every_dtype_and_rank(tmp_path, dtype):
             info = cf.tensors[name]
             want = encoded(a, dtype, gs)
             assert (info.dtype, info.shape, info.group_size) == (dtype, a.shape, gs)
-            assert info.nbytes == len(want) == quant.tensor_nbytes(dtype, a.shape, gs)
+            assert info.nbytes == len(want) == dtypes.tensor_nbytes(dtype, a.shape, gs)
             assert info.crc32 == zlib.crc32(want)
             # The exact bytes the encoding defines, at the recorded offset.
             assert bytes(cf.buffer[info.offset: info.offset + info.nbytes]) == want
@@ -405,7 +407,7 @@ def test_writer_any_order_chunked_and_raw(tmp_path, monkeypatch):
     calls = []
     real = quant.encode
     monkeypatch.setattr(quant, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(fmt, "_WRITE_CHUNK", 64 * 4 * 7)  # 7 rows
+    monkeypatch.setattr(fmt.writer, "_WRITE_CHUNK", 64 * 4 * 7)  # 7 rows
     save(tmp_path / "big.colibri", {"x": (big, "q8")}, group_size=G)
     assert len(calls) == 43                     # ceil(300 / 7) chunks
     with ColibriFile(tmp_path / "big.colibri") as cf:

@@ -23,7 +23,7 @@ import zlib
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, dtypes, kernels as K, quant
 from colibri import _reference as R
 
 FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
@@ -63,7 +63,7 @@ def rng_for(*key) -> np.random.Generator:
 def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[K.WeightRef, np.ndarray]:
     """A random WeightRef of logical shape (R, C) or (E, R, C), and its f32 source."""
     w = (rng.standard_normal(shape) * scale).astype(F32)
-    return K.WeightRef.from_array(w, fmt, group_size if fmt in quant.QUANTIZED else 0), w
+    return K.WeightRef.from_array(w, fmt, group_size if fmt in dtypes.QUANTIZED else 0), w
 
 
 def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
@@ -72,7 +72,7 @@ def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
     if w.dtype == "q4":
         start = w.offset + expert * w.expert_stride
         rows = np.asarray(w.buf)[start:start + w.rows * w.row_stride].reshape(w.rows, -1)
-        _, scales = quant.split_rows(rows[:, :quant.row_stride("q4", w.cols, w.group_size)],
+        _, scales = quant.split_rows(rows[:, :dtypes.row_stride("q4", w.cols, w.group_size)],
                                      "q4", w.cols, w.group_size)
         W = W + 8 * np.repeat(np.abs(scales.astype(np.float64)), w.group_size, axis=1)
     return np.abs(np.atleast_2d(x)).astype(np.float64) @ W.T
@@ -270,7 +270,7 @@ def test_default_threads(monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_matches_quant_and_reference(fmt):
     rng = rng_for("deq", fmt)
-    for G in ((32, 64) if fmt in quant.QUANTIZED else (0,)):
+    for G in ((32, 64) if fmt in dtypes.QUANTIZED else (0,)):
         shape = (3, 5, 128) if G else (3, 5, 37)
         w, src = make_weight(rng, shape, fmt, G)
         full = quant.decode(w.buf, fmt, shape, G)
@@ -309,7 +309,7 @@ QUANT_SHAPES = [(1, 1, 32, 32), (1, 37, 128, 64), (5, 19, 256, 128), (9, 13, 96,
 
 
 def linear_cases(fmt):
-    if fmt in quant.QUANTIZED:
+    if fmt in dtypes.QUANTIZED:
         return QUANT_SHAPES
     return [(T, Rr, C, 0) for T, Rr, C in PLAIN_SHAPES]
 
@@ -335,7 +335,7 @@ def test_linear_matches_reference(isa, threads, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_expert_stack_and_out(isa, fmt):
     rng = rng_for("stack", fmt)
-    C = 64 if fmt in quant.QUANTIZED else 50
+    C = 64 if fmt in dtypes.QUANTIZED else 50
     w, _ = make_weight(rng, (4, 11, C), fmt, 32)
     x = rng.standard_normal((6, C)).astype(F32)
     out = np.full((6, 11), np.nan, dtype=F32)
@@ -369,7 +369,7 @@ def test_linear_argument_errors():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_bit_identical_across_threads(isa, fmt):
     rng = rng_for("threads", fmt)
-    C = 128 if fmt in quant.QUANTIZED else 99
+    C = 128 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (203, C), fmt, 64)
     x = rng.standard_normal((7, C)).astype(F32)
     y1 = K.linear(x, w, threads=1)
@@ -392,7 +392,7 @@ def test_token_result_independent_of_batch(isa, fmt, row_kernel_only):
     at every position of the block: linear and the expert FFN. (From GEMM_MIN tokens on the
     GEMM path takes over: test_gemm_token_result_independent_of_batch.)"""
     rng = rng_for("batch", fmt)
-    C = 128 if fmt in quant.QUANTIZED else 99
+    C = 128 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (37, C), fmt, 32)
     x = rng.standard_normal((11, C)).astype(F32)
     block = K.linear(x, w, threads=2)
@@ -434,7 +434,7 @@ def test_min_parallel_bytes_changes_nothing_but_speed(isa):
 def test_isa_paths_agree_with_scalar(fmt):
     """Every SIMD path against the scalar path: same data, within the dot-product bound."""
     rng = rng_for("agree", fmt)
-    C = 256 if fmt in quant.QUANTIZED else 173
+    C = 256 if fmt in dtypes.QUANTIZED else 173
     w, _ = make_weight(rng, (29, C), fmt, 32)
     x = rng.standard_normal((5, C)).astype(F32)
     previous = K.get_isa()
@@ -460,7 +460,7 @@ GEMM_PLAIN_SHAPES = [(53, 300, 0), (25, 45, 0), (4, 5, 0), (50, 512, 0)]
 
 
 def gemm_shapes(fmt):
-    return GEMM_QUANT_SHAPES if fmt in quant.QUANTIZED else GEMM_PLAIN_SHAPES
+    return GEMM_QUANT_SHAPES if fmt in dtypes.QUANTIZED else GEMM_PLAIN_SHAPES
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -483,7 +483,7 @@ def test_gemm_linear_matches_reference(isa, threads, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemm_linear_bit_identical_across_threads(isa, fmt):
     rng = rng_for("gemm-threads", fmt)
-    C = 320 if fmt in quant.QUANTIZED else 301
+    C = 320 if fmt in dtypes.QUANTIZED else 301
     w, _ = make_weight(rng, (203, C), fmt, 64)
     for T in (GEMM_MIN, 13, 130):
         x = rng.standard_normal((T, C)).astype(F32)
@@ -498,7 +498,7 @@ def test_gemm_token_result_independent_of_batch(isa, fmt):
     tokens (whatever its position, the token blocks and passes of the call), and is within
     the dot bound of its row-kernel result (alone): linear and the expert FFN."""
     rng = rng_for("gemm-batch", fmt)
-    C = 320 if fmt in quant.QUANTIZED else 99
+    C = 320 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (37, C), fmt, 32)
     x = rng.standard_normal((130, C)).astype(F32)
     block = K.linear(x, w, threads=2)
@@ -732,7 +732,7 @@ def test_group_by_expert():
 
 def ffn_dims(fmt):
     """(D, I, group): odd sizes where the format allows, group-size multiples otherwise."""
-    return (64, 96, 32) if fmt in quant.QUANTIZED else (45, 67, 0)
+    return (64, 96, 32) if fmt in dtypes.QUANTIZED else (45, 67, 0)
 
 
 def make_experts(rng, E, D, I, fmts, G):
@@ -748,7 +748,7 @@ def poison_expert(*weights_and_e):
     *ws, e = weights_and_e
     for w in ws:
         start = w.offset + e * w.expert_stride
-        w.buf[start:start + (w.rows - 1) * w.row_stride + quant.row_stride(
+        w.buf[start:start + (w.rows - 1) * w.row_stride + dtypes.row_stride(
             w.dtype, w.cols, w.group_size)] = 0xFF
 
 
@@ -888,8 +888,8 @@ def test_read_only_mmap_with_file_layout(tmp_path, isa, fmt):
     page, head = 4096, 101                  # odd: unaligned elements
     mats = {n: (rng.standard_normal(s) * 0.3).astype(F32)
             for n, s in (("gate", (E, I, D)), ("up", (E, I, D)), ("down", (E, D, I)))}
-    g = G if fmt in quant.QUANTIZED else 0
-    sizes = {n: quant.tensor_nbytes(fmt, m.shape[1:], g) for n, m in mats.items()}
+    g = G if fmt in dtypes.QUANTIZED else 0
+    sizes = {n: dtypes.tensor_nbytes(fmt, m.shape[1:], g) for n, m in mats.items()}
     stride = -(-sum(sizes.values()) // page) * page
     blob = bytearray(head + E * stride)
     blob[:head] = rng.integers(0, 256, head, dtype=np.uint8).tobytes()
@@ -958,7 +958,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
             enc = quant.encode((rng.standard_normal(shape) * 0.3).astype(F32), "q4", G)
             blob[e * stride + offset:e * stride + offset + enc.size] = enc.tobytes()
         ws[name] = offset
-        offset += quant.tensor_nbytes("q4", shape, G)
+        offset += dtypes.tensor_nbytes("q4", shape, G)
     path = tmp_path / "sparse.bin"
     path.write_bytes(bytes(blob))
     with open(path, "rb") as f:
