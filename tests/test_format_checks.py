@@ -2,7 +2,6 @@
 foreign, inconsistent), and the full-read checks of validate()."""
 from __future__ import annotations
 
-import json
 import struct
 import time
 import tracemalloc
@@ -152,11 +151,7 @@ def test_foreign_files(tmp_path):
 
 
 DENSE = "lm_head"              # f32 (V, D)
-
-
 ROUTER = "layers.1.moe.router"
-
-
 EXPERT0 = "layers.0.moe.experts.0.w_gate"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri.format import ColibriFile, save, spec
+from colibri.format import ColibriFile, spec
 
 from format_helpers import (  # model_path, model_bytes are fixtures
     HEADER, RECORD, EXPERT, CODES, get, record_base, expert_base, model_tensors, METADATA,

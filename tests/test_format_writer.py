@@ -13,12 +13,10 @@ from colibri import dtypes, quant
 from colibri.format import ColibriFile, ColibriWriter, QuantizedTensor, TensorSpec, save
 from colibri import format as fmt
 
-from format_helpers import CODES, G, write, specs_for, small
+from format_helpers import CODES, G, specs_for, small
 
 
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 5), (2, 1, 3, 5)]
-
-
 QSHAPES = [(64,), (3, 64), (2, 3, 96), (2, 1, 3, 32)]
 
 
