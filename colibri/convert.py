@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__
+from . import __version__, dtypes
 from . import quant as qmod
 from .config import ModelConfig
 from .errors import ColibriError
@@ -285,7 +285,7 @@ def _pick_group_size(tensors: list[PlannedTensor], group_size: int | None) -> in
     if group_size is not None:
         for t in quantized:
             try:
-                qmod.check_group_size(t.canon.shape[-1], group_size, t.name)
+                dtypes.check_group_size(t.canon.shape[-1], group_size, t.name)
             except ValueError as e:
                 raise ColibriError(f"--group-size: {e}") from None
         return group_size

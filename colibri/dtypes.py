@@ -11,12 +11,13 @@ in csrc/types.h); i32 is stored but never multiplied.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = ["DType", "DTYPES", "DTYPE_NAMES", "QUANTIZED", "MATMUL", "BLOCK", "dtype",
-           "row_stride", "by_code"]
+           "row_stride", "by_code", "check_group_size", "tensor_nbytes"]
 
 BLOCK = 32          # quantization group sizes are positive multiples of this
 
@@ -63,17 +64,40 @@ def by_code(code: int) -> DType:
     return DTYPES[DTYPE_NAMES[int(code)]]
 
 
+def check_group_size(cols: int, group_size: int, name: str) -> None:
+    """ValueError naming tensor `name` unless `group_size` suits a quantized row of `cols`
+    columns: an int, a positive multiple of BLOCK, dividing cols (the input dimension)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise ValueError(f"tensor {name!r}: group_size must be an int, found {group_size!r}")
+    if group_size <= 0 or group_size % BLOCK:
+        raise ValueError(f"tensor {name!r}: group_size {group_size} is not a positive "
+                         f"multiple of {BLOCK}")
+    if cols <= 0 or cols % group_size:
+        raise ValueError(f"tensor {name!r}: group_size {group_size} does not divide its "
+                         f"{cols} columns (the input dimension)")
+
+
 def row_stride(name: str, cols: int, group_size: int = 0) -> int:
     """Bytes of one stored row of `cols` elements of format `name` (see the module docstring).
 
-    group_size is ignored for plain formats; for quantized ones it must be a positive multiple
-    of BLOCK dividing cols (ValueError otherwise)."""
+    group_size is ignored for plain formats; for quantized ones it must pass
+    check_group_size (ValueError otherwise)."""
     d = dtype(name)
     cols = int(cols)
     if not d.quantized:
         return cols * d.bits // 8
     g = int(group_size)
-    if g <= 0 or g % BLOCK or cols <= 0 or cols % g:
-        raise ValueError(f"{name}: group_size {group_size} must be a positive multiple of "
-                         f"{BLOCK} dividing the {cols} columns")
+    check_group_size(cols, g, f"<{cols} columns>")
     return cols * d.bits // 8 + (cols // g) * 2
+
+
+def tensor_nbytes(name: str, shape: tuple[int, ...], group_size: int = 0) -> int:
+    """Bytes a tensor of format `name` and logical `shape` (..., R, C) occupies in the file:
+    prod(shape) elements, or prod(shape[:-1]) rows of row_stride (Python ints, no overflow)."""
+    d = dtype(name)
+    shape = tuple(int(n) for n in shape)
+    if not shape or any(n <= 0 for n in shape):
+        raise ValueError(f"shape {shape} must have at least one dimension, all > 0")
+    if not d.quantized:
+        return math.prod(shape) * d.bits // 8
+    return math.prod(shape[:-1]) * row_stride(name, shape[-1], group_size)

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _kernels, quant
+from . import _kernels, dtypes, quant
 
 __all__ = [
     "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
@@ -86,7 +86,7 @@ class WeightRef:
     dtype:         "f32" | "f16" | "bf16" | "q8" | "q4" (SPEC 1.5).
     rows, cols:    logical (R, C) of one matrix; y = W @ x reduces over C.
     group_size:    G, for q8/q4 (a multiple of 32 dividing C); 0 otherwise.
-    row_stride:    bytes between rows; 0 means packed (quant.row_stride / C * itemsize).
+    row_stride:    bytes between rows; 0 means packed (dtypes.row_stride).
     n_experts:     E matrices of the same shape ...
     expert_stride: ... this many bytes apart; 0 means packed (rows * row_stride).
 
@@ -123,11 +123,11 @@ class WeightRef:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ValueError(f"WeightRef: {name} must be an int, found {v!r}")
             object.__setattr__(self, name, int(v))
-        if self.dtype in quant.QUANTIZED:
-            quant.check_group_size(self.cols, self.group_size, f"WeightRef {self.dtype}")
+        if self.dtype in dtypes.QUANTIZED:
+            dtypes.check_group_size(self.cols, self.group_size, f"WeightRef {self.dtype}")
         if self.row_stride == 0 and self.cols > 0:
             object.__setattr__(self, "row_stride",
-                               quant.row_stride(self.dtype, self.cols, self.group_size))
+                               dtypes.row_stride(self.dtype, self.cols, self.group_size))
         if self.expert_stride == 0 and self.n_experts > 1:
             object.__setattr__(self, "expert_stride", self.rows * self.row_stride)
         _kernels.weight_span(self, "WeightRef")
@@ -145,7 +145,7 @@ class WeightRef:
         if dtype not in WEIGHT_DTYPES:
             raise ValueError(f"WeightRef.from_array: dtype {dtype!r} is not one of "
                              f"{', '.join(WEIGHT_DTYPES)}")
-        gs = int(group_size) if dtype in quant.QUANTIZED else 0
+        gs = int(group_size) if dtype in dtypes.QUANTIZED else 0
         E = w.shape[0] if w.ndim == 3 else 1
         R, C = w.shape[-2:]
         buf = quant.encode(w, dtype, gs)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import kernels, quant
+from . import dtypes, kernels, quant
 from .attention import Attention, DecodeWork, Rope, build_mask, rms_norm, rms_norm_row
 from .errors import ColibriError
 from .format import ColibriFile, QuantizedTensor
@@ -49,7 +49,7 @@ _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 def _row_stride(dtype: str, cols: int, group_size: int) -> int:
     if dtype in _ITEMSIZE:
         return cols * _ITEMSIZE[dtype]
-    return quant.row_stride(dtype, cols, group_size)
+    return dtypes.row_stride(dtype, cols, group_size)
 
 
 def weight_ref(f: ColibriFile, buf: np.ndarray, name: str) -> WeightRef:
@@ -57,7 +57,7 @@ def weight_ref(f: ColibriFile, buf: np.ndarray, name: str) -> WeightRef:
     info = f.info(name)
     if len(info.shape) != 2:
         raise ColibriError(f"{f.path}: tensor {name!r} has shape {info.shape}; expected a matrix")
-    if info.dtype not in _ITEMSIZE and info.dtype not in quant.QUANTIZED:
+    if info.dtype not in _ITEMSIZE and info.dtype not in dtypes.QUANTIZED:
         raise ColibriError(f"{f.path}: tensor {name!r} has dtype {info.dtype}, which the "
                            f"kernels cannot multiply by")
     R, C = info.shape

@@ -1,7 +1,9 @@
 """Weight encodings of the .colibri file: f32, f16, bf16, i32, and group-quantized q8 / q4.
 
-This module is the NumPy definition of the bytes the file holds (format §1.5): the converter
-encodes with it, the reader decodes with it, and the kernels are tested against it.
+This module is the NumPy definition of the bytes the file holds (docs/format.md §6): the
+converter encodes with it, the reader decodes with it, and the kernels are tested against it.
+The sizes and the group-size rule of each format are colibri.dtypes' (row_stride,
+tensor_nbytes, check_group_size); this module does the encoding work.
 
 Quantized tensors have a logical shape (..., R, C); C is the input (reduction) dimension and is
 split into C/G groups of G = group_size consecutive elements, one float16 scale per group.
@@ -37,88 +39,24 @@ few MB whatever the tensor size; only the outputs are full size.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import numpy as np
+
+from . import dtypes
 
 # Chosen by measurement (docs/quantization.md, scripts/measure_quant_error.py): on heavy-tailed
 # and outlier-column weights, G64 -> G32 buys 7-10 dB of q4 SNR per extra bit (> 6.02 dB/bit).
 DEFAULT_GROUP_SIZE: int = 32
 
-DTYPE_CODES: dict[str, int] = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "i32": 5}
-DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
-QUANTIZED: tuple[str, ...] = ("q8", "q4")
-
-_BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8": 8, "q4": 4, "i32": 32}
-# Little-endian NumPy dtypes of the plain encodings (bf16 is stored as its uint16 bits).
-_NP_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2"),
-              "i32": np.dtype("<i4")}
 _F16 = np.dtype("<f2")
 _F16_MAX = float(np.finfo(np.float16).max)        # 65504
-BLOCK = 32                                          # group sizes are multiples of this
 CHUNK_ELEMENTS = 1 << 20                            # ~4 MB of f32 per working chunk
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE", "DTYPE_CODES", "DTYPE_NAMES", "QUANTIZED", "bits", "row_stride",
-    "tensor_nbytes", "check_group_size", "f32_to_bf16", "bf16_to_f32", "quantize_q8",
-    "quantize_q4", "dequantize_q8", "dequantize_q4", "encode", "decode", "split_rows",
+    "DEFAULT_GROUP_SIZE", "f32_to_bf16", "bf16_to_f32", "quantize_q8", "quantize_q4",
+    "dequantize_q8", "dequantize_q4", "encode", "decode", "split_rows",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# sizes
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in _BITS:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(_BITS)}")
-
-
-def bits(dtype: str) -> int:
-    """Bits per stored element (q8 8, q4 4), scales not included."""
-    _check_dtype(dtype)
-    return _BITS[dtype]
-
-
-def check_group_size(cols: int, group_size: int, name: str) -> None:
-    """Raise ValueError naming tensor `name` unless `group_size` is valid for `cols` columns.
-
-    Valid: a positive multiple of 32 that divides cols (the input dimension).
-    """
-    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
-        raise ValueError(f"tensor {name!r}: group_size must be an int, found {group_size!r}")
-    if group_size <= 0 or group_size % BLOCK:
-        raise ValueError(f"tensor {name!r}: group_size {group_size} is not a positive "
-                         f"multiple of {BLOCK}")
-    if cols <= 0 or cols % group_size:
-        raise ValueError(f"tensor {name!r}: group_size {group_size} does not divide its "
-                         f"{cols} columns (the input dimension)")
-
-
-def row_stride(dtype: str, cols: int, group_size: int) -> int:
-    """Bytes of one stored row of `cols` elements.
-
-    Quantized: cols * bits / 8 quant bytes + (cols / group_size) f16 scales.
-    Plain dtypes: cols * itemsize (group_size ignored).
-    """
-    _check_dtype(dtype)
-    cols = int(cols)
-    if dtype not in QUANTIZED:
-        return cols * _BITS[dtype] // 8
-    check_group_size(cols, int(group_size), f"<{cols} columns>")
-    return cols * _BITS[dtype] // 8 + (cols // int(group_size)) * 2
-
-
-def tensor_nbytes(dtype: str, shape: tuple[int, ...], group_size: int = 0) -> int:
-    """Bytes a tensor of logical `shape` occupies in the file (Python ints, no overflow)."""
-    _check_dtype(dtype)
-    shape = tuple(int(d) for d in shape)
-    if not shape or any(d <= 0 for d in shape):
-        raise ValueError(f"shape {shape} must have at least one dimension, all > 0")
-    if dtype not in QUANTIZED:
-        return math.prod(shape) * _BITS[dtype] // 8
-    return math.prod(shape[:-1]) * row_stride(dtype, shape[-1], group_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +150,7 @@ def _prepare(w: np.ndarray, group_size: int, fmt: str, name: str | None) -> np.n
         pass                                          # widened exactly per chunk
     elif not np.issubdtype(w.dtype, np.floating):
         raise ValueError(f"{fmt}: {_label(name)} has dtype {w.dtype}; expected floating point")
-    check_group_size(w.shape[-1], int(group_size), name or "<unnamed>")
+    dtypes.check_group_size(w.shape[-1], int(group_size), name or "<unnamed>")
     if w.ndim == 1:
         return w.reshape(1, -1)
     return w.reshape(-1, w.shape[-1])                # copies only if w is not C-reshapable
@@ -376,7 +314,7 @@ def _dequantize(qd: np.ndarray, scales: np.ndarray, group_size: int, fmt: str) -
         raise ValueError(f"dequantize_{fmt} expects float16 scales, found {scales.dtype}")
     G = int(group_size)
     cols = qd.shape[-1] * (2 if fmt == "q4" else 1)
-    check_group_size(cols, G, f"<{fmt} data>")
+    dtypes.check_group_size(cols, G, f"<{fmt} data>")
     if scales.shape != qd.shape[:-1] + (cols // G,):
         raise ValueError(f"dequantize_{fmt}: scales shape {scales.shape} does not match data "
                          f"shape {qd.shape} with group_size {G} (expected "
@@ -412,18 +350,18 @@ def split_rows(rows: np.ndarray, dtype: str, cols: int, group_size: int
       scales float16 (..., C / G)        (possibly unaligned; NumPy handles that)
     Both share memory with `rows` (and stay read-only when it is).
     """
-    if dtype not in QUANTIZED:
-        raise ValueError(f"split_rows needs a quantized dtype ({', '.join(QUANTIZED)}), "
+    if dtype not in dtypes.QUANTIZED:
+        raise ValueError(f"split_rows needs a quantized dtype ({', '.join(dtypes.QUANTIZED)}), "
                          f"found {dtype!r}")
     rows = np.asarray(rows)
-    stride = row_stride(dtype, cols, group_size)
+    stride = dtypes.row_stride(dtype, cols, group_size)
     if rows.dtype != np.uint8 or rows.ndim < 1 or rows.shape[-1] != stride:
         raise ValueError(f"split_rows: expected uint8 rows of {stride} bytes ({dtype}, {cols} "
                          f"columns, group_size {group_size}), found {rows.dtype} with shape "
                          f"{rows.shape}")
     if rows.strides[-1] != 1:
         raise ValueError("split_rows: the last axis of the rows must be contiguous")
-    qbytes = int(cols) * _BITS[dtype] // 8
+    qbytes = int(cols) * dtypes.DTYPES[dtype].bits // 8
     qdata = rows[..., :qbytes]
     scales = rows[..., qbytes:].view(_F16)
     return qdata, scales
@@ -431,20 +369,20 @@ def split_rows(rows: np.ndarray, dtype: str, cols: int, group_size: int
 
 def encode(w: np.ndarray, dtype: str, group_size: int = 0, *, name: str | None = None
            ) -> np.ndarray:
-    """w in logical shape -> 1-D uint8, exactly the bytes the file stores for it (§1.5).
+    """w in logical shape -> 1-D uint8, exactly the bytes the file stores for it (format §6).
 
     f32/f16: IEEE little-endian (f16 rounds to nearest even; a finite value beyond the f16
     range is an error, not inf). bf16: f32_to_bf16 bits; a uint16 array is taken as bf16 bits
     already (the reader's view of bf16). i32: int32 (integer input in range).
     q8/q4: each row is its quant bytes followed by its f16 scales.
     """
-    _check_dtype(dtype)
+    dtypes.dtype(dtype)                             # ValueError naming the known ones
     w = np.asarray(w)
-    if dtype in QUANTIZED:
+    if dtype in dtypes.QUANTIZED:
         # Quantize straight into the row buffer: the output is the only full-size array.
         w2 = _prepare(w, group_size, f"encode {dtype}", name)
         n, cols = w2.shape
-        out = np.empty((n, row_stride(dtype, cols, group_size)), dtype=np.uint8)
+        out = np.empty((n, dtypes.row_stride(dtype, cols, group_size)), dtype=np.uint8)
         qdv, scv = split_rows(out, dtype, cols, group_size)
         into = _quantize_q8_into if dtype == "q8" else _quantize_q4_into
         into(w2, int(group_size), name, qdv, scv)
@@ -480,20 +418,20 @@ def decode(raw: np.ndarray, dtype: str, shape: tuple[int, ...], group_size: int 
 
     float32 for every dtype except i32, which decodes to int32 (exact).
     """
-    _check_dtype(dtype)
+    dtypes.dtype(dtype)                             # ValueError naming the known ones
     raw = np.asarray(raw)
     shape = tuple(int(d) for d in shape)
-    need = tensor_nbytes(dtype, shape, group_size)
+    need = dtypes.tensor_nbytes(dtype, shape, group_size)
     if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size != need:
         raise ValueError(f"decode {dtype} {shape}: expected {need} bytes (1-D uint8), found "
                          f"{raw.size} bytes of dtype {raw.dtype} with shape {raw.shape}")
-    if dtype in QUANTIZED:
+    if dtype in dtypes.QUANTIZED:
         cols = shape[-1]
-        rows = raw.reshape(-1, row_stride(dtype, cols, group_size))
+        rows = raw.reshape(-1, dtypes.row_stride(dtype, cols, group_size))
         qd, sc = split_rows(rows, dtype, cols, group_size)
         deq = dequantize_q8 if dtype == "q8" else dequantize_q4
         return deq(qd, sc, group_size).reshape(shape)
-    a = raw.view(_NP_DTYPES[dtype]).reshape(shape)
+    a = raw.view(dtypes.DTYPES[dtype].storage).reshape(shape)
     if dtype == "bf16":
         return bf16_to_f32(a.astype(np.uint16, copy=False))
     if dtype == "i32":

@@ -24,7 +24,7 @@ import zlib
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, dtypes, kernels as K, quant
 from colibri import _reference as R
 
 FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
@@ -64,7 +64,7 @@ def rng_for(*key) -> np.random.Generator:
 def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[K.WeightRef, np.ndarray]:
     """A random WeightRef of logical shape (R, C) or (E, R, C), and its f32 source."""
     w = (rng.standard_normal(shape) * scale).astype(F32)
-    return K.WeightRef.from_array(w, fmt, group_size if fmt in quant.QUANTIZED else 0), w
+    return K.WeightRef.from_array(w, fmt, group_size if fmt in dtypes.QUANTIZED else 0), w
 
 
 def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
@@ -73,7 +73,7 @@ def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
     if w.dtype == "q4":
         start = w.offset + expert * w.expert_stride
         rows = np.asarray(w.buf)[start:start + w.rows * w.row_stride].reshape(w.rows, -1)
-        _, scales = quant.split_rows(rows[:, :quant.row_stride("q4", w.cols, w.group_size)],
+        _, scales = quant.split_rows(rows[:, :dtypes.row_stride("q4", w.cols, w.group_size)],
                                      "q4", w.cols, w.group_size)
         W = W + 8 * np.repeat(np.abs(scales.astype(np.float64)), w.group_size, axis=1)
     return np.abs(np.atleast_2d(x)).astype(np.float64) @ W.T
@@ -94,7 +94,7 @@ def assert_ffn_close(y, y_ref, what=""):
 
 def ffn_dims(fmt):
     """(D, I, group): odd sizes where the format allows, group-size multiples otherwise."""
-    return (64, 96, 32) if fmt in quant.QUANTIZED else (45, 67, 0)
+    return (64, 96, 32) if fmt in dtypes.QUANTIZED else (45, 67, 0)
 
 
 def make_experts(rng, E, D, I, fmts, G):
@@ -110,5 +110,5 @@ def poison_expert(*weights_and_e):
     *ws, e = weights_and_e
     for w in ws:
         start = w.offset + e * w.expert_stride
-        w.buf[start:start + (w.rows - 1) * w.row_stride + quant.row_stride(
+        w.buf[start:start + (w.rows - 1) * w.row_stride + dtypes.row_stride(
             w.dtype, w.cols, w.group_size)] = 0xFF

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, quant
+from colibri import dtypes, kernels as K, quant
 from colibri import _reference as R
 from kernel_helpers import F32, FORMATS, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -15,7 +15,7 @@ from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_matches_quant_and_reference(fmt):
     rng = rng_for("deq", fmt)
-    for G in ((32, 64) if fmt in quant.QUANTIZED else (0,)):
+    for G in ((32, 64) if fmt in dtypes.QUANTIZED else (0,)):
         shape = (3, 5, 128) if G else (3, 5, 37)
         w, src = make_weight(rng, shape, fmt, G)
         full = quant.decode(w.buf, fmt, shape, G)

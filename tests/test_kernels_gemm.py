@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, dtypes, kernels as K
 from colibri import _reference as R
 from kernel_helpers import (
     F32, FORMATS, GEMM_MIN, THREADS, assert_dot_close, assert_ffn_close, ffn_dims, magnitude,
@@ -23,7 +23,7 @@ GEMM_PLAIN_SHAPES = [(53, 300, 0), (25, 45, 0), (4, 5, 0), (50, 512, 0)]
 
 
 def gemm_shapes(fmt):
-    return GEMM_QUANT_SHAPES if fmt in quant.QUANTIZED else GEMM_PLAIN_SHAPES
+    return GEMM_QUANT_SHAPES if fmt in dtypes.QUANTIZED else GEMM_PLAIN_SHAPES
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -46,7 +46,7 @@ def test_gemm_linear_matches_reference(isa, threads, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemm_linear_bit_identical_across_threads(isa, fmt):
     rng = rng_for("gemm-threads", fmt)
-    C = 320 if fmt in quant.QUANTIZED else 301
+    C = 320 if fmt in dtypes.QUANTIZED else 301
     w, _ = make_weight(rng, (203, C), fmt, 64)
     for T in (GEMM_MIN, 13, 130):
         x = rng.standard_normal((T, C)).astype(F32)
@@ -61,7 +61,7 @@ def test_gemm_token_result_independent_of_batch(isa, fmt):
     tokens (whatever its position, the token blocks and passes of the call), and is within
     the dot bound of its row-kernel result (alone): linear and the expert FFN."""
     rng = rng_for("gemm-batch", fmt)
-    C = 320 if fmt in quant.QUANTIZED else 99
+    C = 320 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (37, C), fmt, 32)
     x = rng.standard_normal((130, C)).astype(F32)
     block = K.linear(x, w, threads=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, dtypes, kernels as K
 from colibri import _reference as R
 from kernel_helpers import (
     F32, FORMATS, GEMM_MIN, THREADS, assert_dot_close, ffn_dims, magnitude, make_experts,
@@ -19,7 +19,7 @@ QUANT_SHAPES = [(1, 1, 32, 32), (1, 37, 128, 64), (5, 19, 256, 128), (9, 13, 96,
 
 
 def linear_cases(fmt):
-    if fmt in quant.QUANTIZED:
+    if fmt in dtypes.QUANTIZED:
         return QUANT_SHAPES
     return [(T, Rr, C, 0) for T, Rr, C in PLAIN_SHAPES]
 
@@ -45,7 +45,7 @@ def test_linear_matches_reference(isa, threads, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_expert_stack_and_out(isa, fmt):
     rng = rng_for("stack", fmt)
-    C = 64 if fmt in quant.QUANTIZED else 50
+    C = 64 if fmt in dtypes.QUANTIZED else 50
     w, _ = make_weight(rng, (4, 11, C), fmt, 32)
     x = rng.standard_normal((6, C)).astype(F32)
     out = np.full((6, 11), np.nan, dtype=F32)
@@ -79,7 +79,7 @@ def test_linear_argument_errors():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_bit_identical_across_threads(isa, fmt):
     rng = rng_for("threads", fmt)
-    C = 128 if fmt in quant.QUANTIZED else 99
+    C = 128 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (203, C), fmt, 64)
     x = rng.standard_normal((7, C)).astype(F32)
     y1 = K.linear(x, w, threads=1)
@@ -102,7 +102,7 @@ def test_token_result_independent_of_batch(isa, fmt, row_kernel_only):
     at every position of the block: linear and the expert FFN. (From GEMM_MIN tokens on the
     GEMM path takes over: test_gemm_token_result_independent_of_batch.)"""
     rng = rng_for("batch", fmt)
-    C = 128 if fmt in quant.QUANTIZED else 99
+    C = 128 if fmt in dtypes.QUANTIZED else 99
     w, _ = make_weight(rng, (37, C), fmt, 32)
     x = rng.standard_normal((11, C)).astype(F32)
     block = K.linear(x, w, threads=2)
@@ -123,7 +123,7 @@ def test_token_result_independent_of_batch(isa, fmt, row_kernel_only):
 def test_isa_paths_agree_with_scalar(fmt):
     """Every SIMD path against the scalar path: same data, within the dot-product bound."""
     rng = rng_for("agree", fmt)
-    C = 256 if fmt in quant.QUANTIZED else 173
+    C = 256 if fmt in dtypes.QUANTIZED else 173
     w, _ = make_weight(rng, (29, C), fmt, 32)
     x = rng.standard_normal((5, C)).astype(F32)
     previous = K.get_isa()

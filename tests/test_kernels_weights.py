@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, dtypes, kernels as K, quant
 from colibri import _reference as R
 from kernel_helpers import (
     F32, assert_dot_close, assert_ffn_close, magnitude, make_experts, make_weight, rng_for)
@@ -47,8 +47,8 @@ def test_read_only_mmap_with_file_layout(tmp_path, isa, fmt):
     page, head = 4096, 101                  # odd: unaligned elements
     mats = {n: (rng.standard_normal(s) * 0.3).astype(F32)
             for n, s in (("gate", (E, I, D)), ("up", (E, I, D)), ("down", (E, D, I)))}
-    g = G if fmt in quant.QUANTIZED else 0
-    sizes = {n: quant.tensor_nbytes(fmt, m.shape[1:], g) for n, m in mats.items()}
+    g = G if fmt in dtypes.QUANTIZED else 0
+    sizes = {n: dtypes.tensor_nbytes(fmt, m.shape[1:], g) for n, m in mats.items()}
     stride = -(-sum(sizes.values()) // page) * page
     blob = bytearray(head + E * stride)
     blob[:head] = rng.integers(0, 256, head, dtype=np.uint8).tobytes()
@@ -117,7 +117,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
             enc = quant.encode((rng.standard_normal(shape) * 0.3).astype(F32), "q4", G)
             blob[e * stride + offset:e * stride + offset + enc.size] = enc.tobytes()
         ws[name] = offset
-        offset += quant.tensor_nbytes("q4", shape, G)
+        offset += dtypes.tensor_nbytes("q4", shape, G)
     path = tmp_path / "sparse.bin"
     path.write_bytes(bytes(blob))
     with open(path, "rb") as f:

@@ -1,4 +1,4 @@
-"""Tests of colibri.quant: the bytes of every weight encoding (format §1.5).
+"""Tests of colibri.quant: the bytes of every weight encoding (docs/format.md §6).
 
 Expectations are built independently of the code under test: by hand for the nibble order and
 the q values, by PyTorch for bf16, by the spec's arithmetic for sizes, and by the documented
@@ -8,60 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from colibri import quant as Q
+from colibri import dtypes, quant as Q
 
 RNG = np.random.default_rng(20240607)
-
-
-# ---------------------------------------------------------------------------------------------
-# sizes
-
-
-@pytest.mark.parametrize("dtype,bits", [("f32", 32), ("f16", 16), ("bf16", 16), ("q8", 8),
-                                        ("q4", 4), ("i32", 32)])
-def test_bits_and_codes(dtype, bits):
-    assert Q.bits(dtype) == bits
-    assert Q.DTYPE_NAMES[Q.DTYPE_CODES[dtype]] == dtype
-    assert Q.DTYPE_CODES == {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "i32": 5}
-    assert Q.QUANTIZED == ("q8", "q4")
-
-
-@pytest.mark.parametrize("cols,g", [(32, 32), (4096, 32), (4096, 64), (14336, 128), (96, 96)])
-def test_row_stride_and_nbytes(cols, g):
-    # Spec §1.5: row_stride = C * bits / 8 + (C / G) * 2.
-    assert Q.row_stride("q8", cols, g) == cols + 2 * (cols // g)
-    assert Q.row_stride("q4", cols, g) == cols // 2 + 2 * (cols // g)
-    assert Q.tensor_nbytes("q4", (3, 5, cols), g) == 15 * (cols // 2 + 2 * (cols // g))
-    assert Q.tensor_nbytes("q8", (cols,), g) == cols + 2 * (cols // g)
-    assert Q.tensor_nbytes("f32", (3, 5, cols)) == 60 * cols
-    assert Q.tensor_nbytes("bf16", (5, cols)) == 10 * cols
-    assert Q.tensor_nbytes("i32", (cols,)) == 4 * cols
-
-
-def test_nbytes_no_overflow_and_bad_input():
-    # Python ints: a hostile shape must not wrap around.
-    assert Q.tensor_nbytes("f32", (2**40, 2**30)) == 2**72
-    with pytest.raises(ValueError, match="unknown dtype 'q3'"):
-        Q.tensor_nbytes("q3", (4,))
-    with pytest.raises(ValueError, match=r"\(4, 0\)"):
-        Q.tensor_nbytes("f32", (4, 0))
-
-
-@pytest.mark.parametrize("cols,g,pattern", [
-    (96, 64, "group_size 64 does not divide its 96 columns"),
-    (96, 48, "group_size 48 is not a positive multiple of 32"),
-    (64, 0, "group_size 0 is not a positive multiple of 32"),
-    (64, -32, "group_size -32 is not a positive multiple of 32"),
-    (64, 16, "group_size 16 is not a positive multiple of 32"),
-])
-def test_bad_group_sizes_rejected(cols, g, pattern):
-    with pytest.raises(ValueError, match=pattern) as exc:
-        Q.check_group_size(cols, g, "layers.0.moe.experts.1.w_up")
-    assert "layers.0.moe.experts.1.w_up" in str(exc.value)
-    with pytest.raises(ValueError, match=pattern):
-        Q.quantize_q4(np.ones((2, cols), np.float32), g, name="x")
-    with pytest.raises(ValueError, match=pattern):
-        Q.tensor_nbytes("q8", (2, cols), g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +259,7 @@ def test_split_rows_zero_copy_on_strided_readonly_stack(fmt):
     # Three experts at a page-like stride with gaps, as the file lays them out.
     E, R, C, G = 3, 8, 128, 32
     w = (RNG.standard_normal((E, R, C)) * 0.02).astype(np.float32)
-    rs = Q.row_stride(fmt, C, G)
+    rs = dtypes.row_stride(fmt, C, G)
     stride = R * rs + 40
     buf = np.zeros(E * stride, np.uint8)
     for e in range(E):
@@ -318,7 +267,7 @@ def test_split_rows_zero_copy_on_strided_readonly_stack(fmt):
     buf.flags.writeable = False
     rows = np.lib.stride_tricks.as_strided(buf, (E, R, rs), (stride, rs, 1), writeable=False)
     qd, sc = Q.split_rows(rows, fmt, C, G)
-    assert qd.shape == (E, R, C * Q.bits(fmt) // 8) and sc.shape == (E, R, C // G)
+    assert qd.shape == (E, R, C * dtypes.dtype(fmt).bits // 8) and sc.shape == (E, R, C // G)
     assert qd.dtype == np.uint8 and sc.dtype == np.float16
     assert np.shares_memory(qd, buf) and np.shares_memory(sc, buf)
     assert not qd.flags.writeable and not sc.flags.writeable
@@ -337,7 +286,7 @@ def test_plain_round_trips():
     for dtype in ("f32", "f16", "bf16"):
         raw = Q.encode(w, dtype)
         assert raw.dtype == np.uint8 and raw.ndim == 1
-        assert raw.size == Q.tensor_nbytes(dtype, w.shape)
+        assert raw.size == dtypes.tensor_nbytes(dtype, w.shape)
         d = Q.decode(raw, dtype, w.shape)
         assert d.dtype == np.float32 and d.shape == w.shape
     np.testing.assert_array_equal(Q.decode(Q.encode(w, "f32"), "f32", w.shape), w)

@@ -11,7 +11,7 @@ import tempfile
 
 import numpy as np
 
-from colibri import format as cf
+from colibri.format import PROJS, ColibriFile, ColibriWriter, TensorSpec, expert_name, router_name
 
 # name, layers, experts, hidden, expert intermediate (dims kept small: open cost scales
 # with the number of records, not with the tensor sizes)
@@ -25,21 +25,21 @@ SHAPES = {
 def _write_model(path, n_layers, n_experts, d, i):
     specs, arrays = [], {}
     for layer in range(n_layers):
-        name = f"layers.{layer}.moe.router"
-        specs.append(cf.TensorSpec.infer(name, "f32", (n_experts, d)))
+        name = router_name(layer)
+        specs.append(TensorSpec.infer(name, "f32", (n_experts, d)))
         arrays[name] = np.zeros((n_experts, d), np.float32)
         for proj in ("wq", "wk", "wv", "wo"):
             name = f"layers.{layer}.attn.{proj}"
-            specs.append(cf.TensorSpec.infer(name, "f16", (d, d)))
+            specs.append(TensorSpec.infer(name, "f16", (d, d)))
             arrays[name] = np.zeros((d, d), np.float32)
         for e in range(n_experts):
-            for proj, shape in (("w_gate", (i, d)), ("w_up", (i, d)), ("w_down", (d, i))):
-                name = f"layers.{layer}.moe.experts.{e}.{proj}"
-                specs.append(cf.TensorSpec.infer(name, "q4", shape, group_size=32))
+            for proj, shape in zip(PROJS, ((i, d), (i, d), (d, i))):
+                name = expert_name(layer, e, proj)
+                specs.append(TensorSpec.infer(name, "q4", shape, group_size=32))
                 arrays[name] = np.zeros(shape, np.float32)
     meta = {"config": {"model_type": "synthetic"}, "arch": {}, "tokenizer": None, "user": {}}
-    with cf.ColibriWriter(path, specs, meta, n_layers=n_layers, n_experts=n_experts,
-                          checksums=False) as w:
+    with ColibriWriter(path, specs, meta, n_layers=n_layers, n_experts=n_experts,
+                       checksums=False) as w:
         for name, a in arrays.items():
             w.write(name, a)
 
@@ -58,17 +58,17 @@ class Open:
         return paths
 
     def time_open(self, paths, model):
-        cf.ColibriFile(paths[model]).close()
+        ColibriFile(paths[model]).close()
 
     def peakmem_open(self, paths, model):
-        cf.ColibriFile(paths[model]).close()
+        ColibriFile(paths[model]).close()
 
     def time_open_and_touch_one_expert(self, paths, model):
-        f = cf.ColibriFile(paths[model])
+        f = ColibriFile(paths[model])
         q = f.expert_stack(0, "w_gate")
         int(q.data[0, 0, 0])
         f.close()
 
     def track_records(self, paths, model):
-        with cf.ColibriFile(paths[model]) as f:
+        with ColibriFile(paths[model]) as f:
             return len(f.tensors)
