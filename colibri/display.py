@@ -79,7 +79,7 @@ def tensor_groups(cf) -> list[dict]:
 def model_html(model) -> str:
     """Model card: family, layers, experts, attention, sizes, formats per tensor group, file."""
     from .inspect import totals
-    cf, a = model.file, model.arch
+    cf, a = model.file, model.file.arch
     t = totals(cf)
     archs = ", ".join((model.hf_config or {}).get("architectures") or [])
     moe = a.get("moe_layers", list(range(model.n_layers)))

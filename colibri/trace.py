@@ -398,7 +398,7 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
                 _, routing = model.forward(chunk, cache=cache, return_routing=True, last_only=True)
                 yield Trace.from_routing(routing, chunk, np.arange(start, start + n),
                                          tokenizer=model.tokenizer,
-                                         n_experts=int(model.arch["num_experts"]))
+                                         n_experts=model.config.num_experts)
                 i += n
                 seen += n
 
