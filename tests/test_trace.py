@@ -65,7 +65,7 @@ def test_trace_is_the_forward_pass_routing(which, request):
     ids = np.asarray(m.tokenizer.encode(TEXT))
     tr = trace(m, TEXT)
     _, rt = m.forward(ids, return_routing=True)
-    T, L, K, E = len(ids), len(m.moe_layers), m.arch["num_experts_per_tok"], m.arch["num_experts"]
+    T, L, K, E = len(ids), len(m.moe_layers), m.config.num_experts_per_tok, m.config.num_experts
     assert tr.layers == rt.layers == m.moe_layers
     assert tr.experts.shape == (T, L, K) and tr.experts.dtype == np.int32
     assert tr.weights.shape == (T, L, K) and tr.weights.dtype == np.float32
@@ -81,7 +81,7 @@ def test_trace_is_the_forward_pass_routing(which, request):
     # the chosen experts are the top-k of the distribution, their weights its values
     top = np.take_along_axis(tr.probs, tr.experts, -1)
     assert (top.min(-1) >= np.sort(tr.probs, -1)[..., -K] - 1e-7).all()
-    want = top / top.sum(-1, keepdims=True) if m.arch["norm_topk_prob"] else top
+    want = top / top.sum(-1, keepdims=True) if m.config.norm_topk_prob else top
     np.testing.assert_allclose(tr.weights, want, rtol=1e-5, atol=1e-7)
     if which == "qwen":
         assert tr.shared_gate.shape == (T, L) and tr.shared_gate.dtype == np.float32
@@ -104,7 +104,7 @@ def test_trace_matches_transformers_router_logits_and_aux_loss(which, request):
     want = np.stack([x.numpy() for x in out.router_logits], axis=1)            # (T, L, E)
     np.testing.assert_allclose(tr.logits, want, rtol=1e-4, atol=1e-5)
     p = torch.softmax(torch.from_numpy(want), -1)
-    w, ids = torch.topk(p, m.arch["num_experts_per_tok"], dim=-1)
+    w, ids = torch.topk(p, m.config.num_experts_per_tok, dim=-1)
     np.testing.assert_array_equal(tr.experts, ids.numpy())
     np.testing.assert_allclose(tr.probs, p.numpy(), rtol=1e-4, atol=1e-6)
     st = tr.stats()
