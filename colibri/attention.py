@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
+from .config import QK_NORMS
 from .norms import rms_norm
 from .rope import apply_rope
 from .run_state import RunState
@@ -115,7 +116,7 @@ class Attention:
     n_kv_heads: int
     head_dim: int
     eps: float = 1e-6
-    qk_norm: str = "none"                      # "none" | "full" | "per_head"
+    qk_norm: str = "none"                      # one of config.QK_NORMS
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
     clip_qkv: float | None = None
@@ -127,8 +128,8 @@ class Attention:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"num_attention_heads {self.n_heads} is not a multiple of "
                              f"num_key_value_heads {self.n_kv_heads}")
-        if self.qk_norm not in ("none", "full", "per_head"):
-            raise ValueError(f"qk_norm must be 'none', 'full' or 'per_head', got {self.qk_norm!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
         if self.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
             raise ValueError(f"qk_norm {self.qk_norm!r} needs q_norm and k_norm weights")
         self.scale = self.head_dim ** -0.5

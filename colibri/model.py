@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,9 +40,10 @@ from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .moe import DenseMLP, MoE, Timings
 from .norms import rms_norm
 from .rope import Rope
+from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
 
-__all__ = ["Model", "RoutingTrace", "weight_ref", "expert_ref"]
+__all__ = ["Model", "weight_ref", "expert_ref"]
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 
@@ -151,43 +152,6 @@ def _blas_on_one_thread() -> _BlasOnOneThread:
 
 
 # ---------------------------------------------------------------------------------------------
-# routing trace
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class RoutingTrace:
-    """Which experts each token chose, per MoE layer.
-
-    layers: the MoE layer numbers, in order; ids[j] int32 (B, S, K) and weights[j] float32
-    (B, S, K) belong to layers[j] (B is dropped for 1-D input); shared_gate[j] float32 (B, S)
-    is sigmoid(x·g) of the shared expert when the model has one, else the list is empty;
-    logits[j] float32 (B, S, E) are the raw router logits (the full distribution is their
-    softmax; colibri.trace builds on them).
-    """
-    layers: list[int]
-    ids: list[np.ndarray]
-    weights: list[np.ndarray]
-    shared_gate: list[np.ndarray] = field(default_factory=list)
-    logits: list[np.ndarray] = field(default_factory=list)
-
-    def __getitem__(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, weights) of MoE layer number `layer`."""
-        try:
-            j = self.layers.index(layer)
-        except ValueError:
-            raise KeyError(f"layer {layer} has no routed experts (MoE layers: {self.layers})") from None
-        return self.ids[j], self.weights[j]
-
-    def stacked(self) -> tuple[np.ndarray, np.ndarray]:
-        """ids int32 (n_moe_layers, [B,] S, K) and weights float32 of the same shape."""
-        return np.stack(self.ids), np.stack(self.weights)
-
-    def __repr__(self) -> str:
-        shape = self.ids[0].shape if self.ids else ()
-        return f"RoutingTrace(layers={self.layers}, ids/weights per layer {shape})"
-
-
-# ---------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------
 
@@ -232,28 +196,6 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
         return None
     bias = None if biases[0] is None else np.concatenate(biases).astype(np.float32, copy=False)
     return _Linear(ref, bias, threads, projs[0].activations)
-
-
-def _trace_layer(trace: RoutingTrace, i: int, moe: MoE, x: np.ndarray, ids: np.ndarray,
-                 wts: np.ndarray, gate: np.ndarray | None, B: int, S: int, threads: int) -> None:
-    """Append MoE layer i's routing (ids, weights (T, K), shared gate (T,), x (T, D)) to
-    trace, shaped (B, S, ...)."""
-    trace.layers.append(i)
-    trace.ids.append(ids.reshape(B, S, -1).astype(np.int32, copy=False))
-    trace.weights.append(wts.reshape(B, S, -1).astype(np.float32, copy=False))
-    if gate is not None:
-        trace.shared_gate.append(gate.reshape(B, S))
-    # the router matmul again, outside the timed stages: same kernel, same input, so the
-    # same logits the routing above was computed from
-    trace.logits.append(kernels.linear(x, moe.router, threads=threads).reshape(B, S, -1))
-
-
-def _drop_batch(trace: RoutingTrace) -> None:
-    """The trace of 1-D input: every array without its batch axis (B = 1)."""
-    trace.ids = [a[0] for a in trace.ids]
-    trace.weights = [a[0] for a in trace.weights]
-    trace.shared_gate = [a[0] for a in trace.shared_gate]
-    trace.logits = [a[0] for a in trace.logits]
 
 
 class Model:
@@ -535,7 +477,7 @@ class Model:
         if ids.ndim == 2:
             logits = logits.reshape(1, 1, self.vocab_size)
         elif trace is not None:
-            _drop_batch(trace)
+            drop_batch(trace)
         return (logits, trace) if return_routing else logits
 
     def _step(self, state: RunState, position: int, cache: KVCache,
@@ -556,7 +498,7 @@ class Model:
             if isinstance(layer.ffn, MoE):
                 y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
                 if trace is not None:
-                    _trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
+                    trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
             else:
                 y = layer.ffn(xf, tm)
             np.add(h, y, out=h)
@@ -590,7 +532,7 @@ class Model:
         if squeeze:
             logits = logits[0]
             if trace is not None:
-                _drop_batch(trace)
+                drop_batch(trace)
         return (logits, trace) if return_routing else logits
 
     def _general(self, data: np.ndarray, valid: np.ndarray, pos: np.ndarray,
@@ -620,7 +562,7 @@ class Model:
             if isinstance(layer.ffn, MoE):
                 y, ids, wts, gate = layer.ffn(x, tm)
                 if trace is not None:
-                    _trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
+                    trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
             else:
                 y = layer.ffn(x, tm)
             h = h + y.reshape(B, S, D)
