@@ -237,16 +237,16 @@ class Model:
         f, c, t = self.file, self.config, self.threads
         self._buf = np.frombuffer(f.buffer, dtype=np.uint8)   # the whole mapping, read-only, 1-D
         self.rope = Rope.from_config(c)
-        self._eps32 = np.float32(self.eps)
-        self._cache_dims = (self.n_layers, self.n_kv_heads, self.head_dim)
-        self._state_key = (self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
-                           self.eps)
+        self._eps32 = np.float32(c.rms_norm_eps)
+        self._cache_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self._state_key = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                           c.head_dim, c.rms_norm_eps)       # the geometry of a RunState
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
         head = "tok_embeddings" if c.tie_word_embeddings or "lm_head" not in f else "lm_head"
         self.head = weight_ref(f, self._buf, head)                                   # (V, D)
         self._head = kernels.prepare_linear(self.head, threads=t, activations=self.activations)
         self.final_norm = _vector(f, "norm")
-        self.layers = [self._layer(i) for i in range(self.n_layers)]
+        self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
 
     def _layer(self, i: int) -> _Layer:
         """Layer i's weights (views and WeightRefs into the mapping) and settings."""
@@ -261,8 +261,8 @@ class Model:
         qk_norm = c.qk_norm != "none"
         attn = Attention(
             wq, wk, wv, proj("attn.wo", "attn.bo"),
-            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
-            eps=self.eps, qk_norm=c.qk_norm,
+            n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
             q_norm=_vector(f, p + "attn.q_norm") if qk_norm else None,
             k_norm=_vector(f, p + "attn.k_norm") if qk_norm else None,
             clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
@@ -305,7 +305,8 @@ class Model:
         """
         if ctx is None:
             ctx = min(self.max_context, DEFAULT_MAX_CTX)
-        return KVCache(self.n_layers, batch, self.n_kv_heads, ctx, self.head_dim)
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, ctx, c.head_dim)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Embedding rows of ids int (B, S) -> float32 (B, S, D); only those rows are decoded."""
@@ -318,7 +319,7 @@ class Model:
             rows = quant.bf16_to_f32(e[flat])
         else:
             rows = e[flat].astype(np.float32)
-        return rows.reshape(*ids.shape, self.hidden_size)
+        return rows.reshape(*ids.shape, self.config.hidden_size)
 
     def _embed_row(self, token: int, out: np.ndarray) -> np.ndarray:
         """The embedding row of one token into out float32 (1, D), as embed decodes it."""
@@ -359,17 +360,19 @@ class Model:
                 lo = hi = int(ids.reshape(-1)[0])
             else:
                 lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"input_ids out of range [0, {self.vocab_size}): "
-                                 f"min {lo}, max {hi} (vocab_size {self.vocab_size})")
+            V = self.config.vocab_size
+            if lo < 0 or hi >= V:
+                raise ValueError(f"input_ids out of range [0, {V}): "
+                                 f"min {lo}, max {hi} (vocab_size {V})")
             data = ids.astype(np.int64, copy=False)
         else:
             x = np.asarray(input_embeds)
             if x.dtype.kind != "f":
                 raise ValueError(f"input_embeds must be floating point, got dtype {x.dtype}")
-            if x.ndim not in (2, 3) or x.shape[-1] != self.hidden_size:
-                raise ValueError(f"input_embeds must have shape (S, {self.hidden_size}) or "
-                                 f"(B, S, {self.hidden_size}), got {x.shape}")
+            D = self.config.hidden_size
+            if x.ndim not in (2, 3) or x.shape[-1] != D:
+                raise ValueError(f"input_embeds must have shape (S, {D}) or (B, S, {D}), "
+                                 f"got {x.shape}")
             squeeze = x.ndim == 2
             x = x[None] if squeeze else x
             if x.shape[1] == 0:
@@ -384,11 +387,10 @@ class Model:
                 raise ValueError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
             if cache.batch != B:
                 raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
-            if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != (
-                    self.n_layers, self.n_kv_heads, self.head_dim):
+            if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != self._cache_dims:
                 raise ValueError(f"cache made for (layers, kv heads, head dim) = "
                                  f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, model has "
-                                 f"{(self.n_layers, self.n_kv_heads, self.head_dim)}")
+                                 f"{self._cache_dims}")
             cache.check_room(S)
             past = cache.length
         if attention_mask is None:
@@ -461,7 +463,7 @@ class Model:
                 or (cache.n_layers, cache.n_kv_heads, cache.head_dim) != self._cache_dims):
             return None
         token, n = int(ids.reshape(-1)[0]), cache.length
-        if not 0 <= token < self.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:
+        if not 0 <= token < self.config.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:
             return None
         position = int(np.maximum.reduce(cache.pos[0, :n])) + 1 if n else 0   # no padding
         if positions is not None:
@@ -475,7 +477,7 @@ class Model:
         trace = RoutingTrace([], [], []) if return_routing else None
         logits = self._step(state, position, cache, trace, t0)
         if ids.ndim == 2:
-            logits = logits.reshape(1, 1, self.vocab_size)
+            logits = logits.reshape(1, 1, self.config.vocab_size)
         elif trace is not None:
             drop_batch(trace)
         return (logits, trace) if return_routing else logits
@@ -503,7 +505,7 @@ class Model:
                 y = layer.ffn(xf, tm)
             np.add(h, y, out=h)
             t0 = time.perf_counter()
-        logits = np.empty((1, self.vocab_size), dtype=np.float32)
+        logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
         _norm_rows(h, self.final_norm, eps, xa)
         self._head(xa, logits)
         tm.add("head", t0)
@@ -543,7 +545,7 @@ class Model:
         tm = self.timings
         t0 = time.perf_counter()
         B, S = valid.shape
-        D = self.hidden_size
+        D, eps = self.config.hidden_size, self.config.rms_norm_eps
         h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
         # keys visible to the new tokens: the cache's slots, then the new ones
         all_valid = valid if cache is None else np.concatenate(
@@ -555,9 +557,9 @@ class Model:
             w = layer.attn.window
             if w not in masks:
                 masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
-            a = rms_norm(h, layer.attn_norm, self.eps)
+            a = rms_norm(h, layer.attn_norm, eps)
             h = h + layer.attn(a, cos, sin, masks[w], cache, i)
-            x = rms_norm(h, layer.ffn_norm, self.eps).reshape(B * S, D)       # (T, D)
+            x = rms_norm(h, layer.ffn_norm, eps).reshape(B * S, D)                # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
                 y, ids, wts, gate = layer.ffn(x, tm)
@@ -569,11 +571,11 @@ class Model:
             t0 = time.perf_counter()
         if last_only:
             h = h[:, -1:]
-        h = rms_norm(h, self.final_norm, self.eps)
+        h = rms_norm(h, self.final_norm, eps)
         n = h.shape[1]
         logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
                                 threads=self.threads, activations=self.activations
-                                ).reshape(B, n, self.vocab_size)
+                                ).reshape(B, n, self.config.vocab_size)
         tm.add("head", t0)
         if cache is not None:
             cache.commit(valid, pos)
@@ -601,8 +603,8 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Model({c.family}, layers={self.n_layers}, hidden={self.hidden_size}, "
+        return (f"Model({c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
                 f"experts={c.num_experts} top-{c.num_experts_per_tok}, "
-                f"vocab={self.vocab_size}, threads={self.threads}"
+                f"vocab={c.vocab_size}, threads={self.threads}"
                 + (f", activations={self.activations}" if self.activations != "f32" else "")
                 + f", file={self.file.path})")
