@@ -25,7 +25,8 @@ from .format import ColibriFile, open
 from .convert import convert   # binds the function, not the module, to colibri.convert
 from .api import default_model_path, forward, generate, load, stream
 from .kv_cache import CacheOverflowError, KVCache
-from .model import Model, RoutingTrace
+from .model import Model
+from .routing import RoutingTrace
 from .sampling import Sampler
 from .tools.stats import RoutingStats
 from .tools.trace import Trace, iter_trace, routing_stats, trace

@@ -12,8 +12,8 @@ quantization is float32 arithmetic done exactly as the kernels do it (bit-identi
 the integer dot products are exact, and only the float part (block scales times integer
 sums) runs in float64.
 
-Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
-R rows (outputs) and C columns (inputs) of one weight matrix, G group size.
+Shapes as in the package docstring: T token rows, D hidden, I expert intermediate, E experts,
+K experts per token, R rows (outputs) and C columns (inputs) of one weight matrix, Q group size.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
     if not 0 <= expert < w.n_experts:
         raise ValueError(f"expert {expert} out of range for {w.n_experts} experts")
     raw = _rows(w, expert)                                            # (R, row bytes)
-    R, C, G = w.rows, w.cols, w.group_size
+    R, C, Q = w.rows, w.cols, w.group_size
     if w.dtype == "f32":
         return raw.view("<f4").astype(np.float32)
     if w.dtype == "f16":
@@ -67,7 +67,7 @@ def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     if w.dtype == "q8":
         q = raw[:, :C].view(np.int8).astype(np.float32)                # (R, C)
-        scales = raw[:, C:].copy().view("<f2").astype(np.float32)     # (R, C/G)
+        scales = raw[:, C:].copy().view("<f2").astype(np.float32)     # (R, C/Q)
     elif w.dtype == "q4":
         packed = raw[:, :C // 2].reshape(R, C // 32, 16)               # 16 bytes per 32 elements
         nib = np.concatenate([packed & 0x0F, packed >> 4], axis=2)    # (R, C/32, 32) in order
@@ -75,7 +75,7 @@ def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
         scales = raw[:, C // 2:].copy().view("<f2").astype(np.float32)
     else:
         raise ValueError(f"unknown weight dtype {w.dtype!r}")
-    return (q.reshape(R, C // G, G) * scales[:, :, None]).reshape(R, C)
+    return (q.reshape(R, C // Q, Q) * scales[:, :, None]).reshape(R, C)
 
 
 def linear_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
@@ -122,7 +122,7 @@ def quantize_activations_ref(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, 
 
 
 def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
-    """Integer codes int64 (R, C) (q8: the int8, q4: nibble - 8) and scales float32 (R, C/G)."""
+    """Integer codes int64 (R, C) (q8: the int8, q4: nibble - 8) and scales float32 (R, C/Q)."""
     raw = _rows(w, expert)
     R, C = w.rows, w.cols
     if w.dtype == "q8":

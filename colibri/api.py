@@ -15,7 +15,8 @@ import numpy as np
 
 from .errors import ColibriError
 from .kv_cache import KVCache
-from .model import Model, RoutingTrace
+from .model import Model
+from .routing import RoutingTrace
 
 __all__ = ["load", "forward", "generate", "stream", "default_model_path", "Model", "RoutingTrace",
            "KVCache"]

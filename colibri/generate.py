@@ -179,9 +179,9 @@ def prompt_ids(model, prompt_or_ids, chat: bool = False) -> tuple[list[int], boo
 def default_stop_ids(model) -> list[int]:
     """End-of-sequence ids: the config's eos_token_id plus the tokenizer's/generation config's."""
     ids: set[int] = set()
-    eos = model.arch.get("eos_token_id")
+    eos = model.config.eos_token_id
     if eos is not None:
-        ids.update(eos if isinstance(eos, list) else [eos])
+        ids.update(eos if isinstance(eos, tuple) else [eos])
     if model.file.tokenizer_files and model.tokenizer is not None:
         ids.update(model.tokenizer.eos_token_ids)
     return sorted(int(i) for i in ids)

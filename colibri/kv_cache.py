@@ -1,16 +1,17 @@
 """Preallocated key/value cache for incremental decoding.
 
-Per layer, keys and values live in two float32 arrays of shape (B, Hkv, S, Dh): one
-contiguous (S, Dh) plane per sequence and kv head, so attention reads `k[:, :, :L]` as a few
+Per layer, keys and values live in two float32 arrays of shape (B, Hkv, P, Dh): one
+contiguous (P, Dh) plane per sequence and kv head, so attention reads `k[:, :, :L]` as a few
 large strided blocks and the new tokens of a step are one slice assignment. The arrays are
 made with np.zeros, which the OS backs lazily: a 4096-slot cache costs address space up front
 and physical memory only as slots fill.
 
 Besides K and V the cache remembers, per slot, whether it holds a real token (False for the
 left padding of a batch) and its RoPE position, so later steps need neither the attention mask
-nor the positions again.
+nor the positions again. The decode step writes its one key and value inside the compiled
+attention call (kernels.attend_cached_into); write_one is the same write in NumPy.
 
-Shape alphabet: B batch, Hkv kv heads, S context (slots), Dh head dim, T new tokens.
+Shapes as in the package docstring (P cache slots, S new tokens per sequence).
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ class CacheOverflowError(ColibriError, ValueError):
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of B sequences, S slots each.
+    """Keys and values of every layer for a batch of B sequences, P = ctx slots each.
 
-    Attributes: k, v (lists over layers of float32 (B, Hkv, S, Dh)); valid (B, S) bool;
-    pos (B, S) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
-    scratch (a dict in which the model keeps its decode work buffers, see Model.forward).
+    Attributes: k, v (lists over layers of float32 (B, Hkv, P, Dh)); valid (B, P) bool;
+    pos (B, P) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
+    scratch (a dict in which the model keeps the decode step's RunState, see Model.forward).
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int):
@@ -45,11 +46,11 @@ class KVCache:
                 raise ValueError(f"KVCache: {name} must be a positive integer, got {val!r}")
         self.n_layers, self.batch, self.n_kv_heads = int(n_layers), int(batch), int(n_kv_heads)
         self.ctx, self.head_dim = int(ctx), int(head_dim)
-        shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, S, Dh)
+        shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, P, Dh)
         self.k = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
         self.v = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
-        self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, S)
-        self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, S)
+        self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, P)
+        self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, P)
         self.length = 0
         self.scratch: dict = {}     # work buffers a model reuses across steps (not copied)
 
@@ -83,20 +84,21 @@ class KVCache:
 
     # -- writing (called by the model during a forward pass) ------------------------------------
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v float32 (B, Hkv, T, Dh) at slots [length, length+T) of `layer`.
+        """Store k, v float32 (B, Hkv, S, Dh) at slots [length, length+S) of `layer`.
 
-        Returns views (B, Hkv, length+T, Dh) of everything the layer attends to. The length
+        Returns views (B, Hkv, L, Dh), L = length+S, of everything the layer attends to. The length
         itself moves only in `commit`, once every layer has written.
         """
-        t = k.shape[2]
+        s = k.shape[2]
         start = self.length
-        self.k[layer][:, :, start:start + t] = k
-        self.v[layer][:, :, start:start + t] = v
-        return self.k[layer][:, :, :start + t], self.v[layer][:, :, :start + t]
+        self.k[layer][:, :, start:start + s] = k
+        self.v[layer][:, :, start:start + s] = v
+        return self.k[layer][:, :, :start + s], self.v[layer][:, :, :start + s]
 
     def write_one(self, layer: int, k: np.ndarray, v: np.ndarray, start: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
-        """`write` for one token of sequence 0 (the decode fast path, batch 1).
+        """`write` for one token of sequence 0 (batch 1): the write the decode step's
+        compiled attention call makes (kernels.attend_cached_into), in NumPy.
 
         k, v float32 (Hkv, Dh) go to slot `length`; returns views (Hkv, length+1-start, Dh) of
         slots [start, length+1) of that sequence, without copies.
@@ -108,12 +110,12 @@ class KVCache:
         return kl[:, start:n + 1], vl[:, start:n + 1]
 
     def commit(self, valid: np.ndarray, positions: np.ndarray) -> None:
-        """Advance by T slots after a forward pass; valid bool (B, T), positions int (B, T)."""
-        t = valid.shape[1]
-        self.check_room(t)
-        self.valid[:, self.length:self.length + t] = valid
-        self.pos[:, self.length:self.length + t] = positions
-        self.length += t
+        """Advance by S slots after a forward pass; valid bool (B, S), positions int (B, S)."""
+        s = valid.shape[1]
+        self.check_room(s)
+        self.valid[:, self.length:self.length + s] = valid
+        self.pos[:, self.length:self.length + s] = positions
+        self.length += s
 
     def commit_one(self, position: int) -> None:
         """commit for one real token of sequence 0 at RoPE position `position` (batch 1)."""

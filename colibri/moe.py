@@ -8,7 +8,7 @@
 The kernels read the weights in place from the mapped file (WeightRef); an expert no token
 chose is never touched. Every kernel call gets the model's thread count.
 
-Shape alphabet: T tokens, D hidden, E experts, K experts per token, I expert intermediate.
+Shapes as in the package docstring (T token rows, E, K, I, Is shared-expert intermediate).
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class MoE:
 
     router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
+    rule: the routing rule (config.ROUTERS); activations: of the experts and shared expert.
     """
     router: WeightRef
     w_gate: WeightRef
@@ -114,7 +115,8 @@ class MoE:
 
 @dataclass
 class DenseMLP:
-    """SwiGLU feed-forward of a dense layer: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward of a dense layer: down(silu(gate(x)) * up(x)); gate / up (Id, D),
+    down (D, Id)."""
     w_gate: WeightRef
     w_up: WeightRef
     w_down: WeightRef

@@ -55,7 +55,7 @@ def test_tokenizer_matches_transformers_autotokenizer(model, hf_path):
     want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.apply_chat_template(msgs) == list(want)
     assert tok.apply_chat_template("hi there") == list(want)
-    assert model.arch["eos_token_id"] in tok.eos_token_ids
+    assert model.config.eos_token_id in tok.eos_token_ids
 
 
 def test_incremental_decoder_whole_characters(model):
@@ -144,10 +144,10 @@ def test_default_stop_is_eos(model, monkeypatch):
     prompt = np.array([5, 6, 7])
     free = model.generate(prompt, max_new_tokens=6, stop=[])
     from colibri.generate import default_stop_ids
-    assert model.arch["eos_token_id"] in default_stop_ids(model)
+    assert model.config.eos_token_id in default_stop_ids(model)
     # make the third greedy token the model's eos: default generation ends right before it
     k = next(i for i in range(2, 6) if free[i] not in free[:i])
-    monkeypatch.setitem(model.arch, "eos_token_id", int(free[k]))
+    monkeypatch.setattr(model, "config", model.config.replace(eos_token_id=int(free[k])))
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=6), free[:k])
     assert model.last_stats.finish_reason == "stop"
 
@@ -186,7 +186,7 @@ def test_routing_steps(model):
         assert s.routing.layers == [0]
         ids, w = s.routing[0]
         assert ids.shape == (1, 2) and w.shape == (1, 2)
-        assert (ids >= 0).all() and (ids < model.arch["num_experts"]).all()
+        assert (ids >= 0).all() and (ids < model.config.num_experts).all()
 
 
 def test_no_tokenizer(bare_model):
@@ -228,7 +228,7 @@ def test_forward_rejects_mismatched_cache_and_shapes(model):
 
 def test_new_cache_default_ctx(model):
     c = model.new_cache()
-    assert c.ctx == min(model.arch["max_position_embeddings"], 4096)
+    assert c.ctx == min(model.config.max_position_embeddings, 4096)
     assert c.k[0].shape == (1, model.n_kv_heads, c.ctx, model.head_dim)
 
 

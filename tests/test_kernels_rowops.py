@@ -8,6 +8,8 @@ import pytest
 
 from colibri import kernels as K
 from colibri import _reference as R
+from colibri.norms import rms_norm
+from colibri.rope import apply_rope
 from kernel_helpers import F32, THREADS, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -18,8 +20,7 @@ ROW_SHAPES = [(1, 1), (1, 7), (1, 8), (3, 64), (1, 129), (1, 1024), (2, 2048), (
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm_rows_matches_reference_and_numpy(shape):
     """Within float32 rounding of the float64 twin, and the same bits as the NumPy code of
-    the general path (attention.rms_norm: the same operations, summed in NumPy's order)."""
-    from colibri.attention import rms_norm
+    the general path (norms.rms_norm: the same operations, summed in NumPy's order)."""
     rng = rng_for("rms-rows", shape)
     for scale in (1.0, 1e3, 1e-3):
         x = (rng.standard_normal(shape) * scale).astype(F32)
@@ -34,7 +35,6 @@ def test_rms_norm_rows_matches_reference_and_numpy(shape):
 
 
 def test_rope_rows_matches_reference_and_apply_rope():
-    from colibri.attention import apply_rope
     rng = rng_for("rope-rows")
     for N, Dh, h in [(20, 64, 32), (5, 128, 16), (3, 10, 4), (1, 2, 1)]:
         x = (rng.standard_normal((N, Dh)) * 3).astype(F32)
