@@ -23,15 +23,16 @@ import zlib
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, quant
+from colibri import _kernels, kernels as K, quant, runtime
 from colibri import _reference as R
+from colibri.weights import WeightRef
 
 FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
 THREADS = [1, 2]
 ISA_PARAMS = [
     pytest.param(isa, marks=pytest.mark.skipif(
-        isa not in K.available_isas(), reason=f"this CPU/OS does not run the {isa} path"))
-    for isa in K.ISAS
+        isa not in runtime.available_isas(), reason=f"this CPU/OS does not run the {isa} path"))
+    for isa in runtime.ISAS
 ]
 F32 = np.float32
 GEMM_MIN = _kernels.get_gemm_min_tokens()      # tokens per matrix from which the GEMM path runs
@@ -41,18 +42,18 @@ GEMM_MIN = _kernels.get_gemm_min_tokens()      # tokens per matrix from which th
 def parallel_everything():
     """Every call with threads > 1 really runs in parallel (the default threshold would run
     these small test matrices on one thread and leave the parallel paths untested)."""
-    previous = K.min_parallel_bytes()
-    K.set_min_parallel_bytes(1)
+    previous = runtime.min_parallel_bytes()
+    runtime.set_min_parallel_bytes(1)
     yield
-    K.set_min_parallel_bytes(previous)
+    runtime.set_min_parallel_bytes(previous)
 
 
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request):
-    previous = K.get_isa()
-    K.set_isa(request.param)
+    previous = runtime.get_isa()
+    runtime.set_isa(request.param)
     yield request.param
-    K.set_isa(previous)
+    runtime.set_isa(previous)
 
 
 def rng_for(*key) -> np.random.Generator:
@@ -60,13 +61,13 @@ def rng_for(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[K.WeightRef, np.ndarray]:
+def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[WeightRef, np.ndarray]:
     """A random WeightRef of logical shape (R, C) or (E, R, C), and its f32 source."""
     w = (rng.standard_normal(shape) * scale).astype(F32)
-    return K.WeightRef.from_array(w, fmt, group_size if fmt in quant.QUANTIZED else 0), w
+    return WeightRef.from_array(w, fmt, group_size if fmt in quant.QUANTIZED else 0), w
 
 
-def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
+def magnitude(x: np.ndarray, w: WeightRef, expert: int = 0) -> np.ndarray:
     """sum_c |x_c| |w_c| per (token, row), plus the q4 offset term: the error scale of a dot."""
     W = np.abs(R.dequantize_ref(w, expert)).astype(np.float64)
     if w.dtype == "q4":
@@ -96,28 +97,28 @@ def assert_ffn_close(y, y_ref, what=""):
 
 
 def test_isa_selection():
-    isas = K.available_isas()
-    assert isas[0] == "scalar" and set(isas) <= set(K.ISAS)
-    previous = K.get_isa()
+    isas = runtime.available_isas()
+    assert isas[0] == "scalar" and set(isas) <= set(runtime.ISAS)
+    previous = runtime.get_isa()
     try:
         for name in isas:
-            K.set_isa(name)
-            assert K.get_isa() == name
-        K.set_isa(None)
-        assert K.get_isa() == isas[-1]                 # the widest supported path
+            runtime.set_isa(name)
+            assert runtime.get_isa() == name
+        runtime.set_isa(None)
+        assert runtime.get_isa() == isas[-1]           # the widest supported path
         with pytest.raises(ValueError, match="unknown ISA"):
-            K.set_isa("sse9")
-        for name in set(K.ISAS) - set(isas):
+            runtime.set_isa("sse9")
+        for name in set(runtime.ISAS) - set(isas):
             with pytest.raises(ValueError, match="not supported"):
-                K.set_isa(name)
+                runtime.set_isa(name)
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)
 
 
 def test_env_forces_isa_at_import(tmp_path):
     # cwd away from the checkout, so the installed package (with its compiled kernels) is
     # imported, not the source folder
-    code = "from colibri import kernels; print(kernels.get_isa())"
+    code = "from colibri import runtime; print(runtime.get_isa())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120,
                          cwd=tmp_path)
@@ -131,20 +132,20 @@ def test_env_forces_isa_at_import(tmp_path):
 
 def test_spin_us_setting_and_env(tmp_path):
     """The pool's idle spin: set_spin_us / COLIBRI_SPIN_US, validated; results unchanged."""
-    assert K.spin_us() == K.DEFAULT_SPIN_US >= 0
+    assert runtime.spin_us() == runtime.SPIN_US.default >= 0
     rng = rng_for("spin")
     w, _ = make_weight(rng, (300, 64), "q4", 32)
     x = rng.standard_normal((3, 64)).astype(F32)
     y = K.linear(x, w, threads=1)
     for us in (0, 5, 100000):
-        K.set_spin_us(us)
-        assert K.spin_us() == us
+        runtime.set_spin_us(us)
+        assert runtime.spin_us() == us
         assert np.array_equal(K.linear(x, w, threads=2), y)
     with pytest.raises(ValueError, match="spin_us"):
-        K.set_spin_us(-1)
-    K.set_spin_us(None)
-    assert K.spin_us() == K.DEFAULT_SPIN_US
-    code = "from colibri import kernels; print(kernels.spin_us())"
+        runtime.set_spin_us(-1)
+    runtime.set_spin_us(None)
+    assert runtime.spin_us() == runtime.SPIN_US.default
+    code = "from colibri import runtime; print(runtime.spin_us())"
     for value, ok in (("0", True), ("250", True), ("soon", False), ("-3", False)):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**__import__("os").environ, "COLIBRI_SPIN_US": value},
@@ -168,17 +169,17 @@ def test_pool_more_threads_than_cores_and_limit():
     w, _ = make_weight(rng, (203, 128), "q4", 32)
     x = rng.standard_normal((5, 128)).astype(F32)
     y1 = K.linear(x, w, threads=1)
-    for n in (7, 16, 64, K.MAX_THREADS):
+    for n in (7, 16, 64, runtime.MAX_THREADS):
         assert np.array_equal(K.linear(x, w, threads=n), y1), n
     small, _ = make_weight(rng, (2, 128), "q8", 32)
     assert np.array_equal(K.linear(x, small, threads=8), K.linear(x, small, threads=1))
-    assert K.MAX_THREADS == 127
+    assert runtime.MAX_THREADS == 127
     with pytest.raises(ValueError, match=r"threads must be in 1\.\.127, found 128"):
         K.linear(x, w, threads=128)
 
 
 @pytest.mark.skipif(not _kernels.threaded(), reason="a build without the thread pool")
-@pytest.mark.parametrize("threads", [2, 64, K.MAX_THREADS])
+@pytest.mark.parametrize("threads", [2, 64, runtime.MAX_THREADS])
 def test_pool_workers_take_part(threads):
     """The workers really run items, at every thread count the pool accepts (a count that
     did not fit the pool's job word once left every item to the caller)."""
@@ -249,15 +250,15 @@ def test_pool_after_fork():
 def test_default_threads(monkeypatch):
     monkeypatch.delenv("COLIBRI_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    n = K.default_threads()
+    n = runtime.default_threads()
     assert 1 <= n <= (__import__("os").cpu_count() or 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3,2")
-    assert K.default_threads() == 3
+    assert runtime.default_threads() == 3
     monkeypatch.setenv("COLIBRI_NUM_THREADS", "5")         # colibri's own variable wins
-    assert K.default_threads() == 5
+    assert runtime.default_threads() == 5
     monkeypatch.setenv("COLIBRI_NUM_THREADS", "many")
     with pytest.raises(ValueError, match="COLIBRI_NUM_THREADS"):
-        K.default_threads()
+        runtime.default_threads()
     w, _ = make_weight(np.random.default_rng(0), (3, 8), "f32")
     with pytest.raises(ValueError, match="threads"):
         K.linear(np.ones((1, 8), F32), w, threads=0)
@@ -293,7 +294,7 @@ def test_identity_input_reads_every_weight_exactly(isa, fmt):
         exp_mask = 0x7C00 if fmt == "f16" else 0x7F80              # inf/NaN exponent
         finite = bits[(bits & exp_mask) != exp_mask].astype("<u2")
         buf = finite.view(np.uint8)
-        w = K.WeightRef(buf, 0, fmt, finite.size // C, C)
+        w = WeightRef(buf, 0, fmt, finite.size // C, C)
     else:
         w, _ = make_weight(rng_for("eye", fmt), (45, 128), fmt, 32)
         C = 128
@@ -362,7 +363,7 @@ def test_linear_argument_errors():
         K.linear(x, w, np.ones(7, F32))
     big = np.zeros((8, 16), F32)
     with pytest.raises(ValueError, match="overlap"):                  # out aliasing x
-        K.linear(big, K.WeightRef.from_array(np.eye(16, dtype=F32), "f32"), out=big[:, :16])
+        K.linear(big, WeightRef.from_array(np.eye(16, dtype=F32), "f32"), out=big[:, :16])
     assert K.linear(np.empty((0, 16), F32), w).shape == (0, 8)
 
 
@@ -418,16 +419,16 @@ def test_min_parallel_bytes_changes_nothing_but_speed(isa):
     w, _ = make_weight(rng, (50, 64), "q4", 32)
     results = []
     for nbytes in (1, 1 << 12, 1 << 40):
-        K.set_min_parallel_bytes(nbytes)
-        assert K.min_parallel_bytes() == nbytes
+        runtime.set_min_parallel_bytes(nbytes)
+        assert runtime.min_parallel_bytes() == nbytes
         results.append((K.linear(x, w, threads=2),
                         K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)))
     for a, b in results[1:]:
         assert np.array_equal(a, results[0][0]) and np.array_equal(b, results[0][1])
     with pytest.raises(ValueError, match="positive"):
-        K.set_min_parallel_bytes(0)
-    K.set_min_parallel_bytes(None)
-    assert K.min_parallel_bytes() == K.DEFAULT_MIN_PARALLEL_BYTES
+        runtime.set_min_parallel_bytes(0)
+    runtime.set_min_parallel_bytes(None)
+    assert runtime.min_parallel_bytes() == runtime.MIN_PARALLEL_BYTES.default
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -437,15 +438,15 @@ def test_isa_paths_agree_with_scalar(fmt):
     C = 256 if fmt in quant.QUANTIZED else 173
     w, _ = make_weight(rng, (29, C), fmt, 32)
     x = rng.standard_normal((5, C)).astype(F32)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     try:
-        K.set_isa("scalar")
+        runtime.set_isa("scalar")
         ref = K.linear(x, w)
-        for name in K.available_isas()[1:]:
-            K.set_isa(name)
+        for name in runtime.available_isas()[1:]:
+            runtime.set_isa(name)
             assert_dot_close(K.linear(x, w), ref, magnitude(x, w), f"{name} vs scalar")
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,8 +908,8 @@ def test_read_only_mmap_with_file_layout(tmp_path, isa, fmt):
     try:
         buf = np.frombuffer(mm, dtype=np.uint8)
         assert not buf.flags.writeable
-        ws = {n: K.WeightRef(buf, offsets[n], fmt, m.shape[1], m.shape[2], g,
-                             n_experts=E, expert_stride=stride) for n, m in mats.items()}
+        ws = {n: WeightRef(buf, offsets[n], fmt, m.shape[1], m.shape[2], g,
+                           n_experts=E, expert_stride=stride) for n, m in mats.items()}
         x = rng.standard_normal((6, D)).astype(F32)
         ids = np.array([[0, 2]] * 3 + [[2, 3]] * 3, np.int32)
         weights = rng.random((6, 2)).astype(F32)
@@ -969,7 +970,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
         before = _pages_present(addr, buf.size)
         if before is None or before.any():
             pytest.skip("no usable /proc/self/pagemap on this system")
-        refs = [K.WeightRef(buf, ws[n], "q4", *sizes[n], G, n_experts=E, expert_stride=stride)
+        refs = [WeightRef(buf, ws[n], "q4", *sizes[n], G, n_experts=E, expert_stride=stride)
                 for n in ("gate", "up", "down")]
         x = rng.standard_normal((5, D)).astype(F32)
         ids = np.array([[0, 2]] * 5, np.int32)
@@ -994,7 +995,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
 def test_bad_weight_refs_raise():
     buf = quant.encode(np.ones((4, 64), F32), "q4", 32)               # 4 rows of 36 bytes
     ok = dict(buf=buf, offset=0, dtype="q4", rows=4, cols=64, group_size=32)
-    K.WeightRef(**ok)
+    WeightRef(**ok)
     bad = [
         (dict(offset=1), "past the end"),
         (dict(offset=-1), "negative"),
@@ -1015,7 +1016,7 @@ def test_bad_weight_refs_raise():
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
-            K.WeightRef(**{**ok, **change})
+            WeightRef(**{**ok, **change})
 
 
 def test_kernels_recheck_bounds_at_call_time():
@@ -1024,8 +1025,8 @@ def test_kernels_recheck_bounds_at_call_time():
     rng = np.random.default_rng(4)
     w, _ = make_weight(rng, (3, 8, 64), "q4", 32)
     x = np.ones((2, 64), F32)
-    broken = K.WeightRef(w.buf, w.offset, w.dtype, w.rows, w.cols, w.group_size,
-                         n_experts=3, expert_stride=w.expert_stride)
+    broken = WeightRef(w.buf, w.offset, w.dtype, w.rows, w.cols, w.group_size,
+                       n_experts=3, expert_stride=w.expert_stride)
     object.__setattr__(broken, "n_experts", 4)                         # bypasses validation
     with pytest.raises(ValueError, match="past the end"):
         K.linear(x, broken, expert=3)
@@ -1079,7 +1080,7 @@ INT8_SHAPES = [(1, 1, 32, 32), (2, 37, 64, 64), (3, 19, 256, 128), (4, 13, 96, 3
                (3, 4, 800, 32), (2, 5, 1408, 64), (1, 6, 1408, 128)]   # partial last chunk
 
 
-def iact_magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0, bits: int = 8) -> np.ndarray:
+def iact_magnitude(x: np.ndarray, w: WeightRef, expert: int = 0, bits: int = 8) -> np.ndarray:
     """sum_b |s_b| d_b sum_i |code_i q_i| per (token, row): the error scale of an integer dot."""
     q, d = R.quantize_activations_ref(np.atleast_2d(x), bits)
     codes, scales = R._codes_scales(w, expert)
@@ -1325,19 +1326,19 @@ def test_iact_nan_and_inf_inputs_give_nan_rows(isa, act):
 @pytest.mark.parametrize("act, bits", ACTS)
 def test_iact_isa_paths_agree_with_scalar(fmt, act, bits):
     rng = rng_for("iact-agree", fmt, act)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     for G, C in ((32, 544), (128, 1024), (96, 288)):          # scale modes 0, 1, 3; odd blocks
         w, _ = make_weight(rng, (29, C), fmt, G)
         x = rng.standard_normal((5, C)).astype(F32)
         try:
-            K.set_isa("scalar")
+            runtime.set_isa("scalar")
             ref = K.linear(x, w, activations=act)
-            for name in K.available_isas()[1:]:
-                K.set_isa(name)
+            for name in runtime.available_isas()[1:]:
+                runtime.set_isa(name)
                 assert_dot_close(K.linear(x, w, activations=act), ref,
                                  iact_magnitude(x, w, bits=bits), f"{act} {name} vs scalar")
         finally:
-            K.set_isa(previous)
+            runtime.set_isa(previous)
 
 
 def test_activations_argument_errors():
@@ -1358,23 +1359,23 @@ def test_activations_argument_errors():
 
 
 def test_gemm_min_tokens_public_setting():
-    """kernels.set_gemm_min_tokens switches the prefill path: above the threshold a token's
+    """runtime.set_gemm_min_tokens switches the prefill path: above the threshold a token's
     result equals its decode (row kernel) bits; None restores the default; bad values fail."""
     rng = np.random.default_rng(5)
-    w = K.WeightRef.from_array(rng.standard_normal((40, 96)).astype(np.float32), "q4", 32)
+    w = WeightRef.from_array(rng.standard_normal((40, 96)).astype(np.float32), "q4", 32)
     x = rng.standard_normal((8, 96)).astype(np.float32)
     alone = np.concatenate([K.linear(x[i:i + 1], w, threads=1) for i in range(8)])
     try:
-        K.set_gemm_min_tokens(1 << 40)
-        assert K.gemm_min_tokens() == 1 << 40
+        runtime.set_gemm_min_tokens(1 << 40)
+        assert runtime.gemm_min_tokens() == 1 << 40
         np.testing.assert_array_equal(K.linear(x, w, threads=1), alone)
     finally:
-        K.set_gemm_min_tokens(None)
-    assert K.gemm_min_tokens() == K.DEFAULT_GEMM_MIN_TOKENS == GEMM_MIN
+        runtime.set_gemm_min_tokens(None)
+    assert runtime.gemm_min_tokens() == runtime.GEMM_MIN_TOKENS.default == GEMM_MIN
     np.testing.assert_allclose(K.linear(x, w, threads=1), alone, rtol=1e-5, atol=1e-5)
     for bad in (0, -3, 2.5, True, "4"):
         with pytest.raises(ValueError, match="gemm_min_tokens must be a positive int"):
-            K.set_gemm_min_tokens(bad)
+            runtime.set_gemm_min_tokens(bad)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8])
@@ -1386,7 +1387,7 @@ def test_expert_ffn_rejects_out_of_range_ids(dtype, bad, where):
         pytest.skip("unsigned ids cannot be negative")
     rng = np.random.default_rng(9)
     E, D, I = 8, 64, 32
-    ws = [K.WeightRef.from_array(rng.standard_normal(s).astype(np.float32), "q4", 32)
+    ws = [WeightRef.from_array(rng.standard_normal(s).astype(np.float32), "q4", 32)
           for s in ((E, I, D), (E, I, D), (E, D, I))]
     x = rng.standard_normal((2, D)).astype(np.float32)
     ids = np.array([[0, 1], [2, 3]], dtype=dtype)
@@ -1428,17 +1429,17 @@ def test_attend_decode_matches_reference(isa, threads, shape):
 def test_attend_decode_isa_paths_agree_with_scalar(shape):
     H, Hkv, Dh, n = shape
     q, k, v = _attend_inputs(rng_for("attend-isa", shape), H, Hkv, Dh, n, spread=6.0)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     try:
-        K.set_isa("scalar")
+        runtime.set_isa("scalar")
         want = K.attend_decode(q, k, v, 0.3)
-        for name in K.available_isas():
-            K.set_isa(name)
+        for name in runtime.available_isas():
+            runtime.set_isa(name)
             got = K.attend_decode(q, k, v, 0.3)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
                                        err_msg=name)
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)
 
 
 def test_attend_decode_extremes(isa):
@@ -1558,8 +1559,8 @@ def test_prepared_calls_equal_the_kernels(isa, fmt, activations):
     lin = K.prepare_linear(wg.expert(1), bias, threads=2, activations=activations)
     route = K.prepare_route(2, rule="softmax_topk", norm_topk_prob=True, threads=2)
     ffn = K.prepare_expert_ffn(wg, wu, wd, threads=2, activations=activations)
-    for name in K.available_isas():
-        K.set_isa(name)
+    for name in runtime.available_isas():
+        runtime.set_isa(name)
         for T in (1, 3, 9):
             x = rng.standard_normal((T, D)).astype(F32)
             y = np.empty((T, I), F32)
