@@ -20,8 +20,9 @@ magnitude (about 1e-5 of the output's scale: finer than f16 activations), at abo
 int8's instructions and a third of f32's. Plain-format weights (f32/f16/bf16) ignore the
 option and keep the f32 path, so a whole model can run with either.
 
-Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
-R rows (outputs) and C columns (inputs) of a weight matrix, H / Hkv heads, Dh head dim.
+Shapes (the package's alphabet): T tokens, D hidden, I expert intermediate, E experts,
+K experts per token, R rows (outputs) and C columns (inputs) of a weight matrix, H / Hkv
+heads, G = H / Hkv, Dh head dim.
 
 Decode step: the small row operations of a token (``rms_norm_rows``, ``rope_rows``: NumPy's
 float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,

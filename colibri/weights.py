@@ -71,14 +71,13 @@ class WeightRef:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ValueError(f"WeightRef: {name} must be an int, found {v!r}")
             object.__setattr__(self, name, int(v))
-        packed = 0
         if self.dtype in dtypes.QUANTIZED or self.cols > 0:
             try:                                 # checks a quantized format's group size
                 packed = dtypes.row_stride(self.dtype, self.cols, self.group_size)
             except ValueError as exc:
-                raise ValueError(f"WeightRef {self.dtype}: {exc}") from None
-        if self.row_stride == 0 and self.cols > 0:
-            object.__setattr__(self, "row_stride", packed)
+                raise ValueError(f"WeightRef: {exc}") from None
+            if self.row_stride == 0 and self.cols > 0:
+                object.__setattr__(self, "row_stride", packed)
         if self.expert_stride == 0 and self.n_experts > 1:
             object.__setattr__(self, "expert_stride", self.rows * self.row_stride)
         _kernels.weight_span(self, "WeightRef")
