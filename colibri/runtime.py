@@ -223,16 +223,22 @@ class Knob:
                              ) from None
 
 
-# A pool job costs a few microseconds (publish it, wake a sleeping worker, wait for the items
-# workers took): below about 256 KiB of weight streamed (times tokens) per thread, an extra
-# thread loses more than it saves. Measured: docs/performance.md.
+# min_parallel_bytes: work per thread (weight bytes streamed x tokens) below which a kernel
+# adds no thread; 1 parallelises everything, as the tests do. A pool job costs a few
+# microseconds (publish it, wake a sleeping worker, wait for the items workers took): below
+# about 256 KiB per thread an extra thread loses more than it saves (docs/performance.md).
 MIN_PARALLEL_BYTES = Knob("min_parallel_bytes", "COLIBRI_MIN_PARALLEL_BYTES", 1 << 18, 1,
                           _kernels.get_min_parallel_bytes, _kernels.set_min_parallel_bytes)
+# gemm_min_tokens: tokens per matrix (linear: T; expert FFN: one expert's tokens) from which
+# a matrix on f32 activations takes the prefill path (a panel of rows decoded once to f32,
+# then a register-blocked micro-kernel, docs/performance.md); a huge value keeps every call
+# on the row kernel. Both paths are exact to the weights; they sum in different orders.
 # Measured on AVX2 (EPYC, 1 thread, 1024 x 1024 in L2): from 4 tokens on the GEMM path is
 # faster than the row kernel for every format (q4 22.6 vs 17.0 GMAC/s at 4 tokens, 36 vs 19 at
 # 32; callgrind 0.46 vs 0.60 instructions per multiply-add at 4, 0.55 vs 0.54 at 3).
 GEMM_MIN_TOKENS = Knob("gemm_min_tokens", None, 4, 1,
                        _kernels.get_gemm_min_tokens, _kernels.set_gemm_min_tokens)
+# spin_us: microseconds an idle worker thread spins before it sleeps; 0 sleeps at once.
 # Spinning keeps the workers awake between the kernel calls of a decode step (a sleeping
 # worker takes tens of microseconds to wake, per call); sleeping frees the core for other
 # processes.
@@ -240,19 +246,10 @@ SPIN_US = Knob("spin_us", "COLIBRI_SPIN_US", 500, 0,
                _kernels.get_spin_us, _kernels.set_spin_us)
 KNOBS: tuple[Knob, ...] = (MIN_PARALLEL_BYTES, GEMM_MIN_TOKENS, SPIN_US)
 
-# The accessors by name. min_parallel_bytes: work per thread (weight bytes streamed x
-# tokens) below which a kernel adds no thread; 1 parallelises everything, as the tests do.
-min_parallel_bytes = MIN_PARALLEL_BYTES.get
-set_min_parallel_bytes = MIN_PARALLEL_BYTES.set
-# gemm_min_tokens: tokens per matrix (linear: T; expert FFN: one expert's tokens) from which
-# a matrix on f32 activations takes the prefill path (a panel of rows decoded once to f32,
-# then a register-blocked micro-kernel, docs/performance.md); a huge value keeps every call
-# on the row kernel. Both paths are exact to the weights; they sum in different orders.
-gemm_min_tokens = GEMM_MIN_TOKENS.get
-set_gemm_min_tokens = GEMM_MIN_TOKENS.set
-# spin_us: microseconds an idle worker thread spins before it sleeps; 0 sleeps at once.
-spin_us = SPIN_US.get
-set_spin_us = SPIN_US.set
+# the accessors by name: runtime.spin_us(), runtime.set_spin_us(100), set_spin_us(None) ...
+min_parallel_bytes, set_min_parallel_bytes = MIN_PARALLEL_BYTES.get, MIN_PARALLEL_BYTES.set
+gemm_min_tokens, set_gemm_min_tokens = GEMM_MIN_TOKENS.get, GEMM_MIN_TOKENS.set
+spin_us, set_spin_us = SPIN_US.get, SPIN_US.set
 
 
 def _apply_env() -> None:
