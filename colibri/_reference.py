@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:                                   # no runtime import: kernels imports _kernels
-    from .kernels import WeightRef
+if TYPE_CHECKING:                                   # no runtime import: weights imports _kernels
+    from .weights import WeightRef
 
 __all__ = [
     "dequantize_ref", "linear_ref", "route_topk_ref", "gumbel_ref", "group_by_expert_ref",

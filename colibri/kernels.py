@@ -1,27 +1,13 @@
 """The compute kernels of colibri: linear layers, routing, dispatch and the MoE FFN.
 
-This is the Python front of the compiled module ``colibri._kernels`` (the only module that
-imports it). The kernels know buffers, integers and float arrays, nothing about model
-families or tensor names. Weights are passed as a ``WeightRef``: a uint8 buffer (the whole
-file mapping, or an encoded array in tests) plus byte offsets and strides, read in place
-(zero copies, dequantized in registers).
+This is the Python face of the compiled module ``colibri._kernels``: each function checks
+and converts its arguments, then makes one compiled call. The kernels know buffers, integers
+and float arrays, nothing about model families or tensor names. Weights are passed as a
+``weights.WeightRef`` (read in place, dequantized in registers); the instruction set, the
+thread count for ``threads=None`` and the tuning knobs are the ``runtime`` module's.
 
 Every kernel has a plain-NumPy twin in ``colibri._reference`` (``<name>_ref``): the spec and
-the test oracle.
-
-Instruction set: the widest path this CPU and OS support is chosen at import (scalar, avx2,
-avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
-Threads: ``threads=None`` means ``default_threads()``; results do not depend on the count.
-The kernels run on colibri's own thread pool (``_pool.h``): the calling thread works too and
-returns as soon as every work item is done, so it never waits for a worker that is asleep
-or descheduled. Idle workers spin for ``spin_us()`` microseconds (so the next kernel call of
-a decode step finds them awake), then sleep; a worker that finds itself preempted while
-spinning (the cores shared with other busy processes) stops spinning for a while.
-``set_spin_us`` or the environment variable ``COLIBRI_SPIN_US`` tunes it (0: sleep at once).
-A call whose work (weight bytes streamed x tokens) is below ``min_parallel_bytes()`` per
-thread uses fewer threads (one, without touching the pool, for the small matrices of a small
-model). ``set_min_parallel_bytes`` or the environment variable ``COLIBRI_MIN_PARALLEL_BYTES``
-tunes it.
+the test oracle. Results do not depend on the thread count.
 
 Activations: the quantized-weight kernels (linear, expert_ffn, swiglu) take
 ``activations="f32"`` (the default: x in float32, exact products with the decoded weights)
@@ -34,8 +20,9 @@ magnitude (about 1e-5 of the output's scale: finer than f16 activations), at abo
 int8's instructions and a third of f32's. Plain-format weights (f32/f16/bf16) ignore the
 option and keep the f32 path, so a whole model can run with either.
 
-Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
-R rows (outputs) and C columns (inputs) of a weight matrix, G group size.
+Shapes (the package's alphabet): T tokens, D hidden, I expert intermediate, E experts,
+K experts per token, R rows (outputs) and C columns (inputs) of a weight matrix, H / Hkv
+heads, G = H / Hkv, Dh head dim.
 
 Decode step: the small row operations of a token (``rms_norm_rows``, ``rope_rows``: NumPy's
 float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,
@@ -45,269 +32,25 @@ decode fast path (arrays only, no conversions; a bad argument is a ValueError).
 """
 from __future__ import annotations
 
-import functools
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _kernels, dtypes, quant
+from . import _kernels
+from .runtime import resolve_threads
+from .weights import WeightRef
 
 __all__ = [
-    "WeightRef", "ISAS", "available_isas", "get_isa", "set_isa", "default_threads",
-    "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
-    "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu", "dequantize",
-    "read_bandwidth", "ACTIVATIONS", "quantize_activations", "spin_us", "set_spin_us",
-    "DEFAULT_SPIN_US", "pool_backoffs", "attend_decode", "MAX_THREADS",
+    "ACTIVATIONS", "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu",
+    "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_decode_into",
     "attend_cached_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
-ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512")
-WEIGHT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8", "q4")
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax")
 ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
-
-
-# ---------------------------------------------------------------------------------------------
-# weights
-
-
-@dataclass(frozen=True, eq=False)          # eq=False: identity equality, hashable (buf is an array)
-class WeightRef:
-    """Where a weight matrix (or a stack of E of them) lies in a byte buffer.
-
-    buf:           uint8, 1-D, C-contiguous, may be read-only (a view of the mmap'd file).
-                   Any object with the buffer protocol (bytes, mmap) is wrapped without a copy.
-    offset:        byte offset of row 0 of expert 0.
-    dtype:         "f32" | "f16" | "bf16" | "q8" | "q4" (SPEC 1.5).
-    rows, cols:    logical (R, C) of one matrix; y = W @ x reduces over C.
-    group_size:    G, for q8/q4 (a multiple of 32 dividing C); 0 otherwise.
-    row_stride:    bytes between rows; 0 means packed (dtypes.row_stride).
-    n_experts:     E matrices of the same shape ...
-    expert_stride: ... this many bytes apart; 0 means packed (rows * row_stride).
-
-    Construction checks every field against the buffer (ValueError naming the field and the
-    numbers); the kernels check again before they read, so a bad WeightRef can never make
-    them read outside the buffer.
-    """
-
-    buf: np.ndarray = field(repr=False)
-    offset: int
-    dtype: str
-    rows: int
-    cols: int
-    group_size: int = 0
-    row_stride: int = 0
-    n_experts: int = 1
-    expert_stride: int = 0
-
-    def __post_init__(self) -> None:
-        buf = self.buf
-        if not isinstance(buf, np.ndarray):
-            try:
-                buf = np.frombuffer(buf, dtype=np.uint8)
-            except TypeError as exc:
-                raise ValueError(f"WeightRef: buf must be a uint8 array or a buffer, found "
-                                 f"{type(self.buf).__name__}") from exc
-            object.__setattr__(self, "buf", buf)
-        if self.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"WeightRef: dtype {self.dtype!r} is not a weight format of the "
-                             f"kernels (expected one of {', '.join(WEIGHT_DTYPES)})")
-        for name in ("offset", "rows", "cols", "group_size", "row_stride", "n_experts",
-                     "expert_stride"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"WeightRef: {name} must be an int, found {v!r}")
-            object.__setattr__(self, name, int(v))
-        if self.dtype in dtypes.QUANTIZED:
-            dtypes.check_group_size(self.cols, self.group_size, f"WeightRef {self.dtype}")
-        if self.row_stride == 0 and self.cols > 0:
-            object.__setattr__(self, "row_stride",
-                               dtypes.row_stride(self.dtype, self.cols, self.group_size))
-        if self.expert_stride == 0 and self.n_experts > 1:
-            object.__setattr__(self, "expert_stride", self.rows * self.row_stride)
-        _kernels.weight_span(self, "WeightRef")
-
-    @classmethod
-    def from_array(cls, w: np.ndarray, dtype: str, group_size: int = 0) -> "WeightRef":
-        """Encode w float (R, C) or (E, R, C) with quant.encode into a new packed buffer.
-
-        For tests and small models; a real model's weights are views of its file.
-        """
-        w = np.asarray(w)
-        if w.ndim not in (2, 3):
-            raise ValueError(f"WeightRef.from_array: w must be (R, C) or (E, R, C), found "
-                             f"shape {w.shape}")
-        if dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"WeightRef.from_array: dtype {dtype!r} is not one of "
-                             f"{', '.join(WEIGHT_DTYPES)}")
-        gs = int(group_size) if dtype in dtypes.QUANTIZED else 0
-        E = w.shape[0] if w.ndim == 3 else 1
-        R, C = w.shape[-2:]
-        buf = quant.encode(w, dtype, gs)
-        return cls(buf=buf, offset=0, dtype=dtype, rows=R, cols=C, group_size=gs,
-                   n_experts=E)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical shape: (R, C), or (E, R, C) for a stack."""
-        return (self.rows, self.cols) if self.n_experts == 1 else (
-            self.n_experts, self.rows, self.cols)
-
-    def expert(self, e: int) -> "WeightRef":
-        """The single matrix of expert e, as its own WeightRef (same buffer)."""
-        if not 0 <= e < self.n_experts:
-            raise ValueError(f"expert {e} out of range for {self.n_experts} experts")
-        return WeightRef(self.buf, self.offset + e * self.expert_stride, self.dtype,
-                         self.rows, self.cols, self.group_size, self.row_stride)
-
-
-# ---------------------------------------------------------------------------------------------
-# instruction set and threads
-
-
-def available_isas() -> list[str]:
-    """The paths this CPU and OS run, in ISAS order ("scalar" always)."""
-    return [name for code, name in enumerate(ISAS) if _kernels.isa_supported(code)]
-
-
-def get_isa() -> str:
-    """The path the kernels use now."""
-    return ISAS[_kernels.get_isa()]
-
-
-def set_isa(name: str | None) -> None:
-    """Force a path ("scalar", "avx2", "avx512"), or None for the widest supported one.
-
-    Raises ValueError for an unknown name or a path this CPU/OS cannot run.
-    """
-    if name is None:
-        _kernels.set_isa(_kernels.best_isa())
-        return
-    if name not in ISAS:
-        raise ValueError(f"unknown ISA {name!r}; expected one of {', '.join(ISAS)}")
-    if name not in available_isas():
-        raise ValueError(f"ISA {name!r} is not supported by this CPU/OS (available: "
-                         f"{', '.join(available_isas())})")
-    _kernels.set_isa(ISAS.index(name))
-
-
-def _env_threads(var: str) -> int | None:
-    value = os.environ.get(var, "").strip()
-    if not value:
-        return None
-    first = value.split(",")[0].strip()         # OMP_NUM_THREADS may list nested levels
-    try:
-        n = int(first)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{var}={value!r} is not a positive integer")
-    return n
-
-
-def _affinity() -> set[int] | None:
-    if hasattr(os, "sched_getaffinity"):
-        return set(os.sched_getaffinity(0))
-    try:
-        import psutil
-        return set(psutil.Process().cpu_affinity())
-    except Exception:                            # not available on this platform
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _physical_cores_in_mask() -> int:
-    """Physical cores among the CPUs this process may run on (hyperthreads counted once).
-
-    Threads beyond the physical cores slow MoE decode: they share the core's load ports and
-    the memory bandwidth, and add synchronisation.
-    """
-    import psutil
-    cpus = _affinity()
-    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    if not cpus:
-        return max(1, physical)
-    cores = set()
-    for cpu in cpus:                             # Linux topology, where readable
-        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-        try:
-            with open(topo + "physical_package_id") as f:
-                package = f.read().strip()
-            with open(topo + "core_id") as f:
-                core = f.read().strip()
-        except OSError:
-            break
-        cores.add((package, core))
-    else:
-        return max(1, len(cores))
-    # no topology: assume the mask holds the same share of physical cores as of CPUs
-    logical = psutil.cpu_count(logical=True) or len(cpus)
-    return max(1, min(len(cpus), round(len(cpus) * physical / logical)))
-
-
-MAX_THREADS: int = int(_kernels.MAX_THREADS)
-
-
-def default_threads() -> int:
-    """Thread count for threads=None: COLIBRI_NUM_THREADS, else OMP_NUM_THREADS, else the
-    physical cores in this process's CPU affinity mask, at most MAX_THREADS (the pool's
-    limit; an explicit larger count is an error)."""
-    for var in ("COLIBRI_NUM_THREADS", "OMP_NUM_THREADS"):
-        n = _env_threads(var)
-        if n is not None:
-            return n
-    return min(_physical_cores_in_mask(), MAX_THREADS)
-
-
-def _threads(threads: int | None) -> int:
-    if threads is None:
-        return default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise ValueError(f"threads must be a positive int or None, found {threads!r}")
-    return int(threads)
-
-
-def min_parallel_bytes() -> int:
-    """Work per thread (weight bytes streamed x tokens) below which a kernel adds no thread."""
-    return int(_kernels.get_min_parallel_bytes())
-
-
-def set_min_parallel_bytes(nbytes: int | None) -> None:
-    """Set min_parallel_bytes (>= 1; 1 parallelises everything, as the tests do), or None
-    for the default. Results do not depend on it, only the speed."""
-    if nbytes is None:
-        nbytes = DEFAULT_MIN_PARALLEL_BYTES
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
-        raise ValueError(f"min_parallel_bytes must be a positive int, found {nbytes!r}")
-    _kernels.set_min_parallel_bytes(int(nbytes))
-
-
-DEFAULT_MIN_PARALLEL_BYTES: int = int(_kernels.get_min_parallel_bytes())
-
-
-def gemm_min_tokens() -> int:
-    """Tokens per matrix (linear: T; expert FFN: one expert's tokens) from which a matrix on
-    f32 activations takes the prefill path: a panel of rows decoded once to f32, then a
-    register-blocked micro-kernel over all the tokens (docs/performance.md)."""
-    return int(_kernels.get_gemm_min_tokens())
-
-
-def set_gemm_min_tokens(n: int | None) -> None:
-    """Set gemm_min_tokens (>= 1; a huge value keeps every call on the row kernel), or None
-    for the default. Both paths are exact to the weights; they sum in different orders."""
-    if n is None:
-        n = DEFAULT_GEMM_MIN_TOKENS
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"gemm_min_tokens must be a positive int, found {n!r}")
-    _kernels.set_gemm_min_tokens(int(n))
-
-
-DEFAULT_GEMM_MIN_TOKENS: int = int(_kernels.get_gemm_min_tokens())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +110,7 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     x : float32 (T, C), or (C,) for one token
     w : WeightRef (R, C), or a stack (E, R, C) of which `expert` is used
     bias : float32 (R,) or None
-    threads : int or None (default_threads())
+    threads : int or None (runtime.default_threads())
     out : float32 (T, R) (or (R,)) to write into, not overlapping x; or None
     expert : int, which matrix of a stack
     activations : "f32" (default), "int8" or "int16"
@@ -384,7 +127,7 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     Notes
     -----
     Parallel over tiles of output rows; each tile is read from memory once for all T tokens
-    (blocks of a few tokens share each pass over a weight row). From gemm_min_tokens()
+    (blocks of a few tokens share each pass over a weight row). From runtime.gemm_min_tokens()
     tokens on, f32 activations take the prefill path (a panel of rows decoded once to f32,
     then a register-blocked micro-kernel): exact to the weights too, but summed in another
     order, so a token alone and inside such a block may differ in the last bits. Every path
@@ -395,8 +138,8 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     x2 = x.reshape(1, -1) if one else x
     b = None if bias is None else _f32("bias", bias, (1,))
     y = _out(out, (w.rows,) if one else (x2.shape[0], w.rows))
-    _kernels.linear(x2, w, b, y.reshape(x2.shape[0], w.rows), int(expert), _threads(threads),
-                    activations)
+    _kernels.linear(x2, w, b, y.reshape(x2.shape[0], w.rows), int(expert),
+                    resolve_threads(threads), activations)
     return y
 
 
@@ -441,7 +184,7 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
         raise ValueError(f"noise_seed must be an int or None, found {noise_seed!r}")
     return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
                                None if noise_seed is None else int(noise_seed),
-                               _threads(threads))
+                               resolve_threads(threads))
 
 
 def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -498,7 +241,7 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: Weig
     ids = _ids(ids, w_gate.n_experts)
     weights = _f32("weights", weights, (2,))
     y = _out(out, x.shape)
-    _kernels.expert_ffn(x, ids, weights, w_gate, w_up, w_down, y, _threads(threads),
+    _kernels.expert_ffn(x, ids, weights, w_gate, w_up, w_down, y, resolve_threads(threads),
                         activations)
     return y
 
@@ -521,7 +264,7 @@ def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
     """
     x = _f32("x", x, (2,))
     y = np.empty(x.shape, dtype=np.float32)
-    _kernels.swiglu(x, w_gate, w_up, w_down, y, _threads(threads), activations)
+    _kernels.swiglu(x, w_gate, w_up, w_down, y, resolve_threads(threads), activations)
     return y
 
 
@@ -583,7 +326,7 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     if k.strides[2] != 4 or v.strides != k.strides:       # rows must be contiguous
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     y = _out(out, q.shape)
-    _kernels.attend_decode(q, k, v, float(scale), y, _threads(threads))
+    _kernels.attend_decode(q, k, v, float(scale), y, resolve_threads(threads))
     return y
 
 
@@ -592,7 +335,7 @@ def dequantize(w: WeightRef, expert: int = 0, *, threads: int | None = None) -> 
 
     A test and debugging helper (scalar decoding); the kernels never build this matrix.
     """
-    return _kernels.dequantize(w, int(expert), _threads(threads))
+    return _kernels.dequantize(w, int(expert), resolve_threads(threads))
 
 
 def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3) -> float:
@@ -609,7 +352,7 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
     -------
     float, the best pass
     """
-    n_threads = _threads(threads)
+    n_threads = resolve_threads(threads)
     if nbytes < 1 or repeats < 1:
         raise ValueError(f"nbytes ({nbytes}) and repeats ({repeats}) must be >= 1")
     buf = np.ones(int(nbytes), dtype=np.uint8)
@@ -620,30 +363,6 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
         _kernels.read_sum(buf, n_threads)
         best = min(best, time.perf_counter() - t0)
     return nbytes / max(best, 1e-9) / 1e9
-
-
-DEFAULT_SPIN_US: int = int(_kernels.get_spin_us())
-
-
-def spin_us() -> int:
-    """Microseconds an idle worker thread spins before it sleeps (see set_spin_us)."""
-    return _kernels.get_spin_us()
-
-
-def set_spin_us(us: int | None) -> None:
-    """Set how long an idle worker spins (waiting for the next kernel call) before sleeping.
-
-    Spinning keeps the workers awake between the kernel calls of a decode step (a sleeping
-    worker takes tens of microseconds to wake, per call); sleeping frees the core for other
-    processes. 0 sleeps at once. None restores the default (``DEFAULT_SPIN_US``).
-    """
-    _kernels.set_spin_us(DEFAULT_SPIN_US if us is None else int(us))
-
-
-def pool_backoffs() -> int:
-    """How many times, since import, a spinning worker found itself preempted (the cores
-    shared with other busy processes) and stopped spinning for a while (0.2 s)."""
-    return int(_kernels.pool_backoffs())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,7 +457,7 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
     if not isinstance(w, WeightRef):
         raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
     b = None if bias is None else _rows_f32("bias", bias, (1,))
-    return _kernels.PreparedLinear(w, b, _threads(threads), activations)
+    return _kernels.PreparedLinear(w, b, resolve_threads(threads), activations)
 
 
 def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = False,
@@ -751,7 +470,7 @@ def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = 
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an int, found {k!r}")
-    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), _threads(threads))
+    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads))
 
 
 def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
@@ -766,29 +485,4 @@ def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
     for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
-    return _kernels.PreparedExperts(w_gate, w_up, w_down, _threads(threads), activations)
-
-
-def _apply_env() -> None:
-    name = os.environ.get("COLIBRI_ISA", "").strip().lower()
-    if name:
-        try:
-            set_isa(name)
-        except ValueError as exc:
-            raise ValueError(f"COLIBRI_ISA={name!r}: {exc}") from None
-    value = os.environ.get("COLIBRI_SPIN_US", "").strip()
-    if value:
-        try:
-            set_spin_us(int(value))
-        except ValueError:
-            raise ValueError(f"COLIBRI_SPIN_US={value!r} is not an integer >= 0") from None
-    value = os.environ.get("COLIBRI_MIN_PARALLEL_BYTES", "").strip()
-    if value:
-        try:
-            set_min_parallel_bytes(int(value))
-        except ValueError:
-            raise ValueError(f"COLIBRI_MIN_PARALLEL_BYTES={value!r} is not a positive "
-                             f"integer") from None
-
-
-_apply_env()
+    return _kernels.PreparedExperts(w_gate, w_up, w_down, resolve_threads(threads), activations)

@@ -31,124 +31,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes, kernels, quant
+from . import kernels, quant
 from .attention import Attention, build_mask
 from .errors import ColibriError
 from .format import ColibriFile, QuantizedTensor, router_name
-from .kernels import WeightRef
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
-from .moe import DenseMLP, MoE, Timings
+from .moe import DenseMLP, MoE
 from .norms import rms_norm
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
+from .runtime import Timings, blas_on_one_thread, default_threads
+from .weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 
-__all__ = ["Model", "weight_ref", "expert_ref"]
-
-_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
-
-
-# ---------------------------------------------------------------------------------------------
-# weights as references into the mapping
-# ---------------------------------------------------------------------------------------------
-
-def _row_stride(dtype: str, cols: int, group_size: int) -> int:
-    if dtype in _ITEMSIZE:
-        return cols * _ITEMSIZE[dtype]
-    return dtypes.row_stride(dtype, cols, group_size)
-
-
-def weight_ref(f: ColibriFile, buf: np.ndarray, name: str) -> WeightRef:
-    """WeightRef over the 2-D tensor `name` (R, C) of the mapped file; no bytes are read."""
-    info = f.info(name)
-    if len(info.shape) != 2:
-        raise ColibriError(f"{f.path}: tensor {name!r} has shape {info.shape}; expected a matrix")
-    if info.dtype not in _ITEMSIZE and info.dtype not in dtypes.QUANTIZED:
-        raise ColibriError(f"{f.path}: tensor {name!r} has dtype {info.dtype}, which the "
-                           f"kernels cannot multiply by")
-    R, C = info.shape
-    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
-                     _row_stride(info.dtype, C, info.group_size))
-
-
-def expert_ref(f: ColibriFile, buf: np.ndarray, layer: int, proj: str, n_experts: int) -> WeightRef:
-    """WeightRef over the strided (E, R, C) stack of one projection of a layer's experts."""
-    name0 = f"layers.{layer}.moe.experts.0.{proj}"
-    info = f.info(name0)
-    R, C = info.shape
-    stride = f.expert_stride(layer) if n_experts > 1 else 0
-    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
-                     _row_stride(info.dtype, C, info.group_size), n_experts, stride)
-
-
-def _fused_ref(refs: list[WeightRef]) -> WeightRef | None:
-    """One WeightRef over matrices that lie back to back in the same buffer with the same
-    format and columns (their rows stacked, in order), or None when they do not."""
-    a = refs[0]
-    end = a.offset
-    for r in refs:
-        if (r.buf is not a.buf or r.dtype != a.dtype or r.cols != a.cols or r.n_experts != 1
-                or r.group_size != a.group_size or r.row_stride != a.row_stride
-                or r.offset != end):
-            return None
-        end += r.rows * r.row_stride
-    return WeightRef(a.buf, a.offset, a.dtype, sum(r.rows for r in refs), a.cols,
-                     a.group_size, a.row_stride)
-
-
-def _vector(f: ColibriFile, name: str) -> np.ndarray:
-    """A small 1-D tensor (norm weight, bias) as float32."""
-    t = f.tensor(name)
-    if isinstance(t, np.ndarray) and t.dtype == np.float32:
-        return t
-    return f.to_float32(name)
-
-
-_BLAS_LIBS = None
-_BLAS_OWNERSHIP = None      # threadpoolctl's per-thread count of open limits (recent versions)
-
-
-class _BlasOnOneThread:
-    """threadpoolctl's `limit(limits=1, user_api="blas")` context without its bookkeeping of
-    every library's info: on entry each BLAS library not on one thread already is set to one,
-    on exit it gets its count back (and threadpoolctl's ownership count of OpenBLAS's shared
-    pool is kept as limit() keeps it). Measured warm: ~3 us a forward pass instead of ~16."""
-
-    __slots__ = ("saved",)
-
-    def __enter__(self):
-        global _BLAS_LIBS, _BLAS_OWNERSHIP
-        if _BLAS_LIBS is None:
-            import threadpoolctl
-            _BLAS_OWNERSHIP = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)
-            _BLAS_LIBS = list(threadpoolctl.ThreadpoolController().select(user_api="blas")
-                              .lib_controllers)
-        saved = []
-        for lib in _BLAS_LIBS:
-            n = lib.get_num_threads()
-            if n != 1:
-                lib.set_num_threads(1)
-                saved.append((lib, n))
-        self.saved = saved
-        if _BLAS_OWNERSHIP is not None:
-            _BLAS_OWNERSHIP.increment()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for lib, n in self.saved:
-            lib.set_num_threads(n)
-        if _BLAS_OWNERSHIP is not None:
-            _BLAS_OWNERSHIP.decrement()
-
-
-def _blas_on_one_thread() -> _BlasOnOneThread:
-    """A context in which NumPy's BLAS (the attention matmuls) runs on one thread.
-
-    The kernels' threads already occupy every core; BLAS worker threads spinning beside
-    them steal those cores (measured: pp128 of the shipped model 3.3x slower at 1 kernel
-    thread, and ~100x slower at 2 when another process holds a core).
-    """
-    return _BlasOnOneThread()
+__all__ = ["Model"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +86,7 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
     """q, k, v projections as one _Linear when their matrices are adjacent in the file (the
     converter writes them so) and all or none have a bias: one kernel call instead of three,
     the same values (each output row is one row-kernel call, whatever the matrix around it)."""
-    ref = _fused_ref([p.w for p in projs])
+    ref = fused_ref([p.w for p in projs])
     biases = [p.b for p in projs]
     if ref is None or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
@@ -215,7 +111,7 @@ class Model:
                              f"got {activations!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
-        self.threads = int(threads) if threads is not None else kernels.default_threads()
+        self.threads = int(threads) if threads is not None else default_threads()
         c = self.config = self.file.model_config   # typed geometry (colibri.config.ModelConfig)
         self.hf_config = self.file.config         # the checkpoint's config.json, as converted
         self.vocab_size = c.vocab_size                                       # V
@@ -245,7 +141,7 @@ class Model:
         head = "tok_embeddings" if c.tie_word_embeddings or "lm_head" not in f else "lm_head"
         self.head = weight_ref(f, self._buf, head)                                   # (V, D)
         self._head = kernels.prepare_linear(self.head, threads=t, activations=self.activations)
-        self.final_norm = _vector(f, "norm")
+        self.final_norm = vector(f, "norm")
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
 
     def _layer(self, i: int) -> _Layer:
@@ -254,7 +150,7 @@ class Model:
         p = f"layers.{i}."
 
         def proj(name: str, bias: str) -> _Linear:
-            b = _vector(f, p + bias) if (p + bias) in f else None
+            b = vector(f, p + bias) if (p + bias) in f else None
             return _Linear(weight_ref(f, buf, p + name), b, t, act)
 
         wq, wk, wv = (proj(f"attn.w{n}", f"attn.b{n}") for n in "qkv")
@@ -263,8 +159,8 @@ class Model:
             wq, wk, wv, proj("attn.wo", "attn.bo"),
             n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
-            q_norm=_vector(f, p + "attn.q_norm") if qk_norm else None,
-            k_norm=_vector(f, p + "attn.k_norm") if qk_norm else None,
+            q_norm=vector(f, p + "attn.q_norm") if qk_norm else None,
+            k_norm=vector(f, p + "attn.k_norm") if qk_norm else None,
             clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
             threads=t)
         mlp = ("w_gate", "w_up", "w_down")
@@ -281,7 +177,7 @@ class Model:
         else:
             ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}") for n in mlp), threads=t,
                            activations=act)
-        return _Layer(_vector(f, p + "attn_norm"), attn, _vector(f, p + "ffn_norm"), ffn)
+        return _Layer(vector(f, p + "attn_norm"), attn, vector(f, p + "ffn_norm"), ffn)
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -443,7 +339,7 @@ class Model:
             out = self._decode_call(input_ids, cache, positions, return_routing)
             if out is not None:
                 return out
-        with _blas_on_one_thread():
+        with blas_on_one_thread():
             return self._forward(input_ids, cache, positions, return_routing, input_embeds,
                                  attention_mask, last_only)
 

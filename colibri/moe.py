@@ -18,43 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .kernels import WeightRef
+from .runtime import Timings
+from .weights import WeightRef
 
-__all__ = ["Timings", "MoE", "DenseMLP"]
-
-STAGES = ("embed", "attention", "router", "experts", "shared", "dense", "head")
-
-
-class Timings:
-    """Seconds spent per stage, accumulated with time.perf_counter (cheap: ~100 ns a call)."""
-
-    def __init__(self):
-        self.seconds = dict.fromkeys(STAGES, 0.0)
-
-    def add(self, stage: str, t0: float) -> float:
-        """Add the time since t0 to `stage`; return now (the next stage's t0)."""
-        now = time.perf_counter()
-        self.seconds[stage] += now - t0
-        return now
-
-    def reset(self) -> None:
-        for k in self.seconds:
-            self.seconds[k] = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(self.seconds.values())
-
-    def summary(self) -> str:
-        """'attention 12.0 ms (30%), router ...' for the stages that took any time."""
-        total = self.total or 1.0
-        parts = [f"{k} {v * 1e3:.1f} ms ({100 * v / total:.0f}%)"
-                 for k, v in self.seconds.items() if v > 0]
-        return ", ".join(parts)
-
-    def copy(self) -> dict[str, float]:
-        return dict(self.seconds)
-
+__all__ = ["MoE", "DenseMLP"]
 
 @dataclass
 class MoE:

@@ -24,15 +24,16 @@ import zlib
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K, quant
+from colibri import _kernels, dtypes, quant, runtime
+from colibri.weights import WeightRef
 from colibri import _reference as R
 
 FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
 THREADS = [1, 2]
 ISA_PARAMS = [
     pytest.param(isa, marks=pytest.mark.skipif(
-        isa not in K.available_isas(), reason=f"this CPU/OS does not run the {isa} path"))
-    for isa in K.ISAS
+        isa not in runtime.available_isas(), reason=f"this CPU/OS does not run the {isa} path"))
+    for isa in runtime.ISAS
 ]
 F32 = np.float32
 GEMM_MIN = _kernels.get_gemm_min_tokens()      # tokens per matrix from which the GEMM path runs
@@ -42,18 +43,18 @@ GEMM_MIN = _kernels.get_gemm_min_tokens()      # tokens per matrix from which th
 def parallel_everything():
     """Every call with threads > 1 really runs in parallel (the default threshold would run
     these small test matrices on one thread and leave the parallel paths untested)."""
-    previous = K.min_parallel_bytes()
-    K.set_min_parallel_bytes(1)
+    previous = runtime.min_parallel_bytes()
+    runtime.set_min_parallel_bytes(1)
     yield
-    K.set_min_parallel_bytes(previous)
+    runtime.set_min_parallel_bytes(previous)
 
 
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request):
-    previous = K.get_isa()
-    K.set_isa(request.param)
+    previous = runtime.get_isa()
+    runtime.set_isa(request.param)
     yield request.param
-    K.set_isa(previous)
+    runtime.set_isa(previous)
 
 
 def rng_for(*key) -> np.random.Generator:
@@ -61,13 +62,13 @@ def rng_for(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[K.WeightRef, np.ndarray]:
+def make_weight(rng, shape, fmt, group_size=32, scale=0.5) -> tuple[WeightRef, np.ndarray]:
     """A random WeightRef of logical shape (R, C) or (E, R, C), and its f32 source."""
     w = (rng.standard_normal(shape) * scale).astype(F32)
-    return K.WeightRef.from_array(w, fmt, group_size if fmt in dtypes.QUANTIZED else 0), w
+    return WeightRef.from_array(w, fmt, group_size if fmt in dtypes.QUANTIZED else 0), w
 
 
-def magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0) -> np.ndarray:
+def magnitude(x: np.ndarray, w: WeightRef, expert: int = 0) -> np.ndarray:
     """sum_c |x_c| |w_c| per (token, row), plus the q4 offset term: the error scale of a dot."""
     W = np.abs(R.dequantize_ref(w, expert)).astype(np.float64)
     if w.dtype == "q4":

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from colibri import kernels  # noqa: E402
+from colibri import runtime  # noqa: E402
 from colibri.tools.bench import (COLUMNS, bytes_per_token, format_machine_notes,  # noqa: E402
                            format_markdown, json_ready, run_bench)
 from colibri.cli import main  # noqa: E402
@@ -103,7 +103,7 @@ def test_rows_shape_and_arithmetic(rows, qwen2_q4):
         per_token, size = bytes_per_token(cf), cf.file_size
     for r in rows:
         assert r["model"] == "q" and r["family"] == "qwen2_moe" and r["size_bytes"] == size
-        assert r["format"] == "f32+q4" and r["isa"] in kernels.available_isas()
+        assert r["format"] == "f32+q4" and r["isa"] in runtime.available_isas()
         assert 0 < r["n_params_active"] < r["n_params"]
         n = r["n_prompt"] or r["n_gen"]
         assert (r["n_prompt"] == 0) != (r["n_gen"] == 0) and r["n_depth"] == 0

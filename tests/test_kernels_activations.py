@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K
+from colibri import _kernels, kernels as K, runtime
+from colibri.weights import WeightRef
 from colibri import _reference as R
 from kernel_helpers import (
     F32, THREADS, assert_dot_close, ffn_dims, make_experts, make_weight, poison_expert,
@@ -29,7 +30,7 @@ INT8_SHAPES = [(1, 1, 32, 32), (2, 37, 64, 64), (3, 19, 256, 128), (4, 13, 96, 3
                (3, 4, 800, 32), (2, 5, 1408, 64), (1, 6, 1408, 128)]   # partial last chunk
 
 
-def iact_magnitude(x: np.ndarray, w: K.WeightRef, expert: int = 0, bits: int = 8) -> np.ndarray:
+def iact_magnitude(x: np.ndarray, w: WeightRef, expert: int = 0, bits: int = 8) -> np.ndarray:
     """sum_b |s_b| d_b sum_i |code_i q_i| per (token, row): the error scale of an integer dot."""
     q, d = R.quantize_activations_ref(np.atleast_2d(x), bits)
     codes, scales = R._codes_scales(w, expert)
@@ -275,19 +276,19 @@ def test_iact_nan_and_inf_inputs_give_nan_rows(isa, act):
 @pytest.mark.parametrize("act, bits", ACTS)
 def test_iact_isa_paths_agree_with_scalar(fmt, act, bits):
     rng = rng_for("iact-agree", fmt, act)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     for G, C in ((32, 544), (128, 1024), (96, 288)):          # scale modes 0, 1, 3; odd blocks
         w, _ = make_weight(rng, (29, C), fmt, G)
         x = rng.standard_normal((5, C)).astype(F32)
         try:
-            K.set_isa("scalar")
+            runtime.set_isa("scalar")
             ref = K.linear(x, w, activations=act)
-            for name in K.available_isas()[1:]:
-                K.set_isa(name)
+            for name in runtime.available_isas()[1:]:
+                runtime.set_isa(name)
                 assert_dot_close(K.linear(x, w, activations=act), ref,
                                  iact_magnitude(x, w, bits=bits), f"{act} {name} vs scalar")
         finally:
-            K.set_isa(previous)
+            runtime.set_isa(previous)
 
 
 def test_activations_argument_errors():

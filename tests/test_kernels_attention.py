@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K
+from colibri import kernels as K, runtime
 from colibri import _reference as R
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -39,17 +39,17 @@ def test_attend_decode_matches_reference(isa, threads, shape):
 def test_attend_decode_isa_paths_agree_with_scalar(shape):
     H, Hkv, Dh, n = shape
     q, k, v = _attend_inputs(rng_for("attend-isa", shape), H, Hkv, Dh, n, spread=6.0)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     try:
-        K.set_isa("scalar")
+        runtime.set_isa("scalar")
         want = K.attend_decode(q, k, v, 0.3)
-        for name in K.available_isas():
-            K.set_isa(name)
+        for name in runtime.available_isas():
+            runtime.set_isa(name)
             got = K.attend_decode(q, k, v, 0.3)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
                                        err_msg=name)
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)
 
 
 def test_attend_decode_extremes(isa):

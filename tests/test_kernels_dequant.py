@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from colibri import dtypes, kernels as K, quant
+from colibri.weights import WeightRef
 from colibri import _reference as R
 from kernel_helpers import F32, FORMATS, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -38,7 +39,7 @@ def test_identity_input_reads_every_weight_exactly(isa, fmt):
         exp_mask = 0x7C00 if fmt == "f16" else 0x7F80              # inf/NaN exponent
         finite = bits[(bits & exp_mask) != exp_mask].astype("<u2")
         buf = finite.view(np.uint8)
-        w = K.WeightRef(buf, 0, fmt, finite.size // C, C)
+        w = WeightRef(buf, 0, fmt, finite.size // C, C)
     else:
         w, _ = make_weight(rng_for("eye", fmt), (45, 128), fmt, 32)
         C = 128

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from colibri import kernels as K
+from colibri.weights import WeightRef
 from colibri import _reference as R
 from kernel_helpers import (
     F32, FORMATS, THREADS, assert_ffn_close, ffn_dims, make_experts, poison_expert, rng_for)
@@ -124,7 +125,7 @@ def test_expert_ffn_rejects_out_of_range_ids(dtype, bad, where):
         pytest.skip("unsigned ids cannot be negative")
     rng = np.random.default_rng(9)
     E, D, I = 8, 64, 32
-    ws = [K.WeightRef.from_array(rng.standard_normal(s).astype(np.float32), "q4", 32)
+    ws = [WeightRef.from_array(rng.standard_normal(s).astype(np.float32), "q4", 32)
           for s in ((E, I, D), (E, I, D), (E, D, I))]
     x = rng.standard_normal((2, D)).astype(np.float32)
     ids = np.array([[0, 1], [2, 3]], dtype=dtype)

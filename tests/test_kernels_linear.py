@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K
+from colibri import _kernels, dtypes, kernels as K, runtime
+from colibri.weights import WeightRef
 from colibri import _reference as R
 from kernel_helpers import (
     F32, FORMATS, GEMM_MIN, THREADS, assert_dot_close, ffn_dims, magnitude, make_experts,
@@ -72,7 +73,7 @@ def test_linear_argument_errors():
         K.linear(x, w, np.ones(7, F32))
     big = np.zeros((8, 16), F32)
     with pytest.raises(ValueError, match="overlap"):                  # out aliasing x
-        K.linear(big, K.WeightRef.from_array(np.eye(16, dtype=F32), "f32"), out=big[:, :16])
+        K.linear(big, WeightRef.from_array(np.eye(16, dtype=F32), "f32"), out=big[:, :16])
     assert K.linear(np.empty((0, 16), F32), w).shape == (0, 8)
 
 
@@ -126,12 +127,12 @@ def test_isa_paths_agree_with_scalar(fmt):
     C = 256 if fmt in dtypes.QUANTIZED else 173
     w, _ = make_weight(rng, (29, C), fmt, 32)
     x = rng.standard_normal((5, C)).astype(F32)
-    previous = K.get_isa()
+    previous = runtime.get_isa()
     try:
-        K.set_isa("scalar")
+        runtime.set_isa("scalar")
         ref = K.linear(x, w)
-        for name in K.available_isas()[1:]:
-            K.set_isa(name)
+        for name in runtime.available_isas()[1:]:
+            runtime.set_isa(name)
             assert_dot_close(K.linear(x, w), ref, magnitude(x, w), f"{name} vs scalar")
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K
+from colibri import kernels as K, runtime
+from colibri.weights import WeightRef
 from kernel_helpers import F32, ffn_dims, make_experts, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -24,8 +25,8 @@ def test_prepared_calls_equal_the_kernels(isa, fmt, activations):
     lin = K.prepare_linear(wg.expert(1), bias, threads=2, activations=activations)
     route = K.prepare_route(2, rule="softmax_topk", norm_topk_prob=True, threads=2)
     ffn = K.prepare_expert_ffn(wg, wu, wd, threads=2, activations=activations)
-    for name in K.available_isas():
-        K.set_isa(name)
+    for name in runtime.available_isas():
+        runtime.set_isa(name)
         for T in (1, 3, 9):
             x = rng.standard_normal((T, D)).astype(F32)
             y = np.empty((T, I), F32)

@@ -10,34 +10,35 @@ import sys
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K
+from colibri import _kernels, kernels as K, runtime
+from colibri.weights import WeightRef
 from kernel_helpers import F32, GEMM_MIN, make_experts, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
 
 def test_isa_selection():
-    isas = K.available_isas()
-    assert isas[0] == "scalar" and set(isas) <= set(K.ISAS)
-    previous = K.get_isa()
+    isas = runtime.available_isas()
+    assert isas[0] == "scalar" and set(isas) <= set(runtime.ISAS)
+    previous = runtime.get_isa()
     try:
         for name in isas:
-            K.set_isa(name)
-            assert K.get_isa() == name
-        K.set_isa(None)
-        assert K.get_isa() == isas[-1]                 # the widest supported path
+            runtime.set_isa(name)
+            assert runtime.get_isa() == name
+        runtime.set_isa(None)
+        assert runtime.get_isa() == isas[-1]                 # the widest supported path
         with pytest.raises(ValueError, match="unknown ISA"):
-            K.set_isa("sse9")
-        for name in set(K.ISAS) - set(isas):
+            runtime.set_isa("sse9")
+        for name in set(runtime.ISAS) - set(isas):
             with pytest.raises(ValueError, match="not supported"):
-                K.set_isa(name)
+                runtime.set_isa(name)
     finally:
-        K.set_isa(previous)
+        runtime.set_isa(previous)
 
 
 def test_env_forces_isa_at_import(tmp_path):
     # cwd away from the checkout, so the installed package (with its compiled kernels) is
     # imported, not the source folder
-    code = "from colibri import kernels; print(kernels.get_isa())"
+    code = "from colibri import runtime; print(runtime.get_isa())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120,
                          cwd=tmp_path)
@@ -51,20 +52,20 @@ def test_env_forces_isa_at_import(tmp_path):
 
 def test_spin_us_setting_and_env(tmp_path):
     """The pool's idle spin: set_spin_us / COLIBRI_SPIN_US, validated; results unchanged."""
-    assert K.spin_us() == K.DEFAULT_SPIN_US >= 0
+    assert runtime.spin_us() == runtime.SPIN_US.default >= 0
     rng = rng_for("spin")
     w, _ = make_weight(rng, (300, 64), "q4", 32)
     x = rng.standard_normal((3, 64)).astype(F32)
     y = K.linear(x, w, threads=1)
     for us in (0, 5, 100000):
-        K.set_spin_us(us)
-        assert K.spin_us() == us
+        runtime.set_spin_us(us)
+        assert runtime.spin_us() == us
         assert np.array_equal(K.linear(x, w, threads=2), y)
     with pytest.raises(ValueError, match="spin_us"):
-        K.set_spin_us(-1)
-    K.set_spin_us(None)
-    assert K.spin_us() == K.DEFAULT_SPIN_US
-    code = "from colibri import kernels; print(kernels.spin_us())"
+        runtime.set_spin_us(-1)
+    runtime.set_spin_us(None)
+    assert runtime.spin_us() == runtime.SPIN_US.default
+    code = "from colibri import runtime; print(runtime.spin_us())"
     for value, ok in (("0", True), ("250", True), ("soon", False), ("-3", False)):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**__import__("os").environ, "COLIBRI_SPIN_US": value},
@@ -88,17 +89,17 @@ def test_pool_more_threads_than_cores_and_limit():
     w, _ = make_weight(rng, (203, 128), "q4", 32)
     x = rng.standard_normal((5, 128)).astype(F32)
     y1 = K.linear(x, w, threads=1)
-    for n in (7, 16, 64, K.MAX_THREADS):
+    for n in (7, 16, 64, runtime.MAX_THREADS):
         assert np.array_equal(K.linear(x, w, threads=n), y1), n
     small, _ = make_weight(rng, (2, 128), "q8", 32)
     assert np.array_equal(K.linear(x, small, threads=8), K.linear(x, small, threads=1))
-    assert K.MAX_THREADS == 127
+    assert runtime.MAX_THREADS == 127
     with pytest.raises(ValueError, match=r"threads must be in 1\.\.127, found 128"):
         K.linear(x, w, threads=128)
 
 
 @pytest.mark.skipif(not _kernels.threaded(), reason="a build without the thread pool")
-@pytest.mark.parametrize("threads", [2, 64, K.MAX_THREADS])
+@pytest.mark.parametrize("threads", [2, 64, runtime.MAX_THREADS])
 def test_pool_workers_take_part(threads):
     """The workers really run items, at every thread count the pool accepts (a count that
     did not fit the pool's job word once left every item to the caller)."""
@@ -169,15 +170,15 @@ def test_pool_after_fork():
 def test_default_threads(monkeypatch):
     monkeypatch.delenv("COLIBRI_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    n = K.default_threads()
+    n = runtime.default_threads()
     assert 1 <= n <= (__import__("os").cpu_count() or 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3,2")
-    assert K.default_threads() == 3
+    assert runtime.default_threads() == 3
     monkeypatch.setenv("COLIBRI_NUM_THREADS", "5")         # colibri's own variable wins
-    assert K.default_threads() == 5
+    assert runtime.default_threads() == 5
     monkeypatch.setenv("COLIBRI_NUM_THREADS", "many")
     with pytest.raises(ValueError, match="COLIBRI_NUM_THREADS"):
-        K.default_threads()
+        runtime.default_threads()
     w, _ = make_weight(np.random.default_rng(0), (3, 8), "f32")
     with pytest.raises(ValueError, match="threads"):
         K.linear(np.ones((1, 8), F32), w, threads=0)
@@ -192,33 +193,33 @@ def test_min_parallel_bytes_changes_nothing_but_speed(isa):
     w, _ = make_weight(rng, (50, 64), "q4", 32)
     results = []
     for nbytes in (1, 1 << 12, 1 << 40):
-        K.set_min_parallel_bytes(nbytes)
-        assert K.min_parallel_bytes() == nbytes
+        runtime.set_min_parallel_bytes(nbytes)
+        assert runtime.min_parallel_bytes() == nbytes
         results.append((K.linear(x, w, threads=2),
                         K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)))
     for a, b in results[1:]:
         assert np.array_equal(a, results[0][0]) and np.array_equal(b, results[0][1])
     with pytest.raises(ValueError, match="positive"):
-        K.set_min_parallel_bytes(0)
-    K.set_min_parallel_bytes(None)
-    assert K.min_parallel_bytes() == K.DEFAULT_MIN_PARALLEL_BYTES
+        runtime.set_min_parallel_bytes(0)
+    runtime.set_min_parallel_bytes(None)
+    assert runtime.min_parallel_bytes() == runtime.MIN_PARALLEL_BYTES.default
 
 
 def test_gemm_min_tokens_public_setting():
-    """kernels.set_gemm_min_tokens switches the prefill path: above the threshold a token's
+    """runtime.set_gemm_min_tokens switches the prefill path: above the threshold a token's
     result equals its decode (row kernel) bits; None restores the default; bad values fail."""
     rng = np.random.default_rng(5)
-    w = K.WeightRef.from_array(rng.standard_normal((40, 96)).astype(np.float32), "q4", 32)
+    w = WeightRef.from_array(rng.standard_normal((40, 96)).astype(np.float32), "q4", 32)
     x = rng.standard_normal((8, 96)).astype(np.float32)
     alone = np.concatenate([K.linear(x[i:i + 1], w, threads=1) for i in range(8)])
     try:
-        K.set_gemm_min_tokens(1 << 40)
-        assert K.gemm_min_tokens() == 1 << 40
+        runtime.set_gemm_min_tokens(1 << 40)
+        assert runtime.gemm_min_tokens() == 1 << 40
         np.testing.assert_array_equal(K.linear(x, w, threads=1), alone)
     finally:
-        K.set_gemm_min_tokens(None)
-    assert K.gemm_min_tokens() == K.DEFAULT_GEMM_MIN_TOKENS == GEMM_MIN
+        runtime.set_gemm_min_tokens(None)
+    assert runtime.gemm_min_tokens() == runtime.GEMM_MIN_TOKENS.default == GEMM_MIN
     np.testing.assert_allclose(K.linear(x, w, threads=1), alone, rtol=1e-5, atol=1e-5)
     for bad in (0, -3, 2.5, True, "4"):
         with pytest.raises(ValueError, match="gemm_min_tokens must be a positive int"):
-            K.set_gemm_min_tokens(bad)
+            runtime.set_gemm_min_tokens(bad)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from colibri import _kernels, dtypes, kernels as K, quant
+from colibri.weights import WeightRef
 from colibri import _reference as R
 from kernel_helpers import (
     F32, assert_dot_close, assert_ffn_close, magnitude, make_experts, make_weight, rng_for)
@@ -66,7 +67,7 @@ def test_read_only_mmap_with_file_layout(tmp_path, isa, fmt):
     try:
         buf = np.frombuffer(mm, dtype=np.uint8)
         assert not buf.flags.writeable
-        ws = {n: K.WeightRef(buf, offsets[n], fmt, m.shape[1], m.shape[2], g,
+        ws = {n: WeightRef(buf, offsets[n], fmt, m.shape[1], m.shape[2], g,
                              n_experts=E, expert_stride=stride) for n, m in mats.items()}
         x = rng.standard_normal((6, D)).astype(F32)
         ids = np.array([[0, 2]] * 3 + [[2, 3]] * 3, np.int32)
@@ -128,7 +129,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
         before = _pages_present(addr, buf.size)
         if before is None or before.any():
             pytest.skip("no usable /proc/self/pagemap on this system")
-        refs = [K.WeightRef(buf, ws[n], "q4", *sizes[n], G, n_experts=E, expert_stride=stride)
+        refs = [WeightRef(buf, ws[n], "q4", *sizes[n], G, n_experts=E, expert_stride=stride)
                 for n in ("gate", "up", "down")]
         x = rng.standard_normal((5, D)).astype(F32)
         ids = np.array([[0, 2]] * 5, np.int32)
@@ -149,7 +150,7 @@ def test_unchosen_expert_pages_are_never_touched(tmp_path, isa, activations):
 def test_bad_weight_refs_raise():
     buf = quant.encode(np.ones((4, 64), F32), "q4", 32)               # 4 rows of 36 bytes
     ok = dict(buf=buf, offset=0, dtype="q4", rows=4, cols=64, group_size=32)
-    K.WeightRef(**ok)
+    WeightRef(**ok)
     bad = [
         (dict(offset=1), "past the end"),
         (dict(offset=-1), "negative"),
@@ -170,7 +171,7 @@ def test_bad_weight_refs_raise():
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
-            K.WeightRef(**{**ok, **change})
+            WeightRef(**{**ok, **change})
 
 
 def test_kernels_recheck_bounds_at_call_time():
@@ -179,7 +180,7 @@ def test_kernels_recheck_bounds_at_call_time():
     rng = np.random.default_rng(4)
     w, _ = make_weight(rng, (3, 8, 64), "q4", 32)
     x = np.ones((2, 64), F32)
-    broken = K.WeightRef(w.buf, w.offset, w.dtype, w.rows, w.cols, w.group_size,
+    broken = WeightRef(w.buf, w.offset, w.dtype, w.rows, w.cols, w.group_size,
                          n_experts=3, expert_stride=w.expert_stride)
     object.__setattr__(broken, "n_experts", 4)                         # bypasses validation
     with pytest.raises(ValueError, match="past the end"):

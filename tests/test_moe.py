@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from colibri.kernels import WeightRef
-from colibri.moe import STAGES, DenseMLP, MoE, Timings
+from colibri.moe import DenseMLP, MoE
+from colibri.runtime import STAGES, Timings
 
 TOL = 2e-5               # relative to the largest |y|: float32 kernels vs float64 NumPy
 T, D, E, K, I, Is = 7, 64, 6, 2, 32, 48

@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from colibri import kernels as K
+from colibri import runtime
+from colibri.weights import WeightRef
 
 ISAS = ("scalar", "avx2", "avx512")
 THREADS = (1, 2)
@@ -24,14 +25,14 @@ THREADS = (1, 2)
 def use(isa: str, threads: int) -> None:
     """Select the ISA path (NotImplementedError, which asv reports as a skip, when this
     machine lacks it) and check the thread count is sane."""
-    if isa not in K.available_isas():
+    if isa not in runtime.available_isas():
         raise NotImplementedError(f"this CPU/OS does not run the {isa} path")
     if threads > (os.cpu_count() or 1):
         raise NotImplementedError(f"{threads} threads > {os.cpu_count()} CPUs")
-    K.set_isa(isa)
+    runtime.set_isa(isa)
 
 
-def weight(shape: tuple[int, ...], fmt: str, seed: int = 0, group_size: int = 32) -> K.WeightRef:
+def weight(shape: tuple[int, ...], fmt: str, seed: int = 0, group_size: int = 32) -> WeightRef:
     """A WeightRef of random N(0, 0.02) weights, (R, C) or (E, R, C), encoded as fmt.
 
     Large stacks are built by tiling one encoded 256-row block (encoding is slow in NumPy;
@@ -41,14 +42,14 @@ def weight(shape: tuple[int, ...], fmt: str, seed: int = 0, group_size: int = 32
     *lead, R, C = shape
     E = lead[0] if lead else 1
     rows = min(R, 256)
-    block = K.WeightRef.from_array((rng.standard_normal((rows, C)) * 0.02).astype(np.float32),
-                                   fmt, gs)
+    block = WeightRef.from_array((rng.standard_normal((rows, C)) * 0.02).astype(np.float32),
+                                 fmt, gs)
     reps = -(-E * R // rows)
     buf = np.tile(block.buf, reps)[:E * R * block.row_stride]
-    return K.WeightRef(np.ascontiguousarray(buf), 0, fmt, R, C, gs, block.row_stride, E)
+    return WeightRef(np.ascontiguousarray(buf), 0, fmt, R, C, gs, block.row_stride, E)
 
 
-def nbytes(w: K.WeightRef, n_matrices: int = 1) -> int:
+def nbytes(w: WeightRef, n_matrices: int = 1) -> int:
     """Bytes of n_matrices matrices of w (what one pass streams)."""
     return n_matrices * w.rows * w.row_stride
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__, kernels
+from .. import __version__, kernels, runtime
 from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..format import ColibriFile
@@ -61,7 +61,7 @@ __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "fo
 # in a fraction of a second.
 DEFAULT_BANDWIDTH_BYTES = 256 * 2**20
 
-# Stages of Model.timings (colibri.moe.STAGES) folded into the columns of the table.
+# Stages of Model.timings (colibri.runtime.STAGES) folded into the columns of the table.
 SHARE_GROUPS = {"router": ("router",), "experts": ("experts", "shared", "dense"),
                 "attention": ("attention",), "head": ("head",)}
 
@@ -167,7 +167,7 @@ def _as_list(x: int | Sequence[int] | None, name: str, minimum: int) -> list[int
     out = []
     for v in items:
         if v is None:
-            v = kernels.default_threads() if name == "threads" else v
+            v = runtime.default_threads() if name == "threads" else v
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
             raise ValueError(f"{name} must be integers >= {minimum}, got {x!r}")
         out.append(int(v))
@@ -303,7 +303,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 name = _test_name(kind, n, depth)
                 say(f"bench: {facts['model']} threads {t} activations {a} {name}")
                 load_avg = _load_average()
-                backoffs0 = kernels.pool_backoffs()
+                backoffs0 = runtime.pool_backoffs()
                 rng = np.random.default_rng(seed)
                 if warmup:
                     once(model, n, depth, rng)
@@ -317,10 +317,10 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 rows.append({
                     **facts, "test": name, "n_prompt": n if kind == "pp" else 0,
                     "n_gen": n if kind == "tg" else 0, "n_depth": depth, "n_threads": t,
-                    "activations": a, "isa": kernels.get_isa(), "reps": reps,
+                    "activations": a, "isa": runtime.get_isa(), "reps": reps,
                     "warmup": warmup, "load_average": load_avg,
-                    "spin_us": kernels.spin_us(),
-                    "pool_backoffs": kernels.pool_backoffs() - backoffs0,
+                    "spin_us": runtime.spin_us(),
+                    "pool_backoffs": runtime.pool_backoffs() - backoffs0,
                     "samples_s": samples, "samples_ts": tps,
                     "avg_ts": float(np.mean(tps)),
                     "stddev_ts": float(np.std(tps, ddof=1)) if reps > 1 else 0.0,
