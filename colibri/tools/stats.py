@@ -47,7 +47,6 @@ from typing import Protocol
 
 import numpy as np
 
-from .display import stats_html
 
 __all__ = ["RoutingStats", "RoutingArrays", "default_lru_sizes", "entropy"]
 
@@ -360,6 +359,7 @@ class RoutingStats:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
+        from .display import stats_html   # notebook display: HTML code loaded on demand
         return stats_html(self)
 
     def __repr__(self) -> str:

@@ -36,7 +36,6 @@ import numpy as np
 from ..errors import ColibriError
 from ..kv_cache import DEFAULT_MAX_CTX
 from ..tokenizer import NoTokenizerError
-from .display import trace_html
 from .stats import RoutingStats
 
 __all__ = ["Trace", "trace", "iter_trace", "routing_stats", "UnknownLayerError", "format_route"]
@@ -265,6 +264,7 @@ class Trace:
                 "tokens": rows}
 
     def _repr_html_(self) -> str:
+        from .display import trace_html   # notebook display: HTML code loaded on demand
         return trace_html(self)
 
     def __repr__(self) -> str:
