@@ -51,7 +51,7 @@ def _rows(w: "WeightRef", expert: int) -> np.ndarray:
 
 
 def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
-    """Decode one expert's matrix from the bytes (SPEC 1.5) -> float32 (R, C).
+    """Decode one expert's matrix from the bytes (docs/format.md §6) -> float32 (R, C).
 
     Exact: every format's value is representable in float32.
     """

@@ -33,7 +33,7 @@
  * OS saves the vector registers). On a non-x86 machine or a compiler without target
  * attributes only the scalar body exists.
  *
- * Weight formats (SPEC 1.5; a row is `cols` elements of one output, C = cols, G = group):
+ * Weight formats (docs/format.md §6; a row is `cols` elements of one output, C = cols, G = group):
  *   f32, f16, bf16  C little-endian elements
  *   q8              C int8 q, then C/G f16 scales            w = q * s[g]
  *   q4              C/2 bytes, then C/G f16 scales           w = (nibble - 8) * s[g]

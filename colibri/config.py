@@ -1,6 +1,6 @@
 """The model's geometry and rules, typed: `ModelConfig`.
 
-A .colibri file stores these fields as the "arch" object of its metadata (docs/format.md §3);
+A .colibri file stores these fields as the "arch" object of its metadata (docs/format.md §5);
 the converter's family modules build one from a Hugging Face config.json, stating only what
 differs from the defaults below; the model reads every dimension and switch from it.
 Field names are Hugging Face's where transformers has one.

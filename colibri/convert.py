@@ -41,6 +41,7 @@ from .errors import ColibriError
 from .families import Family, canonical_tensors, get_family
 from .families.base import IGNORABLE_SUFFIXES, Source
 from .families.tensors import CanonicalTensor
+from .format import ColibriWriter, TensorSpec
 
 DTYPES = ("auto", "f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")
@@ -83,6 +84,7 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def _safe_open(path: Path):
+    # on first use: `import colibri` should not pay for the checkpoint readers (~0.4 s)
     import ml_dtypes  # noqa: F401  - registers bfloat16 with NumPy for safetensors
     from safetensors import safe_open
     try:
@@ -168,7 +170,6 @@ class PlannedTensor:
         return math.prod(self.canon.shape) * (4 if self.ckpt.dtype == "F32" else 2)
 
     def spec(self):
-        from .format import TensorSpec
         c = self.canon
         role = "router" if c.kind == "moe.router" else "expert" if c.expert is not None \
             else "dense"
@@ -447,7 +448,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
     force: overwrite an existing dst. dst may be a folder: <src name>.colibri inside it.
     Raises ColibriError (with names and numbers) on anything wrong with src, dst or the options.
     """
-    from .format import ColibriWriter
 
     src, dst = Path(src), Path(dst)
     user = _check_meta(meta)

@@ -312,7 +312,7 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
 
     Notes
     -----
-    One pass per head in C (_attend.h): scores, max, exp, sum, weighted values; no mask (the
+    One pass per head in C (csrc/attend.h): scores, max, exp, sum, weighted values; no mask (the
     caller passes only the positions attended). The scalar and AVX2 paths agree to ~1e-6
     relative (the AVX2 exp is a polynomial); each gives the same bits for any thread count.
     """
@@ -386,7 +386,7 @@ def _rows_f32(name: str, a, ndim: tuple[int, ...], writable: bool = False) -> np
 
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float, *,
                   out: np.ndarray | None = None) -> np.ndarray:
-    """RMSNorm of each row, in one compiled call (_rowops.h).
+    """RMSNorm of each row, in one compiled call (csrc/rowops.h).
 
     Parameters
     ----------

@@ -35,6 +35,7 @@ from . import kernels, quant
 from .attention import Attention, build_mask
 from .errors import ColibriError
 from .format import ColibriFile, QuantizedTensor, router_name
+from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .moe import DenseMLP, MoE
 from .norms import rms_norm
@@ -42,6 +43,7 @@ from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
 from .runtime import Timings, blas_on_one_thread, default_threads
+from .tokenizer import tokenizer_from_files
 from .weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 
 __all__ = ["Model"]
@@ -184,7 +186,6 @@ class Model:
     def tokenizer(self):
         """The model's Tokenizer (built on first use from the embedded files), or None."""
         if not self._tokenizer_loaded:
-            from .tokenizer import tokenizer_from_files
             self._tokenizer = tokenizer_from_files(self.file.tokenizer_files)
             self._tokenizer_loaded = True
         return self._tokenizer
@@ -480,7 +481,6 @@ class Model:
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
         """Generate text or ids; see colibri.generate.generate for the arguments."""
-        from .generate import generate
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """RoutingTrace: which experts each token chose, per MoE layer, as Model.forward records it.
 
 Model.forward(..., return_routing=True) appends each MoE layer's routing to one (trace_layer)
-and returns it beside the logits; colibri.trace and colibri.stats build on it.
+and returns it beside the logits; colibri.tools.trace and colibri.tools.stats build on it.
 Shapes as in the package docstring.
 """
 from __future__ import annotations

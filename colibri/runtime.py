@@ -5,7 +5,7 @@ avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
 
 Threads: ``threads=None`` means ``default_threads()`` (``COLIBRI_NUM_THREADS``, else
 ``OMP_NUM_THREADS``, else the physical cores in this process's affinity mask); results do
-not depend on the count. The kernels run on colibri's own thread pool (``_pool.h``): the
+not depend on the count. The kernels run on colibri's own thread pool (``csrc/pool.h``): the
 calling thread works too and returns as soon as every work item is done, so it never waits
 for a worker that is asleep or descheduled.
 

@@ -31,7 +31,7 @@ class WeightRef:
     buf:           uint8, 1-D, C-contiguous, may be read-only (a view of the mmap'd file).
                    Any object with the buffer protocol (bytes, mmap) is wrapped without a copy.
     offset:        byte offset of row 0 of expert 0.
-    dtype:         one of dtypes.MATMUL: "f32" | "f16" | "bf16" | "q8" | "q4" (SPEC 1.5).
+    dtype:         one of dtypes.MATMUL: "f32" | "f16" | "bf16" | "q8" | "q4" (docs/format.md §6).
     rows, cols:    logical (R, C) of one matrix; y = W @ x reduces over C.
     group_size:    Q, for q8/q4 (a multiple of 32 dividing C); 0 otherwise.
     row_stride:    bytes between rows; 0 means packed (dtypes.row_stride).

@@ -2,6 +2,7 @@
 Attention.decode (one token through a cache) against Attention.__call__."""
 import numpy as np
 import pytest
+from numeric import assert_close
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -15,10 +16,7 @@ TOL = 2e-5
 
 
 def _close(a, b, tol=TOL):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    scale = max(1.0, float(np.abs(b).max()))
-    err = float(np.abs(a - b).max()) / scale
-    assert err <= tol, f"max relative error {err:.3g} > {tol}"
+    assert_close(a, b, tol)
 
 
 # --------------------------------------------------------------------------------------------

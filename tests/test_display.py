@@ -8,34 +8,12 @@ import pytest
 pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
+from routing_models import mixtral, qwen  # noqa: F401,E402 (fixtures)
 from colibri.convert import convert  # noqa: E402
 from colibri.tools.display import expert_colour, stats_html, tensor_groups, trace_html  # noqa: E402
 from colibri.tools.trace import Trace, trace  # noqa: E402
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n"
-
-
-def _model(hf_checkpoint, tmp_path_factory, family):
-    src = hf_checkpoint(family, initializer_range=0.15)
-    out = convert(src, tmp_path_factory.mktemp(f"display-{family}") / "m.colibri", dtype="f32",
-                  progress=False)
-    return src, api.load(out, threads=1)
-
-
-@pytest.fixture(scope="module")
-def qwen(hf_checkpoint, tmp_path_factory):
-    """qwen2_moe: a shared expert with a sigmoid gate, layer 1 dense (MoE layers [0])."""
-    src, m = _model(hf_checkpoint, tmp_path_factory, "qwen2_moe")
-    yield src, m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def mixtral(hf_checkpoint, tmp_path_factory):
-    """mixtral: two MoE layers, top-2 renormalised."""
-    src, m = _model(hf_checkpoint, tmp_path_factory, "mixtral")
-    yield src, m
-    m.close()
 
 
 def test_trace_html_escapes_and_colours(mixtral):

@@ -2,19 +2,13 @@
 step against it bit for bit."""
 import numpy as np
 import pytest
+from numeric import assert_close as _close
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri.kernels import rms_norm_rows_into
 from colibri.norms import rms_norm
-
-
-def _close(a, b, tol):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    scale = max(1.0, float(np.abs(b).max()))
-    err = float(np.abs(a - b).max()) / scale
-    assert err <= tol, f"max relative error {err:.3g} > {tol}"
 
 
 def test_rms_norm_matches_transformers():

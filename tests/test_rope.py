@@ -2,6 +2,7 @@
 compiled rotation against the general ones bit for bit."""
 import numpy as np
 import pytest
+from numeric import assert_close as _close
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -9,13 +10,6 @@ transformers = pytest.importorskip("transformers")
 from colibri.config import ModelConfig
 from colibri.kernels import rope_rows_into
 from colibri.rope import Rope, apply_rope, rope_inv_freq
-
-
-def _close(a, b, tol):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    scale = max(1.0, float(np.abs(b).max()))
-    err = float(np.abs(a - b).max()) / scale
-    assert err <= tol, f"max relative error {err:.3g} > {tol}"
 
 
 def _llama_config(**rope):

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
 import colibri.tools.trace as trace_mod  # noqa: E402
+from routing_models import converted, mixtral, qwen  # noqa: F401,E402 (fixtures)
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.tokenizer import NoTokenizerError  # noqa: E402
 from colibri.tools.stats import RoutingStats  # noqa: E402
@@ -22,29 +23,6 @@ from colibri.tools.trace import (Trace, UnknownLayerError, iter_trace, routing_s
                                  softmax, trace)
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n"
-
-
-def _model(hf_checkpoint, tmp_path_factory, family, **kw):
-    src = hf_checkpoint(family, initializer_range=0.15, **kw)
-    out = convert(src, tmp_path_factory.mktemp(f"trace-{family}") / "m.colibri", dtype="f32",
-                  progress=False)
-    return src, api.load(out, threads=1)
-
-
-@pytest.fixture(scope="module")
-def qwen(hf_checkpoint, tmp_path_factory):
-    """qwen2_moe: a shared expert with a sigmoid gate, layer 1 dense (MoE layers [0])."""
-    src, m = _model(hf_checkpoint, tmp_path_factory, "qwen2_moe")
-    yield src, m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def mixtral(hf_checkpoint, tmp_path_factory):
-    """mixtral: two MoE layers, top-2 renormalised."""
-    src, m = _model(hf_checkpoint, tmp_path_factory, "mixtral")
-    yield src, m
-    m.close()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@
 #endif
 
 enum { COLIBRI_ISA_SCALAR = 0, COLIBRI_ISA_AVX2 = 1, COLIBRI_ISA_AVX512 = 2, COLIBRI_N_ISA = 3 };
-/* Same codes as the file's dtype field (SPEC 1.3) and colibri/dtypes.py (the extension
+/* Same codes as the file's dtype field (docs/format.md §3) and colibri/dtypes.py (the extension
  * checks them at import). */
 enum { COLIBRI_F32 = 0, COLIBRI_F16 = 1, COLIBRI_BF16 = 2, COLIBRI_Q8 = 3, COLIBRI_Q4 = 4,
        COLIBRI_N_FMT = 5 };

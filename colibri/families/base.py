@@ -2,7 +2,7 @@
 
 A family is data, not code paths: `model_config(hf)` turns a Hugging Face config.json into the
 ModelConfig the runtime reads (built in config_json.py, stating only what the family does
-differently), and `name_map` says which checkpoint key holds each canonical tensor (SPEC §1.7).
+differently), and `name_map` says which checkpoint key holds each canonical tensor (docs/format.md §7).
 Which canonical tensors a model has, and their shapes, follow from the ModelConfig alone and
 are the same for every family (tensors.py).
 """

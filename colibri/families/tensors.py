@@ -1,4 +1,4 @@
-"""The canonical tensors of a model (SPEC §1.7): which ones it has and their shapes, following
+"""The canonical tensors of a model (docs/format.md §7): which ones it has and their shapes, following
 from its ModelConfig alone, the same for every family.
 
     for t in canonical_tensors(cfg): t.name, t.shape, t.dims    # "layers.3.attn.wq", ...

@@ -23,7 +23,7 @@ _TABLE = ("border-collapse:collapse;font-family:ui-monospace,SFMono-Regular,Menl
 _CELL = "padding:1px 6px;border:1px solid #ddd;text-align:left;vertical-align:top"
 _HEAD = _CELL + ";background:#f3f3f3;font-weight:600"
 
-# tensor name (canonical, SPEC §1.7) -> group shown in the model card
+# tensor name (canonical, docs/format.md §7) -> group shown in the model card
 _GROUPS = (
     ("embedding", re.compile(r"tok_embeddings")),
     ("head", re.compile(r"lm_head")),
