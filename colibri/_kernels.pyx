@@ -43,8 +43,9 @@ decoded weight block between 4 tokens, already costs fewer instructions per weig
 Scratch: one grow-only per-process buffer (_take/_give), so a decode step allocates no
 scratch arrays; a concurrent second caller (another Python thread) gets a fresh one.
 
-Shapes: T tokens, D hidden, I expert intermediate, E experts, K experts per token,
-R rows (outputs) and C columns (inputs) of a weight matrix, G group size, NT tokens per pass.
+Shapes (the package alphabet): T tokens, D hidden, I expert intermediate, E experts, K experts
+per token, R rows (outputs) and C columns (inputs) of a weight matrix, Q group size (called G
+in the C bodies), NT tokens per pass.
 
 Sections, in colibri/pyx/, included in this order:
   csrc.pxi             the C layer's declarations (_simd.h, csrc/attend.h, csrc/pool.h)

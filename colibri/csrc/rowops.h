@@ -14,7 +14,7 @@
  * No fused multiply-add may be formed (it rounds once where NumPy rounds twice): the
  * functions below are compiled with contraction off.
  *
- * Shapes: n elements of a row; rows of `stride` floats; h = R/2 rotary pairs per row.
+ * Shapes: n elements of a row; rows of `stride` floats; h = Dr/2 rotary pairs per row.
  */
 #ifndef COLIBRI_ROWOPS_H
 #define COLIBRI_ROWOPS_H

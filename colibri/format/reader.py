@@ -5,8 +5,8 @@ is mapped, so a truncated, corrupted or hostile file raises ColibriFormatError a
 reaches numpy. Tensor data is never read at open: views are made on demand (§9) and
 checksums are verified only by verify_checksums()/validate().
 
-Shape alphabet: E experts, R rows (output features), C columns (input features),
-G scale groups per row.
+Shapes (the package alphabet): E experts, R rows (output features), C columns (input
+features), Q group size (C / Q scales per row).
 """
 from __future__ import annotations
 
