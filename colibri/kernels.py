@@ -10,7 +10,8 @@ Every kernel has a plain-NumPy twin in ``colibri._reference`` (``<name>_ref``): 
 the test oracle. Results do not depend on the thread count.
 
 Activations: the quantized-weight kernels (linear, expert_ffn, swiglu) take
-``activations="f32"`` (the default: x in float32, exact products with the decoded weights)
+``activations="f32"`` (the kernels' default: x in float32, exact products with the decoded
+weights; a Model's default is "int16", colibri.model.DEFAULT_ACTIVATIONS)
 or ``"int8"``: each token's input is quantized to int8 in blocks of 32 (llama.cpp's Q8_0,
 ``quantize_activations``) and dotted with q4/q8 weight codes in integer arithmetic: 2-3.5x
 fewer instructions per multiply-add, at the cost of Q8_0's rounding of the inputs (about

@@ -102,7 +102,7 @@ def _fits_transformers(hf: Path) -> bool:
 
 def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int],
         n_prompt: int, n_gen: int, reps: int, llama_src: str | None, peers: bool,
-        say=print, activations: tuple[str, ...] = ("f32",)) -> list[dict]:
+        say=print, activations: tuple[str, ...] = ("int16",)) -> list[dict]:
     from colibri.tools.bench import run_bench
 
     import bench_llama_cpp as lcpp
@@ -125,7 +125,8 @@ def run(models_dir: Path, names: list[str], quants: list[str], threads: list[int
             if not path.exists():
                 say(f"{path}: missing (scripts/make_bench_models.py), skipped")
                 continue
-            acts = [a for a in activations if q in ("q4", "q8") or a == "f32"]
+            # plain formats multiply f32 activations under every setting: run them once
+            acts = list(activations) if q in ("q4", "q8") else ["f32"]
             for r in run_bench(path, n_prompt=n_prompt, n_gen=n_gen, threads=threads,
                                reps=reps, progress=say, activations=acts):
                 rows.append({**r, "engine": "colibri", "name": name, "quant": q})
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--activations", default="f32,int16,int8",
-                    help="colibri activations to run (int8 / int16 apply to q4/q8 files only)")
+                    help="colibri activations to run, each in turn (colibri's default is int16; "
+                         "int8 / int16 apply to q4/q8 files only, the others run once as f32)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--n-prompt", type=int, default=128)
     ap.add_argument("--n-gen", type=int, default=64)

@@ -133,8 +133,8 @@ def test_commands_share_model_and_threads(command):
 def test_activations_and_lists():
     for command in ("generate", "perplexity"):
         assert _actions(command)["activations"].choices == ACTIVATIONS
-        assert _actions(command)["activations"].default == "f32"
-    assert _actions("bench")["activations"].default == ["f32"]
+        assert _actions(command)["activations"].default == "int16"      # W4A16
+    assert _actions("bench")["activations"].default == ["int16"]
     assert common.activation_list("f32,int8") == ["f32", "int8"]
     assert common.int_list(1)("1,2") == [1, 2]
     with pytest.raises(argparse.ArgumentTypeError, match="activations must be among"):
@@ -144,10 +144,10 @@ def test_activations_and_lists():
 
 
 def test_open_model_and_range_checks():
-    args = argparse.Namespace(model=None, threads=1)                  # no --activations: f32
+    args = argparse.Namespace(model=None, threads=1)                # no --activations: int16
     with common.open_model(args) as m:
         assert str(m.file.path) == str(default_model_path())
-        assert m.threads == 1 and m.activations == "f32"
+        assert m.threads == 1 and m.activations == "int16"
     common.check_at_least([("--ctx", None, 4), ("--batch", 1, 1)])    # unset or in range
     with pytest.raises(ColibriError, match=r"^--ctx 2 is out of range \(must be >= 4\)$"):
         common.check_at_least([("--batch", 1, 1), ("--ctx", 2, 4)])

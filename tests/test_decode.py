@@ -45,7 +45,7 @@ def model(request, hf_checkpoint, tmp_path_factory):
     path = hf_checkpoint(family, initializer_range=0.15, **overrides)
     dst = tmp_path_factory.mktemp("decode") / f"{case}-{fmt}.colibri"
     convert(path, dst, progress=False, **FORMATS[fmt])
-    m = api.load(dst, threads=1)
+    m = api.load(dst, threads=1, activations="f32")   # the step's exactness: f32 activations
     yield m
     m.close()
 

@@ -12,7 +12,10 @@ with colibri.convert, and run on the same batch of left-padded prompts by both:
     file's weights (what the int8 activations alone cost);
   - int16 activations (activations="int16"): the format's bounds, and within INT16_TOL of
     transformers given the file's weights (~100x closer than int8);
-  - prefill == token by token, batch > 1 == separate runs, 1 thread == 2 threads.
+  - prefill == token by token, batch > 1 == separate runs, 1 thread == 2 threads;
+  - the default: int16 activations for q4/q8 matrices; plain formats unaffected.
+Every model here is loaded with its activations named (Ref.model: "f32" unless the format
+says "-int8" / "-int16"), since the default, int16, is not exact.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 import colibri.api as api  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.kv_cache import CacheOverflowError  # noqa: E402
+from colibri.model import DEFAULT_ACTIVATIONS, Model  # noqa: E402
 from hf_factory import FAMILY_NAMES  # noqa: E402
 
 F32_TOL = 1e-4           # max |logit error| / max |logit|, f32 weights
@@ -60,7 +64,8 @@ BOUNDS.update({f + INT16: BOUNDS[f] for f in ("q8", "q4", "q4-all")})
 
 
 def _file_and_activations(fmt: str) -> tuple[str, str]:
-    """'q4-int8' -> ('q4', 'int8'); 'q4' -> ('q4', 'f32')."""
+    """'q4-int8' -> ('q4', 'int8'); 'q4' -> ('q4', 'f32'): exact activations named
+    explicitly, the default being int16."""
     for suffix in (INT8, INT16):
         if fmt.endswith(suffix):
             return fmt.removesuffix(suffix), suffix[1:]
@@ -397,6 +402,27 @@ def test_quantized_activations_take_another_path(ref):
     with pytest.raises(ValueError,
                        match="activations must be one of f32, int8, int16, got 'int4'"):
         api.load(plain, activations="int4")
+
+
+def test_default_activations_are_int16(ref):
+    """Without the option a q4 file runs int16 activations (W4A16): the logits equal those of
+    activations="int16" bit for bit and differ from the exact f32 ones; f32 and bf16 files
+    give the same logits under the default and "f32" (their matrices always see f32)."""
+    assert DEFAULT_ACTIVATIONS == "int16"
+    run = lambda m: api.forward(m, ref.ids, attention_mask=ref.mask)   # noqa: E731
+    with api.load(ref.model("q4").file.path, threads=1) as m:
+        assert m.activations == "int16" and "activations=int16" in repr(m)
+        default = run(m)
+    with Model(ref.model("q4").file.path, threads=1) as m:
+        assert m.activations == "int16"
+    np.testing.assert_array_equal(default, run(ref.model("q4" + INT16)))
+    exact = run(ref.model("q4"))
+    assert not np.array_equal(default, exact)
+    assert _rel_err(default[ref.valid], exact[ref.valid]) <= INT16_TOL
+    for fmt in ("f32", "bf16"):
+        with api.load(ref.model(fmt).file.path, threads=1) as m:
+            assert m.activations == "int16"
+            np.testing.assert_array_equal(run(m), run(ref.model(fmt)))   # ref: f32 named
 
 
 def test_input_embeds_equal_ids(ref):

@@ -175,6 +175,18 @@ def test_int8_activations_against_the_same_file(files, ids, capsys, tmp_path):
     assert code == 0 and json.loads(out)["kl"]["kl_mean"] > 0
 
 
+def test_default_activations_against_the_same_file(files, ids):
+    """Without activations= the model (a path) runs the default, int16, and a base given as
+    a path exact f32: the same q4 file as its own base measures int16's cost (KL > 0, tiny);
+    activations="f32" gives KL 0."""
+    res = perplexity(files.q4, ids, ctx=16, base=files.q4, threads=1)
+    assert 0 < res.kl.mean < 1e-4 and res.kl.same_top == 1.0
+    with colibri.load(files.q4, threads=1, activations="int16") as m:
+        np.testing.assert_array_equal(perplexity(m, ids, ctx=16, threads=1).nll, res.nll)
+    exact = perplexity(files.q4, ids, ctx=16, base=files.q4, threads=1, activations="f32")
+    assert exact.kl.mean == 0.0 and exact.kl.same_top == 1.0
+
+
 def test_vocabulary_must_match():
     def fake(v, tok):
         return SimpleNamespace(vocab_size=v, file=SimpleNamespace(

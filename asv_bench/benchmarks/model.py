@@ -33,8 +33,11 @@ class Model:
             raise NotImplementedError("quantized activations apply to q4/q8 matrices only")
         if activations not in getattr(colibri.kernels, "ACTIVATIONS", ("f32",)):
             raise NotImplementedError(f"activations={activations!r}: not in this commit")
-        # f32 without the keyword: commits before the option still run this suite
-        kw = {} if activations == "f32" else {"activations": activations}
+        # the keyword whenever the commit has the option (its default is int16 from the
+        # 16-bit-activations change on, f32 before); f32 without it: commits before the
+        # option still run this suite
+        has_option = hasattr(colibri.kernels, "ACTIVATIONS")
+        kw = {"activations": activations} if has_option else {}
         self.model = colibri.load(paths[fmt], threads=threads, **kw)
         self.prompt = np.random.default_rng(0).integers(0, self.model.vocab_size, 128)
         self.cache = self.model.new_cache(ctx=1024)

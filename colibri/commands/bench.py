@@ -38,7 +38,7 @@ def register(subparsers, parents=()) -> None:
                    help="tokens already in the KV cache when a test starts (default: 0)")
     add_activations_arg(p, "-a", "--activations", lists=True,
                         help=f"{ACTIVATIONS_HELP}, a list allowed (f32,int16,int8) "
-                             f"(default: f32)")
+                             f"(default: int16)")
     add_output_arg(p, help="markdown table or JSON list of results (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
     add_seed_arg(p, 0, help="seed of the random token ids (default: %(default)s)")

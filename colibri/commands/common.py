@@ -14,14 +14,15 @@ from pathlib import Path
 from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..kernels import ACTIVATIONS
-from ..model import Model
+from ..model import DEFAULT_ACTIVATIONS, Model
 
 MODEL_HELP = ".colibri file (default: the bundled tiny-moe.colibri)"
 SHIPPED_MODEL = "Without MODEL, the small model shipped with colibri is used."
 THREADS_HELP = "kernel threads (default: physical cores)"
-ACTIVATIONS_HELP = ("activations of the q4/q8 matmuls: f32 (exact to the stored weights), "
-                    "int16 (16-bit codes per 32 values: within ~1e-4, faster) or int8 "
-                    "(8-bit codes like llama.cpp: fastest)")
+ACTIVATIONS_HELP = ("activations of the q4/q8 matmuls: int16 (16-bit codes per 32 values, "
+                    "logits within ~1e-4 of exact, ~2x f32's decode speed), f32 (exact to the "
+                    "stored weights) or int8 (8-bit codes like llama.cpp: fastest, ~1e-2); "
+                    "f32/f16/bf16 matrices always use f32")
 
 
 # --- argparse types ---------------------------------------------------------------------------
@@ -67,13 +68,15 @@ def add_threads_arg(p: argparse.ArgumentParser, *flags: str, lists: bool = False
 
 def add_activations_arg(p: argparse.ArgumentParser, *flags: str, help: str,
                         lists: bool = False) -> None:
-    """--activations f32|int16|int8 (default f32); lists: 'f32,int8' runs each (bench)."""
+    """--activations f32|int16|int8 (default int16, DEFAULT_ACTIVATIONS); lists: 'f32,int8'
+    runs each (bench)."""
     if lists:
         p.add_argument(*(flags or ("--activations",)), dest="activations",
-                       type=activation_list, default=["f32"], metavar="A", help=help)
+                       type=activation_list, default=[DEFAULT_ACTIVATIONS], metavar="A",
+                       help=help)
     else:
         p.add_argument(*(flags or ("--activations",)), dest="activations", choices=ACTIVATIONS,
-                       default="f32", help=help)
+                       default=DEFAULT_ACTIVATIONS, help=help)
 
 
 def add_ctx_arg(p: argparse.ArgumentParser, *flags: str, help: str) -> None:
@@ -100,10 +103,10 @@ def model_path(path: str | None) -> str | Path:
 
 
 def open_model(args: argparse.Namespace) -> Model:
-    """The Model of args.model with args.threads and args.activations (f32 when the command
-    has no --activations)."""
+    """The Model of args.model with args.threads and args.activations (the default,
+    int16, when the command has no --activations)."""
     return load(model_path(args.model), threads=args.threads,
-                activations=getattr(args, "activations", "f32"))
+                activations=getattr(args, "activations", DEFAULT_ACTIVATIONS))
 
 
 def check_at_least(limits: Sequence[tuple[str, int | None, int]]) -> None:

@@ -41,9 +41,9 @@ def register(subparsers, parents=()) -> None:
                    help="windows per forward pass (default: %(default)s)")
     add_threads_arg(p, "-t", "--threads")
     add_activations_arg(p, "-a", "--activations",
-                        help="activations of MODEL's q4/q8 matmuls: f32 (exact), int16 or int8 "
-                             "(faster); the base always runs f32, so --kl-base MODEL measures "
-                             "their cost (default: %(default)s)")
+                        help="activations of MODEL's q4/q8 matmuls: int16 (within ~1e-4 of "
+                             "exact), f32 (exact) or int8 (fastest); the base always runs f32, "
+                             "so --kl-base MODEL measures their cost (default: %(default)s)")
     add_output_arg(p, help="markdown tables or JSON (default: %(default)s)")
     p.set_defaults(func=run)
 

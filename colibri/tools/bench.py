@@ -51,6 +51,7 @@ from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..format import ColibriFile
 from ..generate import decode_one
+from ..model import DEFAULT_ACTIVATIONS
 from .inspect import model_config, totals
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",
@@ -241,7 +242,8 @@ def _load_average() -> float | None:
 def run_bench(model_path: str | os.PathLike | None = None, *,
               n_prompt: int | Sequence[int] = 128, n_gen: int | Sequence[int] = 64,
               threads: int | Sequence[int] | None = None, reps: int = 5, depth: int = 0,
-              warmup: bool = True, seed: int = 0, activations: str | Sequence[str] = "f32",
+              warmup: bool = True, seed: int = 0,
+              activations: str | Sequence[str] = DEFAULT_ACTIVATIONS,
               bandwidth_bytes: int = DEFAULT_BANDWIDTH_BYTES,
               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run pp/tg tests on a .colibri model; one dict per (activations, threads, test).
@@ -251,8 +253,9 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
         list; 0 skips that kind of test). threads: an int, a list, or None (physical cores).
     reps: timed repetitions per test (>= 1), after one untimed warm-up unless warmup=False.
     depth: tokens already in the KV cache when a test starts (llama-bench -d).
-    seed: of the random token ids. activations: "f32" (exact), "int16" or "int8" (quantized
-        activations for q4/q8 weights, see colibri.load), or a list of them.
+    seed: of the random token ids. activations: "int16" (the default), "f32" (exact) or
+        "int8" (the fastest): what q4/q8 weights multiply, see colibri.load; or a list of
+        them, each run in turn (plain-format weights run f32 under all three).
     bandwidth_bytes: buffer of the read-bandwidth measurement
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).
@@ -429,10 +432,9 @@ def format_roofline(rows: Iterable[dict[str, Any]]) -> list[str]:
                           ("attention", "router", "experts", "shared", "dense", "norms", "head",
                            "embedding") if d[k])
         k = r.get("n_experts_used")
-        acts = r.get("activations", "f32")
-        line = (f"roofline, threads {r['n_threads']}, "
-                + (f"activations {acts}, " if acts != "f32" else "")
-                + f"{r['test']}: {d['total'] / 1e6:.3g} MB of "
+        acts = r.get("activations", "f32")      # rows from before the option: f32
+        line = (f"roofline, threads {r['n_threads']}, activations {acts}, "
+                f"{r['test']}: {d['total'] / 1e6:.3g} MB of "
                 f"weights per token ({parts}"
                 + (f"; experts = top-{k} of {r['n_experts']} per MoE layer" if k else "") + ")")
         if r.get("read_bandwidth_gbs"):

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ColibriError
-from ..model import Model
+from ..model import DEFAULT_ACTIVATIONS, Model
 from ..tokenizer import NoTokenizerError
 
 __all__ = ["perplexity", "plan_windows", "PerplexityResult", "KLStats", "token_logprobs",
@@ -179,8 +179,8 @@ class PerplexityResult:
 # inputs
 # ---------------------------------------------------------------------------------------------
 
-def _model(m, threads: int | None, activations: str = "f32"):
-    """(Model, opened_here) for a Model or a path."""
+def _model(m, threads: int | None, activations: str):
+    """(Model, opened_here) for a Model (kept as it is) or a path (opened with activations)."""
     if isinstance(m, Model):
         return m, False
     return Model(m, threads=threads, activations=activations), True
@@ -226,14 +226,14 @@ def _token_ids(model, data) -> np.ndarray:
 
 def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None = None,
                stride: int | None = None, batch: int = 1, base=None,
-               threads: int | None = None, activations: str = "f32",
+               threads: int | None = None, activations: str = DEFAULT_ACTIVATIONS,
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` over `data`, and KL statistics against `base` when given.
 
     model, base: a Model or the path of a .colibri file (opened with `threads`, closed after).
-    activations: of `model` when it is a path ("f32", "int16" or "int8", see colibri.load);
-        the base always runs with exact f32 activations, so `base` = the same file measures
-        what quantized activations cost.
+    activations: of `model` when it is a path ("int16" the default, "f32" exact or "int8",
+        see colibri.load); a `base` given as a path always runs with exact f32 activations,
+        so `base` = the same file measures what the model's activations cost.
     data: text (tokenized with the model's tokenizer) or token ids int (T,).
     ctx: window length (default: min(512, the model's context)); stride: None for
         llama-perplexity's scheme (second half of non-overlapping windows), or the step of
@@ -245,7 +245,7 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     m, own_m = _model(model, threads, activations)
-    b, own_b = (None, False) if base is None else _model(base, threads)
+    b, own_b = (None, False) if base is None else _model(base, threads, "f32")
     try:
         if b is not None:
             check_same_vocabulary(m, b)
