@@ -1,0 +1,145 @@
+/* csrc/vnni.h: the VNNI bodies of the integer-activation row kernels ("idot": int8 and int16
+ * codes against q8/q4 rows), for two paths (dispatch.h):
+ *   avx512vnni  AVX-512 VNNI + VL, EVEX encoding (and the avx512 path's other bodies);
+ *   avxvnni     AVX-VNNI, VEX encoding, for CPUs with it but without AVX-512 (and the
+ *               avx2 path's other bodies).
+ * Both are colibri_idot_avx2_body's structure at the same 256-bit width (the body text is
+ * shared: COLIBRI_DEF_IDOT_BODY in avx2_int.h); only the integer part of a chunk differs:
+ *   int8:  vpdpbusd (u8 x s8, 4 products summed into each int32 lane) does what vpmaddubsw +
+ *          vpmaddwd(ones) + vpaddd do. Per pair and token, q4: p = dpbusd(dpbusd(0, lo, ql),
+ *          hi, qh); q8: p = dpbusd(dpbusd(0, |lo|, sign(ql, lo)), |hi|, sign(qh, hi)).
+ *          vpmaddubsw saturates its pairs to int16 and vpdpbusd does not, but no pair of the
+ *          AVX2 body reaches the bound: q4 |pair| <= 2 * 15 * 127 = 3810 (and the vpaddw of
+ *          two, 7620); q8 |pair| <= 2 * 128 * 127 = 32512 < 32767 (|w| <= 128 as u8, the
+ *          codes q in [-127, 127]). Both bodies thus compute each int32 lane as the exact
+ *          sum of the same 8 (q4) or 8 (q8: 4 per half) byte products: the same integers.
+ *   int16: vpdpwssd (s16 x s16, 2 products summed and accumulated into each int32 lane, no
+ *          saturation: the non-"s" form) does vpmaddwd + vpaddd: per pair and token four
+ *          chained vpdpwssd for four vpmaddwd and three vpaddd; vpmaddwd's one inexact case
+ *          (-32768 * -32768 twice) cannot occur (|code| <= 32767), the sums stay below 2^31
+ *          (|.| <= 32 * 128 * 32767), so the lanes are again the same integers.
+ * Everything after the integer block sums (the hadd reduction to lane order 0 2 4 6 1 3 5 7,
+ * the scales, the q4 fold, fma per chunk, the final horizontal sum) is the AVX2 text, so a
+ * VNNI path's result is the avx2 path's, bit for bit. The EVEX body is also compiled with
+ * AVX-512VL, so it has 32 vector registers (the 4-token body spills less).
+ */
+#ifndef COLIBRI_VNNI_H
+#define COLIBRI_VNNI_H
+
+#include "avx2_int.h"
+#include "avx512.h"
+
+#if COLIBRI_X86
+#define COLIBRI_AVX512VNNI_TARGET COLIBRI_AVX512_TARGET ",avx512vnni"
+#define COLIBRI_AVX512VNNI_FN static __attribute__((target(COLIBRI_AVX512VNNI_TARGET)))
+#define COLIBRI_AVX512VNNI_INLINE \
+    static inline __attribute__((always_inline, target(COLIBRI_AVX512VNNI_TARGET)))
+#define COLIBRI_AVXVNNI_TARGET "avx2,fma,f16c,avxvnni"
+#define COLIBRI_AVXVNNI_FN static __attribute__((target(COLIBRI_AVXVNNI_TARGET)))
+#define COLIBRI_AVXVNNI_INLINE \
+    static inline __attribute__((always_inline, target(COLIBRI_AVXVNNI_TARGET)))
+
+/* The chunk functions of one VNNI path (SFX: its name; ATTR: its inline attributes; DPBUSD,
+ * DPWSSD: the intrinsics of its encoding), with colibri_ichunk_any_avx2's signature (ones is
+ * unused). The loops are colibri_ichunk_avx2's and colibri_ichunk16_avx2's. */
+#define COLIBRI_DEF_VNNI_CHUNKS(SFX, ATTR, DPBUSD, DPWSSD)                                   \
+ATTR void colibri_ichunk_##SFX(const int fmt, const uint8_t *wq, const int8_t *q,            \
+                               ptrdiff_t qs, const int n, __m256i *isum, const int NT)       \
+{                                                                                            \
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;                                       \
+    __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];                                      \
+    int k, t;                                                                                \
+    for (k = 0; k < 4; k++) {                                                                \
+        __m256i lo = _mm256_setzero_si256(), hi = lo, alo = lo, ahi = lo;                    \
+        if (2 * k < n) colibri_ipair_avx2(fmt, wq + 2 * k * bpb, 2 * k + 1 < n, &lo, &hi);   \
+        if (fmt == COLIBRI_Q8) { alo = _mm256_sign_epi8(lo, lo); ahi = _mm256_sign_epi8(hi, hi); } \
+        for (t = 0; t < NT; t++) {                                                           \
+            const int8_t *qt = q + t * qs + 64 * k;                                          \
+            __m256i p = _mm256_setzero_si256();                                              \
+            if (2 * k < n) {                                                                 \
+                __m256i ql = _mm256_loadu_si256((const __m256i *)qt);                        \
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(qt + 32));                 \
+                if (fmt == COLIBRI_Q4)                                                       \
+                    p = DPBUSD(DPBUSD(p, lo, ql), hi, qh);                                   \
+                else                                                                         \
+                    p = DPBUSD(DPBUSD(p, alo, _mm256_sign_epi8(ql, lo)), ahi,                \
+                               _mm256_sign_epi8(qh, hi));                                    \
+            }                                                                                \
+            if (k & 1)                                                                       \
+                h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);                           \
+            else                                                                             \
+                v[k >> 1][t] = p;                                                            \
+        }                                                                                    \
+    }                                                                                        \
+    for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);                  \
+}                                                                                            \
+                                                                                             \
+ATTR void colibri_ichunk16_##SFX(const int fmt, const uint8_t *wq, const int8_t *q,          \
+                                 ptrdiff_t qs, const int n, __m256i *isum, const int NT)     \
+{                                                                                            \
+    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;                                       \
+    __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];                                      \
+    int k, t;                                                                                \
+    for (k = 0; k < 4; k++) {                                                                \
+        __m256i c[4];                                                                        \
+        c[0] = c[1] = c[2] = c[3] = _mm256_setzero_si256();                                  \
+        if (2 * k < n) colibri_iwiden16_avx2(fmt, wq + 2 * k * bpb, 2 * k + 1 < n, c);       \
+        for (t = 0; t < NT; t++) {                                                           \
+            const __m256i *qt = (const __m256i *)(const void *)(q + t * qs + 128 * k);       \
+            __m256i p = _mm256_setzero_si256();                                              \
+            if (2 * k < n) {                                                                 \
+                p = DPWSSD(p, c[0], _mm256_loadu_si256(qt));                                 \
+                p = DPWSSD(p, c[1], _mm256_loadu_si256(qt + 1));                             \
+                p = DPWSSD(p, c[2], _mm256_loadu_si256(qt + 2));                             \
+                p = DPWSSD(p, c[3], _mm256_loadu_si256(qt + 3));                             \
+            }                                                                                \
+            if (k & 1)                                                                       \
+                h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);                           \
+            else                                                                             \
+                v[k >> 1][t] = p;                                                            \
+        }                                                                                    \
+    }                                                                                        \
+    for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);                  \
+}                                                                                            \
+                                                                                             \
+ATTR void colibri_ichunk_any_##SFX(const int fmt, const int WIDE, const uint8_t *wq,         \
+                                   const int8_t *q, ptrdiff_t qs, const int n, __m256i ones, \
+                                   __m256i *isum, const int NT)                              \
+{                                                                                            \
+    (void)ones;                                                                              \
+    if (WIDE)                                                                                \
+        colibri_ichunk16_##SFX(fmt, wq, q, qs, n, isum, NT);                                 \
+    else                                                                                     \
+        colibri_ichunk_##SFX(fmt, wq, q, qs, n, isum, NT);                                   \
+}
+
+COLIBRI_DEF_VNNI_CHUNKS(avx512vnni, COLIBRI_AVX512VNNI_INLINE, _mm256_dpbusd_epi32,
+                        _mm256_dpwssd_epi32)
+COLIBRI_DEF_VNNI_CHUNKS(avxvnni, COLIBRI_AVXVNNI_INLINE, _mm256_dpbusd_avx_epi32,
+                        _mm256_dpwssd_avx_epi32)
+
+COLIBRI_DEF_IDOT_BODY(colibri_idot_avx512vnni_body, COLIBRI_AVX512VNNI_INLINE,
+                      colibri_ichunk_any_avx512vnni)
+COLIBRI_DEF_IDOT_BODY(colibri_idot_avxvnni_body, COLIBRI_AVXVNNI_INLINE,
+                      colibri_ichunk_any_avxvnni)
+
+COLIBRI_DEF_IQUANT(colibri_idot_q8_avx512vnni, COLIBRI_Q8, 0, COLIBRI_AVX512VNNI_FN,
+                   colibri_idot_avx512vnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot_q4_avx512vnni, COLIBRI_Q4, 0, COLIBRI_AVX512VNNI_FN,
+                   colibri_idot_avx512vnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q8_avx512vnni, COLIBRI_Q8, 1, COLIBRI_AVX512VNNI_FN,
+                   colibri_idot_avx512vnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q4_avx512vnni, COLIBRI_Q4, 1, COLIBRI_AVX512VNNI_FN,
+                   colibri_idot_avx512vnni_body)
+
+COLIBRI_DEF_IQUANT(colibri_idot_q8_avxvnni, COLIBRI_Q8, 0, COLIBRI_AVXVNNI_FN,
+                   colibri_idot_avxvnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot_q4_avxvnni, COLIBRI_Q4, 0, COLIBRI_AVXVNNI_FN,
+                   colibri_idot_avxvnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q8_avxvnni, COLIBRI_Q8, 1, COLIBRI_AVXVNNI_FN,
+                   colibri_idot_avxvnni_body)
+COLIBRI_DEF_IQUANT(colibri_idot16_q4_avxvnni, COLIBRI_Q4, 1, COLIBRI_AVXVNNI_FN,
+                   colibri_idot_avxvnni_body)
+#endif /* COLIBRI_X86 */
+
+#endif /* COLIBRI_VNNI_H */
