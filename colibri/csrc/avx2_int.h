@@ -233,8 +233,10 @@ COLIBRI_AVX2_INLINE void colibri_iacc_avx2(const int fmt, const __m256i *isum, _
 COLIBRI_AVX2_INLINE void colibri_ichunk_any_avx2(const int fmt, const int WIDE,
                                                  const uint8_t *wq, const int8_t *q,
                                                  ptrdiff_t qs, const int n, __m256i ones,
+                                                 const int32_t *s, ptrdiff_t ds,
                                                  __m256i *isum, const int NT)
 {
+    (void)s; (void)ds;                     /* the chunk's s (the VNNI q8 body's correction) */
     if (WIDE)
         colibri_ichunk16_avx2(fmt, wq, q, qs, n, isum, NT);
     else
@@ -274,7 +276,7 @@ ATTR void NAME(const int fmt, const uint8_t *row, ptrdiff_t cols, ptrdiff_t grou
                 _mm_prefetch(pf + 192, _MM_HINT_T1);                                            \
             }                                                                                   \
         }                                                                                       \
-        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, 8, ones, isum, NT);                  \
+        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, 8, ones, s + b0, ds, isum, NT);                  \
         colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);                                \
     }                                                                                           \
     if (MODE != 3) {                                                                            \
@@ -301,7 +303,7 @@ ATTR void NAME(const int fmt, const uint8_t *row, ptrdiff_t cols, ptrdiff_t grou
         const __m256 sv = MODE == 2 ? colibri_iscales_avx2(scales, b0, MODE, lg, idx)           \
                         : MODE != 3 && ng >= 8 ? colibri_iscales_tail_avx2(scales, b0, ng, lg)  \
                         : colibri_iscales_any_avx2(scales, b0, n, group);                       \
-        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, n, ones, isum, NT);                  \
+        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, n, ones, s + b0, ds, isum, NT);                  \
         colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);                                \
     }                                                                                           \
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);                             \
