@@ -31,8 +31,10 @@ static int colibri_isa_supported(int isa)
         if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c))
             return 0;
         if (isa == COLIBRI_ISA_AVX2) return 1;
-        if (isa == COLIBRI_ISA_AVXVNNI) return __builtin_cpu_supports("avxvnni");
-        if (isa == COLIBRI_ISA_AVX512 || isa == COLIBRI_ISA_AVX512VNNI)
+#if COLIBRI_VNNI
+        if (isa == COLIBRI_ISA_AVXVNNI) return __builtin_cpu_supports("avxvnni") != 0;
+#endif
+        if (isa == COLIBRI_ISA_AVX512 || (COLIBRI_VNNI && isa == COLIBRI_ISA_AVX512VNNI))
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    (isa == COLIBRI_ISA_AVX512 || __builtin_cpu_supports("avx512vnni"));
@@ -196,7 +198,7 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_scalar : colibri_idot16_q4_scalar;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
     }
-#if COLIBRI_X86
+#if COLIBRI_VNNI
     if (isa == COLIBRI_ISA_AVX512VNNI) {
         if (wide)
             return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx512vnni : colibri_idot16_q4_avx512vnni;
@@ -206,6 +208,8 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avxvnni : colibri_idot16_q4_avxvnni;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avxvnni : colibri_idot_q4_avxvnni;
     }
+#endif
+#if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;

@@ -28,6 +28,16 @@
 #define COLIBRI_X86 0
 #endif
 
+/* The VNNI bodies (vnni.h) need a compiler that knows the avxvnni target and its intrinsics
+ * (GCC 11, clang 12); with an older one their paths are not compiled in and never
+ * supported (the other paths are unchanged). */
+#if COLIBRI_X86 && !defined(COLIBRI_NO_VNNI) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define COLIBRI_VNNI 1
+#else
+#define COLIBRI_VNNI 0
+#endif
+
 /* The paths, in order of preference (colibri_isa_best takes the highest this CPU runs).
  * avxvnni: the avx2 path with the VEX AVX-VNNI integer row kernels; avx512vnni: the avx512
  * path with the EVEX AVX-512 VNNI ones (csrc/vnni.h). Every kernel but those takes the body

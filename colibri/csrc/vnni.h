@@ -36,7 +36,7 @@
 #include "avx2_int.h"
 #include "avx512.h"
 
-#if COLIBRI_X86
+#if COLIBRI_VNNI
 #define COLIBRI_AVX512VNNI_TARGET COLIBRI_AVX512_TARGET ",avx512vnni"
 #define COLIBRI_AVX512VNNI_FN static __attribute__((target(COLIBRI_AVX512VNNI_TARGET)))
 #define COLIBRI_AVX512VNNI_INLINE \
@@ -151,6 +151,6 @@ COLIBRI_DEF_IQUANT(colibri_idot16_q8_avxvnni, COLIBRI_Q8, 1, COLIBRI_AVXVNNI_FN,
                    colibri_idot_avxvnni_body)
 COLIBRI_DEF_IQUANT(colibri_idot16_q4_avxvnni, COLIBRI_Q4, 1, COLIBRI_AVXVNNI_FN,
                    colibri_idot_avxvnni_body)
-#endif /* COLIBRI_X86 */
+#endif /* COLIBRI_VNNI */
 
 #endif /* COLIBRI_VNNI_H */
