@@ -4,9 +4,9 @@ One extension module, ``colibri._kernels``: ``colibri/_kernels.pyx`` with its
 sections ``colibri/pyx/*.pxi``, over the C headers ``colibri/_simd.h`` and
 ``colibri/csrc/*.h`` (all listed as dependencies: editing any of them rebuilds).
 It is compiled for the baseline of the target architecture (no ``-march=native``:
-a wheel must run anywhere); the AVX2 and AVX-512 bodies (``csrc/avx2*.h``,
-``csrc/avx512.h``) carry their own ``__attribute__((target(...)))`` and are chosen
-at run time.
+a wheel must run anywhere); the AVX2, AVX-512 and VNNI bodies (``csrc/avx2*.h``,
+``csrc/avx512.h``, ``csrc/vnni.h``) carry their own ``__attribute__((target(...)))`` and
+are chosen at run time.
 
 Environment switches:
   COLIBRI_NO_THREADS=1    build without the thread pool (kernels run single-threaded)

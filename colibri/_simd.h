@@ -10,25 +10,29 @@
  *   csrc/avx2.h        AVX2 f32-activation row kernels and the shared AVX2 helpers
  *   csrc/avx2_int.h    AVX2 integer-activation row kernels (int8 / int16) and quantizer
  *   csrc/avx512.h      AVX-512 f32-activation row kernels
+ *   csrc/vnni.h        AVX-512 VNNI (EVEX) and AVX-VNNI (VEX) integer-activation row kernels
  *   csrc/dispatch.h    which paths run here; the (path, format) tables of the row kernels
  *   csrc/gemm.h        the GEMM (prefill) path: driver, scalar and AVX2 bodies, its table
  * Included by _kernels.pyx beside this header: csrc/attend.h (decode attention), csrc/pool.h
  * (the thread pool), csrc/rowops.h (a decode step's row operations), csrc/npy.h (NumPy
  * array checks).
- * A new body (AVX-512 VNNI, AMX, NEON): a header of its own beside the others, included
+ * A new body (AMX, NEON): a header of its own beside the others, included
  * here before dispatch.h (inside its own compile-time guard, as COLIBRI_X86 guards the x86
  * ones), a path code in types.h (and its name in the Python side's list of ISAs), and its
  * entries in dispatch.h (colibri_isa_supported, the *_for tables; gemm.h's table for a GEMM
  * body). Every body matches scalar.h's results as the existing ones do (the same bits, or
  * the documented summation order of its path).
  *
- * Three bodies of every row kernel:
- *   scalar  always compiled; the readable specification of each weight format and the
- *           fallback on non-x86 machines;
- *   avx2    AVX2 + FMA + F16C;
- *   avx512  AVX-512 F/BW/VL/DQ (+ the AVX2 set).
+ * Three bodies of every row kernel, and two paths that add integer row kernels:
+ *   scalar      always compiled; the readable specification of each weight format and the
+ *               fallback on non-x86 machines;
+ *   avx2        AVX2 + FMA + F16C;
+ *   avx512      AVX-512 F/BW/VL/DQ (+ the AVX2 set);
+ *   avxvnni     avx2 + AVX-VNNI: the VEX vpdpbusd / vpdpwssd int8 / int16 row kernels;
+ *   avx512vnni  avx512 + AVX-512 VNNI: the same kernels in EVEX (32 registers).
+ * (A VNNI path runs its base path's body for every other kernel: colibri_isa_base.)
  * The module is compiled for the baseline of the architecture (no -march=native): the SIMD
- * bodies carry __attribute__((target(...))), so one build holds all three and the path is
+ * bodies carry __attribute__((target(...))), so one build holds all of them and the path is
  * chosen once at run time from the CPU (colibri_isa_supported, which also checks that the
  * OS saves the vector registers). On a non-x86 machine or a compiler without target
  * attributes only the scalar body exists.
@@ -60,7 +64,9 @@
  * order; AVX2: 8 lanes, then a horizontal sum) and, as above, never depends on nt. Token
  * rows are held in a packed layout (colibri_qpos / colibri_dpos) that lets the AVX2 body
  * decode two q4 blocks with one load and reduce 8 blocks without crossing 128-bit lanes.
- * The AVX-512 path runs the AVX2 int8 bodies (see colibri_idot_for).
+ * The avx512 path runs the AVX2 int8 bodies; avxvnni and avx512vnni run the VNNI ones
+ * (csrc/vnni.h: the AVX2 bits, with vpdpbusd / vpdpwssd for the integer part; see
+ * colibri_idot_for).
  *
  * The int16 row kernel (activations="int16"): the same with 16-bit codes, d = amax / 32767
  * (colibri_quantize_block16): the same formula, the same exactness (the integer sums stay
@@ -75,6 +81,7 @@
 #include "csrc/avx2.h"
 #include "csrc/avx2_int.h"
 #include "csrc/avx512.h"
+#include "csrc/vnni.h"
 #include "csrc/dispatch.h"
 #include "csrc/gemm.h"
 

@@ -1,7 +1,8 @@
 """The runtime settings of the kernels: instruction set, threads, tuning knobs, BLAS, timings.
 
 Instruction set: the widest path this CPU and OS support is chosen at import (scalar, avx2,
-avx512); ``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
+avx512, avxvnni, avx512vnni: the last two are avx2 / avx512 with VNNI integer row kernels);
+``set_isa`` or the environment variable ``COLIBRI_ISA`` forces one.
 
 Threads: ``threads=None`` means ``default_threads()`` (``COLIBRI_NUM_THREADS``, else
 ``OMP_NUM_THREADS``, else the physical cores in this process's affinity mask); results do
@@ -55,7 +56,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # instruction set
 
-ISAS: tuple[str, ...] = tuple(_kernels.ISA_NAMES)   # by the compiled module's code 0, 1, 2
+ISAS: tuple[str, ...] = tuple(_kernels.ISA_NAMES)   # by the compiled module's code 0 .. 4
 
 
 def available_isas() -> list[str]:
@@ -69,7 +70,8 @@ def get_isa() -> str:
 
 
 def set_isa(name: str | None) -> None:
-    """Force a path ("scalar", "avx2", "avx512"), or None for the widest supported one.
+    """Force a path ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni"), or None for the
+    widest supported one.
 
     Raises ValueError for an unknown name or a path this CPU/OS cannot run.
     """

@@ -306,3 +306,39 @@ def test_activations_argument_errors():
         K.swiglu(x, wg.expert(0), wu.expert(0), wd.expert(0), activations="bf16")
     with pytest.raises(ValueError, match="'f32', 'int8', 'int16'"):
         _kernels.linear(x, w, None, np.empty((2, 8), F32), 0, 1, "int4")
+
+
+VNNI_ISAS = [name for name in ("avxvnni", "avx512vnni") if name in runtime.ISAS]
+
+
+@pytest.mark.parametrize("name", VNNI_ISAS)
+@pytest.mark.parametrize("fmt", QFORMATS)
+@pytest.mark.parametrize("act, bits", ACTS)
+def test_vnni_paths_equal_avx2_bitwise(name, fmt, act, bits):
+    """The VNNI bodies (vpdpbusd / vpdpwssd, csrc/vnni.h) give the AVX2 bodies' bits: the same
+    exact integer block sums and the same float text. Every scale mode, partial last chunks,
+    odd block counts, 1..7 tokens; q8 with the extreme codes (-128 weights against -127 / 127
+    activations, the largest vpmaddubsw pairs) and q4 with all-15 nibbles."""
+    if name not in runtime.available_isas() or "avx2" not in runtime.available_isas():
+        pytest.skip(f"this CPU/OS does not run the {name} path")
+    rng = rng_for("vnni-bitwise", name, fmt, act)
+    previous = runtime.get_isa()
+    try:
+        for G, C in ((32, 544), (64, 1408), (128, 1024), (256, 2048), (512, 1536), (96, 288),
+                     (32, 32), (32, 96)):
+            w, _ = make_weight(rng, (13, C), fmt, G)
+            buf = np.asarray(w.buf)
+            for r in (0, 5):                                  # extreme codes in two rows
+                start = w.offset + r * w.row_stride
+                buf[start:start + (C if fmt == "q8" else C // 2)] = 0x80 if fmt == "q8" else 0xFF
+            x = rng.standard_normal((7, C)).astype(F32)
+            x[1] = -1.0                                        # codes all -127 / -32767
+            x[2] = np.where(np.arange(C) % 2, 1.0, -1.0)
+            for nt in (1, 2, 3, 4, 7):
+                runtime.set_isa("avx2")
+                ref = K.linear(x[:nt], w, activations=act)
+                runtime.set_isa(name)
+                got = K.linear(x[:nt], w, activations=act)
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (G, C, nt)
+    finally:
+        runtime.set_isa(previous)

@@ -237,13 +237,13 @@ COLIBRI_AVX2_FN void colibri_attend_avx2(const float *q, int G, int Dh, const fl
 
 #endif /* COLIBRI_X86 */
 
-/* Heads h0 .. h1 - 1 on path isa (AVX-512 runs the AVX2 body). */
+/* Heads h0 .. h1 - 1 on path isa (every wider path runs the AVX2 body). */
 static inline void colibri_attend(int isa, const float *q, int G, int Dh, const float *k,
                                   const float *v, ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n,
                                   float scale, float *s, float *out, int h0, int h1)
 {
 #if COLIBRI_X86
-    if ((isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) && Dh % 8 == 0 &&
+    if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR && Dh % 8 == 0 &&
         G <= COLIBRI_ATTEND_MAX_G && h0 % G == 0 && h1 % G == 0) {
         colibri_attend_avx2(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
         return;

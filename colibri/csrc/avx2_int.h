@@ -1,6 +1,7 @@
 /* csrc/avx2_int.h: the AVX2 bodies of the integer-activation row kernels ("idot": int8 and
  * int16 codes against q8/q4 rows) and of the activation quantizer (bit for bit the scalar
- * one in types.h). The AVX-512 path runs these too (dispatch.h). */
+ * one in types.h). The avx512 path runs these too; the VNNI paths (vnni.h) share their body
+ * text (COLIBRI_DEF_IDOT_BODY) with another chunk function (dispatch.h). */
 #ifndef COLIBRI_AVX2_INT_H
 #define COLIBRI_AVX2_INT_H
 
@@ -91,10 +92,33 @@ COLIBRI_AVX2_INLINE void colibri_ichunk_avx2(const int fmt, const uint8_t *wq, c
     for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);
 }
 
+/* The int16 weight codes of blocks j (and j + 1 when two) at w, widened in-lane: c[0..3]. */
+COLIBRI_AVX2_INLINE void colibri_iwiden16_avx2(const int fmt, const uint8_t *w, const int two,
+                                               __m256i c[4])
+{
+    if (fmt == COLIBRI_Q4) {
+        const __m256i z = _mm256_setzero_si256(), m15 = _mm256_set1_epi16(15);
+        __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
+                        : _mm256_inserti128_si256(z, _mm_loadu_si128((const __m128i *)w), 0);
+        __m256i u0 = _mm256_unpacklo_epi8(b, z), u1 = _mm256_unpackhi_epi8(b, z);
+        c[0] = _mm256_and_si256(u0, m15);
+        c[1] = _mm256_and_si256(u1, m15);
+        c[2] = _mm256_srli_epi16(u0, 4);
+        c[3] = _mm256_srli_epi16(u1, 4);
+    } else {
+        __m256i lo, hi;
+        colibri_ipair_avx2(fmt, w, two, &lo, &hi);
+        c[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(lo, lo), 8);
+        c[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(lo, lo), 8);
+        c[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(hi, hi), 8);
+        c[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(hi, hi), 8);
+    }
+}
+
 /* colibri_ichunk_avx2 on int16 codes (packed by colibri_qpos16): a pair's weight codes are
  * widened to 16 bits in-lane once (q4: the 32 code bytes unpacked with zero, then & 15 and
  * >> 4; q8: each byte unpacked with itself, then >> 8 arithmetic), giving four vectors
- * c0..c3 = elements 0-7, 8-15, 16-23, 24-31 of both blocks (lane half 0 block j, half 1
+ * c[0..3] = elements 0-7, 8-15, 16-23, 24-31 of both blocks (lane half 0 block j, half 1
  * block j+1); per token, four vpmaddwd with the matching 16-code runs and three adds leave the
  * same 8 int32 partial sums per pair as the int8 body (|.| <= 32 * 128 * 32767 < 2^31). */
 COLIBRI_AVX2_INLINE void colibri_ichunk16_avx2(const int fmt, const uint8_t *wq,
@@ -102,41 +126,21 @@ COLIBRI_AVX2_INLINE void colibri_ichunk16_avx2(const int fmt, const uint8_t *wq,
                                                __m256i *isum, const int NT)
 {
     const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;            /* bytes per 32 codes */
-    const __m256i m15 = _mm256_set1_epi16(15);
     __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];
     int k, t;
     for (k = 0; k < 4; k++) {                                    /* pair k: blocks 2k, 2k+1 */
-        __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
-        if (2 * k < n) {
-            const uint8_t *w = wq + 2 * k * bpb;
-            const int two = 2 * k + 1 < n;
-            if (fmt == COLIBRI_Q4) {
-                const __m256i z = _mm256_setzero_si256();
-                __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
-                                : _mm256_inserti128_si256(z, _mm_loadu_si128((const __m128i *)w), 0);
-                __m256i u0 = _mm256_unpacklo_epi8(b, z), u1 = _mm256_unpackhi_epi8(b, z);
-                c0 = _mm256_and_si256(u0, m15);
-                c1 = _mm256_and_si256(u1, m15);
-                c2 = _mm256_srli_epi16(u0, 4);
-                c3 = _mm256_srli_epi16(u1, 4);
-            } else {
-                __m256i lo, hi;
-                colibri_ipair_avx2(fmt, w, two, &lo, &hi);
-                c0 = _mm256_srai_epi16(_mm256_unpacklo_epi8(lo, lo), 8);
-                c1 = _mm256_srai_epi16(_mm256_unpackhi_epi8(lo, lo), 8);
-                c2 = _mm256_srai_epi16(_mm256_unpacklo_epi8(hi, hi), 8);
-                c3 = _mm256_srai_epi16(_mm256_unpackhi_epi8(hi, hi), 8);
-            }
-        }
+        __m256i c[4];
+        c[0] = c[1] = c[2] = c[3] = _mm256_setzero_si256();
+        if (2 * k < n) colibri_iwiden16_avx2(fmt, wq + 2 * k * bpb, 2 * k + 1 < n, c);
         for (t = 0; t < NT; t++) {
             const __m256i *qt = (const __m256i *)(const void *)(q + t * qs + 128 * k);
             __m256i p = _mm256_setzero_si256();
             if (2 * k < n)
                 p = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256(qt)),
-                                     _mm256_madd_epi16(c1, _mm256_loadu_si256(qt + 1))),
-                    _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(qt + 2)),
-                                     _mm256_madd_epi16(c3, _mm256_loadu_si256(qt + 3))));
+                    _mm256_add_epi32(_mm256_madd_epi16(c[0], _mm256_loadu_si256(qt)),
+                                     _mm256_madd_epi16(c[1], _mm256_loadu_si256(qt + 1))),
+                    _mm256_add_epi32(_mm256_madd_epi16(c[2], _mm256_loadu_si256(qt + 2)),
+                                     _mm256_madd_epi16(c[3], _mm256_loadu_si256(qt + 3))));
             if (k & 1)
                 h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);
             else
@@ -229,77 +233,83 @@ COLIBRI_AVX2_INLINE void colibri_iacc_avx2(const int fmt, const __m256i *isum, _
 COLIBRI_AVX2_INLINE void colibri_ichunk_any_avx2(const int fmt, const int WIDE,
                                                  const uint8_t *wq, const int8_t *q,
                                                  ptrdiff_t qs, const int n, __m256i ones,
+                                                 const int32_t *s, ptrdiff_t ds,
                                                  __m256i *isum, const int NT)
 {
+    (void)s; (void)ds;                     /* the chunk's s (the VNNI q8 body's correction) */
     if (WIDE)
         colibri_ichunk16_avx2(fmt, wq, q, qs, n, isum, NT);
     else
         colibri_ichunk_avx2(fmt, wq, q, qs, n, ones, isum, NT);
 }
 
-COLIBRI_AVX2_INLINE void colibri_idot_avx2_body(const int fmt, const uint8_t *row,
-                                                ptrdiff_t cols, ptrdiff_t group,
-                                                const int8_t *q, ptrdiff_t qs, const float *d,
-                                                const int32_t *s, ptrdiff_t ds, float *out,
-                                                ptrdiff_t os, const int NT, const int MODE,
-                                                const int WIDE)
-{
-    const ptrdiff_t qpb = WIDE ? 64 : 32;                  /* code bytes per 32-block */
-    const ptrdiff_t nb = cols / 32, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
-    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
-    const ptrdiff_t bpg = group / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);      /* lane -> block */
-    int lg = 0, t;
-    ptrdiff_t b0;
-    __m256 acc[COLIBRI_MAX_NT];
-    __m256i isum[COLIBRI_MAX_NT];
-    while (((ptrdiff_t)1 << lg) < bpg) lg++;
-    if (MODE == 1) idx = _mm256_srlv_epi32(idx, _mm256_set1_epi32(lg));
-    for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
-    for (b0 = 0; MODE != 3 && b0 + 8 <= nb; b0 += 8) {
-        const __m256 sv = colibri_iscales_avx2(scales, b0, MODE, lg, idx);
-        {                                       /* the chunk's 2 (q4) or 4 (q8) lines, ahead */
-            const char *pf = (const char *)(row + b0 * bpb) + COLIBRI_PREFETCH_BYTES;
-            _mm_prefetch(pf, _MM_HINT_T1);
-            _mm_prefetch(pf + 64, _MM_HINT_T1);
-            if (fmt == COLIBRI_Q8) {
-                _mm_prefetch(pf + 128, _MM_HINT_T1);
-                _mm_prefetch(pf + 192, _MM_HINT_T1);
-            }
-        }
-        colibri_ichunk_any_avx2(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, 8, ones, isum, NT);
-        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
-    }
-    if (MODE != 3) {
-        /* The chunk prefetches above request the code bytes of the whole chunks only; the
-         * rest of the row ahead (codes of a partial last chunk, and the scales: every 64
-         * bytes and the row's last byte) is requested here, after the codes, so that every
-         * line of the rows ahead is. With 1024 columns the scales are 1 line in 9 (512 +
-         * 64 bytes); left to a demand miss per row (the hardware prefetcher restarts at
-         * every 4 KiB page, and the mmap'd file has no huge pages) they cost about a
-         * quarter of the rate. Measured on the mixtral-mini q4 file, 1 thread, best of 6,
-         * before/after interleaved: 3584 x 1024 gate matrices 10 -> 13 GB/s, 1024 x 3584
-         * down 11 -> 13, the decode expert FFN (T=1, K=2) 11.2-11.7 -> 12.6-12.8, the
-         * 32000 x 1024 head from a cold cache 10-11 -> 12-14. Issuing these before the
-         * chunk loop (ahead of the row's codes) measured no better than none on the down
-         * rows. (Those figures are for L1 prefetches; see COLIBRI_PREFETCH_BYTES for L2.) */
-        const char *p0 = (const char *)(row + (nb & ~(ptrdiff_t)7) * bpb) + COLIBRI_PREFETCH_BYTES;
-        const char *p1 = (const char *)(scales + 2 * (cols / group)) + COLIBRI_PREFETCH_BYTES;
-        for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T1);
-        _mm_prefetch(p1 - 1, _MM_HINT_T1);
-    }
-    for (; b0 < nb; b0 += 8) {                        /* the rest: the last 1..7 blocks, or all */
-        const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;
-        const ptrdiff_t ng = cols / group;
-        const __m256 sv = MODE == 2 ? colibri_iscales_avx2(scales, b0, MODE, lg, idx)
-                        : MODE != 3 && ng >= 8 ? colibri_iscales_tail_avx2(scales, b0, ng, lg)
-                        : colibri_iscales_any_avx2(scales, b0, n, group);
-        colibri_ichunk_any_avx2(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, n, ones, isum, NT);
-        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);
-    }
-    for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);
+/* The body of the integer row kernels, one (row, NT tokens) output: NAME with attributes ATTR
+ * (the target of its path) over the chunk function CHUNK (colibri_ichunk_any_avx2 here; the
+ * VNNI paths, vnni.h, pass theirs). The scales, the q4 fold, the accumulation order and the
+ * prefetches are this text on every path, so their float results are the same bits. */
+#define COLIBRI_DEF_IDOT_BODY(NAME, ATTR, CHUNK)                                                \
+ATTR void NAME(const int fmt, const uint8_t *row, ptrdiff_t cols, ptrdiff_t group,              \
+               const int8_t *q, ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds,   \
+               float *out, ptrdiff_t os, const int NT, const int MODE, const int WIDE)          \
+{                                                                                               \
+    const ptrdiff_t qpb = WIDE ? 64 : 32;                  /* code bytes per 32-block */        \
+    const ptrdiff_t nb = cols / 32, bpb = fmt == COLIBRI_Q4 ? 16 : 32;                          \
+    const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);                        \
+    const ptrdiff_t bpg = group / 32;                                                           \
+    const __m256i ones = _mm256_set1_epi16(1);                                                  \
+    __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);      /* lane -> block */           \
+    int lg = 0, t;                                                                              \
+    ptrdiff_t b0;                                                                               \
+    __m256 acc[COLIBRI_MAX_NT];                                                                 \
+    __m256i isum[COLIBRI_MAX_NT];                                                               \
+    while (((ptrdiff_t)1 << lg) < bpg) lg++;                                                    \
+    if (MODE == 1) idx = _mm256_srlv_epi32(idx, _mm256_set1_epi32(lg));                         \
+    for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                      \
+    for (b0 = 0; MODE != 3 && b0 + 8 <= nb; b0 += 8) {                                          \
+        const __m256 sv = colibri_iscales_avx2(scales, b0, MODE, lg, idx);                      \
+        {                                       /* the chunk's 2 (q4) or 4 (q8) lines, ahead */ \
+            const char *pf = (const char *)(row + b0 * bpb) + COLIBRI_PREFETCH_BYTES;           \
+            _mm_prefetch(pf, _MM_HINT_T1);                                                      \
+            _mm_prefetch(pf + 64, _MM_HINT_T1);                                                 \
+            if (fmt == COLIBRI_Q8) {                                                            \
+                _mm_prefetch(pf + 128, _MM_HINT_T1);                                            \
+                _mm_prefetch(pf + 192, _MM_HINT_T1);                                            \
+            }                                                                                   \
+        }                                                                                       \
+        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, 8, ones, s + b0, ds, isum, NT);                  \
+        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);                                \
+    }                                                                                           \
+    if (MODE != 3) {                                                                            \
+        /* The chunk prefetches above request the code bytes of the whole chunks only; the      \
+         * rest of the row ahead (codes of a partial last chunk, and the scales: every 64       \
+         * bytes and the row's last byte) is requested here, after the codes, so that every     \
+         * line of the rows ahead is. With 1024 columns the scales are 1 line in 9 (512 +       \
+         * 64 bytes); left to a demand miss per row (the hardware prefetcher restarts at        \
+         * every 4 KiB page, and the mmap'd file has no huge pages) they cost about a           \
+         * quarter of the rate. Measured on the mixtral-mini q4 file, 1 thread, best of 6,      \
+         * before/after interleaved: 3584 x 1024 gate matrices 10 -> 13 GB/s, 1024 x 3584       \
+         * down 11 -> 13, the decode expert FFN (T=1, K=2) 11.2-11.7 -> 12.6-12.8, the          \
+         * 32000 x 1024 head from a cold cache 10-11 -> 12-14. Issuing these before the         \
+         * chunk loop (ahead of the row's codes) measured no better than none on the down       \
+         * rows. (Those figures are for L1 prefetches; see COLIBRI_PREFETCH_BYTES for L2.) */   \
+        const char *p0 = (const char *)(row + (nb & ~(ptrdiff_t)7) * bpb) + COLIBRI_PREFETCH_BYTES; \
+        const char *p1 = (const char *)(scales + 2 * (cols / group)) + COLIBRI_PREFETCH_BYTES;  \
+        for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T1);                                \
+        _mm_prefetch(p1 - 1, _MM_HINT_T1);                                                      \
+    }                                                                                           \
+    for (; b0 < nb; b0 += 8) {                        /* the rest: the last 1..7 blocks, or all */ \
+        const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;                                         \
+        const ptrdiff_t ng = cols / group;                                                      \
+        const __m256 sv = MODE == 2 ? colibri_iscales_avx2(scales, b0, MODE, lg, idx)           \
+                        : MODE != 3 && ng >= 8 ? colibri_iscales_tail_avx2(scales, b0, ng, lg)  \
+                        : colibri_iscales_any_avx2(scales, b0, n, group);                       \
+        CHUNK(fmt, WIDE, row + b0 * bpb, q + qpb * b0, qs, n, ones, s + b0, ds, isum, NT);                  \
+        colibri_iacc_avx2(fmt, isum, sv, d, s, ds, b0, acc, NT);                                \
+    }                                                                                           \
+    for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);                             \
 }
+
+COLIBRI_DEF_IDOT_BODY(colibri_idot_avx2_body, COLIBRI_AVX2_INLINE, colibri_ichunk_any_avx2)
 
 #define COLIBRI_IQUANT_ROWS(BODY, FMT, NT, MODE)                                            \
     for (i = 0; i < nrows; i++)                                                             \

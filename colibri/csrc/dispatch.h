@@ -9,13 +9,16 @@
 #include "avx2.h"
 #include "avx2_int.h"
 #include "avx512.h"
+#include "vnni.h"
 
 /* ------------------------------------------------------------------------------------------
  * Run-time choice of the path.
  */
 
 /* 1 when this CPU and OS run the given path (the OS must save the vector registers:
- * __builtin_cpu_supports checks XCR0 for AVX and AVX-512 state). */
+ * __builtin_cpu_supports checks XCR0 for AVX and AVX-512 state, and reports AVX-VNNI only
+ * where AVX state is saved and AVX-512 VNNI only where AVX-512 state is). A VNNI path needs
+ * its base path (colibri_isa_base) and the VNNI flag of its encoding. */
 static int colibri_isa_supported(int isa)
 {
     if (isa == COLIBRI_ISA_SCALAR) return 1;
@@ -28,15 +31,20 @@ static int colibri_isa_supported(int isa)
         if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c))
             return 0;
         if (isa == COLIBRI_ISA_AVX2) return 1;
-        if (isa == COLIBRI_ISA_AVX512)
+#if COLIBRI_VNNI
+        if (isa == COLIBRI_ISA_AVXVNNI) return __builtin_cpu_supports("avxvnni") != 0;
+#endif
+        if (isa == COLIBRI_ISA_AVX512 || (COLIBRI_VNNI && isa == COLIBRI_ISA_AVX512VNNI))
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   (isa == COLIBRI_ISA_AVX512 || __builtin_cpu_supports("avx512vnni"));
     }
 #endif
     return 0;
 }
 
-/* The widest supported path. */
+/* The widest supported path: the highest code (types.h orders them by preference; a CPU
+ * with AVX-VNNI and AVX-512 but not AVX-512 VNNI, if one existed, would get avxvnni). */
 static int colibri_isa_best(void)
 {
     int isa;
@@ -60,6 +68,7 @@ static colibri_dot_fn colibri_dot_for(int isa, int fmt)
         colibri_dot_q8_avx512, colibri_dot_q4_avx512};
 #endif
     if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
+    isa = colibri_isa_base(isa);
     if (isa == COLIBRI_ISA_SCALAR) return scalar[fmt];
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX2) return avx2[fmt];
@@ -68,12 +77,13 @@ static colibri_dot_fn colibri_dot_for(int isa, int fmt)
     return NULL;
 }
 
-/* One block of activations on path isa (the AVX2 body also serves AVX-512): the same bits. */
+/* One block of activations on path isa (the AVX2 body also serves every wider path): the
+ * same bits. */
 static inline float colibri_quantize_block(int isa, const float *xb, int8_t *lo, int8_t *hi,
                                            int32_t *s)
 {
 #if COLIBRI_X86
-    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+    if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR)
         return colibri_quantize_block_avx2(xb, lo, hi, s);
 #endif
     (void)isa;
@@ -83,7 +93,7 @@ static inline float colibri_quantize_block(int isa, const float *xb, int8_t *lo,
 static inline float colibri_quantize_block16(int isa, const float *xb, int16_t *base, int32_t *s)
 {
 #if COLIBRI_X86
-    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512)
+    if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR)
         return colibri_quantize_block16_avx2(xb, base, s);
 #endif
     (void)isa;
@@ -162,13 +172,13 @@ static inline void colibri_quantize_plain(int isa, int wide, const float *x, ptr
 }
 
 /* The SwiGLU product of n values in place: h[i] = silu(h[i]) * u[i]. Scalar: libm expf;
- * AVX2 (and AVX-512): an exp polynomial (~1 ulp), so the paths agree to a few ulp, not bit
+ * AVX2 (and every wider path): an exp polynomial (~1 ulp), so the paths agree to a few ulp, not bit
  * for bit; on one path the result of an element depends only on h[i] and u[i]. */
 static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t n)
 {
     ptrdiff_t i;
 #if COLIBRI_X86
-    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
+    if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR) {
         colibri_silu_mul_avx2(h, u, n);
         return;
     }
@@ -178,9 +188,9 @@ static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t
 }
 
 /* The quantized-activation row kernel of (isa, fmt, wide: int16 codes, else int8); NULL
- * unless fmt is q8 or q4. The AVX-512 path runs the AVX2 bodies (every AVX-512 CPU has
- * AVX2): an AVX-512-specific body (VNNI's vpdpbusd / vpdpwssd) could not be tested on the
- * machines this was written on, so it does not exist yet. */
+ * unless fmt is q8 or q4. The avx512vnni and avxvnni paths run their VNNI bodies (vnni.h:
+ * vpdpbusd / vpdpwssd, the same bits as AVX2); the avx512 path runs the AVX2 bodies (every
+ * AVX-512 CPU has AVX2; an AVX-512 body without VNNI measured nothing to gain over them). */
 static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 {
     if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
@@ -188,6 +198,17 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_scalar : colibri_idot16_q4_scalar;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
     }
+#if COLIBRI_VNNI
+    if (isa == COLIBRI_ISA_AVX512VNNI) {
+        if (wide)
+            return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx512vnni : colibri_idot16_q4_avx512vnni;
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx512vnni : colibri_idot_q4_avx512vnni;
+    }
+    if (isa == COLIBRI_ISA_AVXVNNI) {
+        if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avxvnni : colibri_idot16_q4_avxvnni;
+        return fmt == COLIBRI_Q8 ? colibri_idot_q8_avxvnni : colibri_idot_q4_avxvnni;
+    }
+#endif
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
@@ -199,6 +220,7 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 
 static uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)
 {
+    isa = colibri_isa_base(isa);
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX512) return colibri_read_sum_avx512(p, n);
     if (isa == COLIBRI_ISA_AVX2) return colibri_read_sum_avx2(p, n);

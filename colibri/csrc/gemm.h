@@ -325,6 +325,7 @@ static colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
         colibri_gemm_q8_avx2, colibri_gemm_q4_avx2};
 #endif
     if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
+    isa = colibri_isa_base(isa);
     if (isa == COLIBRI_ISA_SCALAR) return scalar[fmt];
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) return avx2[fmt];

@@ -28,7 +28,30 @@
 #define COLIBRI_X86 0
 #endif
 
-enum { COLIBRI_ISA_SCALAR = 0, COLIBRI_ISA_AVX2 = 1, COLIBRI_ISA_AVX512 = 2, COLIBRI_N_ISA = 3 };
+/* The VNNI bodies (vnni.h) need a compiler that knows the avxvnni target and its intrinsics
+ * (GCC 11, clang 12); with an older one their paths are not compiled in and never
+ * supported (the other paths are unchanged). */
+#if COLIBRI_X86 && !defined(COLIBRI_NO_VNNI) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define COLIBRI_VNNI 1
+#else
+#define COLIBRI_VNNI 0
+#endif
+
+/* The paths, in order of preference (colibri_isa_best takes the highest this CPU runs).
+ * avxvnni: the avx2 path with the VEX AVX-VNNI integer row kernels; avx512vnni: the avx512
+ * path with the EVEX AVX-512 VNNI ones (csrc/vnni.h). Every kernel but those takes the body
+ * of the path's base (colibri_isa_base). */
+enum { COLIBRI_ISA_SCALAR = 0, COLIBRI_ISA_AVX2 = 1, COLIBRI_ISA_AVX512 = 2,
+       COLIBRI_ISA_AVXVNNI = 3, COLIBRI_ISA_AVX512VNNI = 4, COLIBRI_N_ISA = 5 };
+
+/* The path whose bodies a path runs for the kernels it has none of its own for. */
+static inline int colibri_isa_base(int isa)
+{
+    if (isa == COLIBRI_ISA_AVXVNNI) return COLIBRI_ISA_AVX2;
+    if (isa == COLIBRI_ISA_AVX512VNNI) return COLIBRI_ISA_AVX512;
+    return isa;
+}
 /* Same codes as the file's dtype field (docs/format.md §3) and colibri/dtypes.py (the extension
  * checks them at import). */
 enum { COLIBRI_F32 = 0, COLIBRI_F16 = 1, COLIBRI_BF16 = 2, COLIBRI_Q8 = 3, COLIBRI_Q4 = 4,

@@ -6,6 +6,8 @@ cdef extern from "_simd.h" nogil:
         COLIBRI_ISA_SCALAR
         COLIBRI_ISA_AVX2
         COLIBRI_ISA_AVX512
+        COLIBRI_ISA_AVXVNNI
+        COLIBRI_ISA_AVX512VNNI
         COLIBRI_N_ISA
         COLIBRI_F32
         COLIBRI_F16

@@ -20,13 +20,13 @@ cdef dict _BITS = {name: DTYPES[name].bits for name in FORMATS}
 cdef frozenset _QUANTIZED = frozenset(QUANTIZED) & frozenset(FORMATS)
 
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni")   # csrc/types.h codes
 
 cdef int _isa = colibri_isa_best()
 
 
 def isa_supported(int code):
-    """True when this CPU and OS run path `code` (0 scalar, 1 avx2, 2 avx512)."""
+    """True when this CPU and OS run path `code` (0 scalar, 1 avx2, 2 avx512, 3 avxvnni, 4 avx512vnni)."""
     return 0 <= code < COLIBRI_N_ISA and colibri_isa_supported(code) != 0
 
 
