@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import dtypes
+
 if TYPE_CHECKING:                                   # no runtime import: weights imports _kernels
     from .weights import WeightRef
 
@@ -31,20 +33,12 @@ __all__ = [
     "rms_norm_rows_ref", "rope_rows_ref",
 ]
 
-_PLAIN_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 F32 = np.float32
-
-
-def _row_bytes(dtype: str, cols: int, group_size: int) -> int:
-    if dtype in _PLAIN_ITEMSIZE:
-        return cols * _PLAIN_ITEMSIZE[dtype]
-    quant = cols if dtype == "q8" else cols // 2
-    return quant + 2 * (cols // group_size)
 
 
 def _rows(w: "WeightRef", expert: int) -> np.ndarray:
     """The stored bytes of one expert's matrix: uint8 (R, row bytes), a copy."""
-    rb = _row_bytes(w.dtype, w.cols, w.group_size)
+    rb = dtypes.row_stride(w.dtype, w.cols, w.group_size)           # the packed row
     start = w.offset + expert * w.expert_stride
     idx = start + np.arange(w.rows, dtype=np.int64)[:, None] * w.row_stride + np.arange(rb)
     return np.asarray(w.buf)[idx]

@@ -29,7 +29,7 @@ Decode step: the small row operations of a token (``rms_norm_rows``, ``rope_rows
 float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,
 ``prepare_route``, ``prepare_expert_ffn``: weights and settings checked once, each call
 checks only its arrays). The ``*_into`` names are the compiled functions themselves, for the
-decode fast path (arrays only, no conversions; a bad argument is a ValueError).
+decode step (arrays only, no conversions; a bad argument is a ValueError).
 """
 from __future__ import annotations
 
@@ -45,8 +45,7 @@ from .weights import WeightRef
 __all__ = [
     "ACTIVATIONS", "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu",
     "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
-    "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_decode_into",
-    "attend_cached_into",
+    "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
@@ -295,7 +294,7 @@ def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.n
 
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
                   out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
-    """Attention of one new token over a KV cache slice (the decode fast path).
+    """Attention of one new token over a KV cache slice (what a decode step computes).
 
     Parameters
     ----------
@@ -430,15 +429,12 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x
 
 
-# The same two operations without the Python layer, for the decode fast path: 2-D
+# The same two operations without the Python layer, for the decode step: 2-D
 # C-contiguous float32 arrays only, out required; anything else is a ValueError from the
 # compiled checks (type, layout, shapes), never a crash.
 rms_norm_rows_into: Callable[..., None] = _kernels.rms_norm_rows   # (x, weight, eps, out)
 rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, sin)
-# attend_decode without the Python layer: q, out (H, Dh) C-contiguous, k, v (Hkv, n, Dh)
-# with contiguous rows (a cache slice), all float32; scale; threads an int (no None).
-attend_decode_into: Callable[..., None] = _kernels.attend_decode   # (q, k, v, scale, out, threads)
-# KVCache.write_one and attend_decode_into in one call (the same kernel, the same bits):
+# KVCache.write_one and attend_decode in one call (the same kernel, the same bits):
 # (q (H, Dh), k_cache, v_cache (B, Hkv, S, Dh), k_new, v_new (Hkv, Dh), slot, start, scale,
 # out (H, Dh), threads): the new key / value go to slot `slot` of sequence 0, then out =
 # attention over slots start..slot. Every array float32 C-contiguous (ValueError otherwise).

@@ -141,7 +141,6 @@ class Model:
         f, c, t = self.file, self.config, self.threads
         self._buf = np.frombuffer(f.buffer, dtype=np.uint8)   # the whole mapping, read-only, 1-D
         self.rope = Rope.from_config(c)
-        self._eps32 = np.float32(c.rms_norm_eps)
         self._cache_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
         self._state_key = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, c.rms_norm_eps)       # the geometry of a RunState
@@ -391,7 +390,7 @@ class Model:
         `position`, through every layer and the head, its key and value written to the
         cache's next slot, which is committed. Logits float32 (1, V), a new array; the
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
-        tm, eps, h = self.timings, self._eps32, state.h
+        tm, eps, h = self.timings, state.eps, state.h          # eps: float32
         xa, xf = state.xa, state.xf
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)

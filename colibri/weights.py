@@ -129,8 +129,7 @@ def weight_ref(f: ColibriFile, buf: np.ndarray, name: str) -> WeightRef:
         raise ColibriError(f"{f.path}: tensor {name!r} has dtype {info.dtype}, which the "
                            f"kernels cannot multiply by")
     R, C = info.shape
-    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
-                     dtypes.row_stride(info.dtype, C, info.group_size))
+    return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size)   # rows packed
 
 
 def expert_ref(f: ColibriFile, buf: np.ndarray, layer: int, proj: str, n_experts: int) -> WeightRef:
@@ -140,7 +139,7 @@ def expert_ref(f: ColibriFile, buf: np.ndarray, layer: int, proj: str, n_experts
     R, C = info.shape
     stride = f.expert_stride(layer) if n_experts > 1 else 0
     return WeightRef(buf, info.offset, info.dtype, R, C, info.group_size,
-                     dtypes.row_stride(info.dtype, C, info.group_size), n_experts, stride)
+                     n_experts=n_experts, expert_stride=stride)       # rows packed
 
 
 def fused_ref(refs: list[WeightRef]) -> WeightRef | None:

@@ -1,4 +1,4 @@
-/* colibri/csrc/attend.h: attention of one new token over a KV cache (the decode fast path).
+/* colibri/csrc/attend.h: attention of one new token over a KV cache (the decode step).
  *
  * For query head h, with kv head g = h / G (G query heads per kv head):
  *   s_j   = scale * (q_h . k_g,j)                      j = 0 .. n-1

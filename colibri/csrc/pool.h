@@ -45,7 +45,8 @@ typedef void (*colibri_task_fn)(void *ctx, ptrdiff_t item);
 #define COLIBRI_POOL_THREADS 0
 #endif
 
-static int colibri_pool_spin_us = 500;      /* how long an idle worker spins before sleeping */
+static int colibri_pool_spin_us = 500;      /* how long an idle worker spins before sleeping;
+                                              * set at import by colibri.runtime (SPIN_US) */
 static long colibri_pool_backoffs = 0;      /* times a worker stopped spinning (cores shared) */
 static long colibri_pool_worker_items = 0;  /* work items run by worker threads (not callers) */
 

@@ -4,9 +4,9 @@
 # ---------------------------------------------------------------------------------------------
 # threads: how many a piece of work is worth
 
-# A pool job costs a few microseconds (publish it, wake a sleeping worker, wait for the items
-# workers took): below about this many bytes of weight streamed (times tokens) per thread,
-# an extra thread loses more than it saves. Measured: docs/performance.md.
+# The knobs' values live here; their defaults and the reasons for them are defined once, in
+# colibri.runtime (KNOBS), which sets every knob at import: the initial values below are
+# overwritten before any kernel runs.
 cdef Py_ssize_t _min_bytes = 1 << 18
 
 
@@ -67,9 +67,7 @@ cdef inline int _team(double work, int threads) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # GEMM path: from how many tokens per matrix the prefill path replaces the row kernel
 
-# Measured on AVX2 (EPYC, 1 thread, 1024 x 1024 in L2): from 4 tokens on the GEMM path is
-# faster than the row kernel for every format (q4 22.6 vs 17.0 GMAC/s at 4 tokens, 36 vs 19 at
-# 32; callgrind 0.46 vs 0.60 instructions per multiply-add at 4, 0.55 vs 0.54 at 3).
+# set at import by colibri.runtime (GEMM_MIN_TOKENS: the default and its measurement)
 cdef Py_ssize_t _gemm_min = 4
 
 
