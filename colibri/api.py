@@ -35,7 +35,8 @@ def default_model_path() -> Path:
 
 
 def load(path: str | os.PathLike | None = None, threads: int | None = None,
-         activations: str = DEFAULT_ACTIVATIONS) -> Model:
+         activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
+         mlock: bool = False, mmap: bool = True, **cache_options) -> Model:
     """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
 
     path: the .colibri file (None: the bundled model, see default_model_path()).
@@ -52,9 +53,22 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         measured in docs/accuracy.md (~1e-2 of the logits).
         Routers and plain-format (f32/f16/bf16) matrices always multiply f32 activations, so
         a file without q4/q8 matrices gives the same logits under every setting.
+    memory_budget: bytes the weights may use (None: no limit, the page cache decides): the
+        dense part stays resident, the experts live in a cache of what is left
+        (colibri.expert_cache, docs/memory.md); the same logits as without a budget.
+        MemoryBudgetError, naming the numbers, when it is below the dense part plus one
+        layer's experts.
+    mlock: lock the resident weights in memory (all of them without a budget) where the
+        system allows (model.memory_locked says whether it did).
+    mmap: False reads the weights into anonymous memory instead of mapping them (with a
+        budget, only the dense part; the experts are read into the cache).
+    cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
+        "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
+        "previous" or "both"; colibri.prefetch).
     """
     return Model(default_model_path() if path is None else path, threads=threads,
-                 activations=activations)
+                 activations=activations, memory_budget=memory_budget, mlock=mlock, mmap=mmap,
+                 **cache_options)
 
 
 def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,

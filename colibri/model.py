@@ -34,6 +34,7 @@ import numpy as np
 from . import kernels, quant
 from .attention import Attention, build_mask
 from .errors import ColibriError
+from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
@@ -111,7 +112,9 @@ class Model:
     """
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
-                 activations: str = DEFAULT_ACTIVATIONS):
+                 activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
+                 mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
+                 cache_mode: str = "arena", prefetch: str | None = None):
         if threads is not None and (int(threads) != threads or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if activations not in kernels.ACTIVATIONS:
@@ -134,12 +137,19 @@ class Model:
         self.last_stats = None          # GenerationStats of the last generate() call
         self._tokenizer = None
         self._tokenizer_loaded = False
+        # a memory budget (colibri.expert_cache): checked before anything is read
+        self._plan = None if memory_budget is None else memory_plan(self.file, memory_budget)
+        self._mapped = bool(mmap)
+        self.memory_locked = False
         self._build()
+        self.expert_cache = hold_weights(self, self._plan, mlock=mlock, mapped=self._mapped,
+                                         policy=cache_policy, mode=cache_mode,
+                                         prefetch=prefetch)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
         f, c, t = self.file, self.config, self.threads
-        self._buf = np.frombuffer(f.buffer, dtype=np.uint8)   # the whole mapping, read-only, 1-D
+        self._buf = weights_buffer(f, self._plan, self._mapped)  # the mapping (or a copy), 1-D
         self.rope = Rope.from_config(c)
         self._cache_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
         self._state_key = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
@@ -489,6 +499,8 @@ class Model:
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def close(self) -> None:
+        if self.expert_cache is not None:
+            self.expert_cache.close()
         self.file.close()
 
     def __enter__(self) -> "Model":

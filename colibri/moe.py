@@ -13,6 +13,7 @@ Shapes as in the package docstring (T token rows, E, K, I, Is shared-expert inte
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,10 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
+    # experts_hook(x, ids, weights, y) runs the routed experts instead of the mapping's
+    # kernel call when set: an expert cache (colibri.expert_cache) or the telemetry that
+    # watches the mapping (colibri.telemetry). None: the plain call below.
+    experts_hook: Callable | None = None
 
     def __post_init__(self):
         # the kernel calls with their weights and settings checked once (kernels.prepare_*)
@@ -64,7 +69,10 @@ class MoE:
         ids, weights = self._route(logits)                                           # (T, K)
         t0 = timings.add("router", t0)
         y = np.empty(x.shape, dtype=np.float32) if out is None else out
-        self._experts(x, ids, weights, y)                                            # (T, D)
+        if self.experts_hook is None:
+            self._experts(x, ids, weights, y)                                        # (T, D)
+        else:
+            self.experts_hook(x, ids, weights, y)
         t0 = timings.add("experts", t0)
         gate_values = None
         if self.shared is not None:

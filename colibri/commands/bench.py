@@ -10,9 +10,9 @@ import sys
 
 from ..errors import ColibriError
 from ..tools.bench import DEFAULT_BANDWIDTH_BYTES, format_markdown, json_ready, run_bench
-from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_model_arg,
-                     add_output_arg, add_seed_arg, add_threads_arg, check_at_least, int_list,
-                     model_path)
+from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_memory_args,
+                     add_model_arg, add_output_arg, add_seed_arg, add_threads_arg,
+                     check_at_least, int_list, memory_options, model_path)
 
 
 def register(subparsers, parents=()) -> None:
@@ -45,6 +45,11 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--bw-mib", type=int, default=DEFAULT_BANDWIDTH_BYTES // 2**20, metavar="MIB",
                    help="buffer of the read-bandwidth measurement in MiB; 0 = skip it and "
                         "the roofline ceiling (default: %(default)s)")
+    p.add_argument("--telemetry", action="store_true",
+                   help="record every timed token's expert hits / misses and bytes read "
+                        "(mincore, or the expert cache's counters); page faults per token "
+                        "are always shown")
+    add_memory_args(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run)
 
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                          n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads,
                          reps=args.repetitions, depth=args.depth, warmup=not args.no_warmup,
                          seed=args.seed, activations=args.activations,
-                         bandwidth_bytes=args.bw_mib * 2**20,
+                         bandwidth_bytes=args.bw_mib * 2**20, telemetry=args.telemetry,
+                         load_options=memory_options(args),
                          progress=(lambda line: print(line, file=sys.stderr, flush=True))
                          if show else None)
     except ValueError as e:          # arguments the model cannot take (e.g. beyond its context)

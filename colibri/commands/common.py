@@ -8,6 +8,7 @@ routes), the help text are the command's; type, default and metavar come from he
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -90,6 +91,40 @@ def add_seed_arg(p: argparse.ArgumentParser, default: int | None, help: str) -> 
     p.add_argument("--seed", type=int, default=default, metavar="S", help=help)
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """argparse type: '6GiB', '1.5G', '800MiB', '4096' -> bytes (K/M/G/T are powers of 1024,
+    as llama.cpp and free -h read them)."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 6GiB, 1.5G, "
+                                         f"800MiB, 4096)")
+    scale = 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """--memory-budget SIZE, --mlock, --no-mmap (colibri.load's memory_budget, mlock, mmap)."""
+    p.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
+                   help="memory the weights may use (6GiB, 1.5G): the dense part stays "
+                        "resident, experts live in a cache of the rest (default: no limit, "
+                        "the page cache decides)")
+    p.add_argument("--mlock", action="store_true",
+                   help="lock the resident weights in memory (where the system allows)")
+    p.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="read the weights into memory instead of mapping the file (with "
+                        "--memory-budget: only the dense part; experts are read into the "
+                        "cache)")
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    """colibri.load's memory keyword arguments from add_memory_args's flags."""
+    return {"memory_budget": getattr(args, "memory_budget", None),
+            "mlock": getattr(args, "mlock", False), "mmap": getattr(args, "mmap", True)}
+
+
 def add_output_arg(p: argparse.ArgumentParser, help: str) -> None:
     """-o/--output md|json."""
     p.add_argument("-o", "--output", choices=("md", "json"), default="md", help=help)
@@ -106,7 +141,8 @@ def open_model(args: argparse.Namespace) -> Model:
     """The Model of args.model with args.threads and args.activations (the default,
     int16, when the command has no --activations)."""
     return load(model_path(args.model), threads=args.threads,
-                activations=getattr(args, "activations", DEFAULT_ACTIVATIONS))
+                activations=getattr(args, "activations", DEFAULT_ACTIVATIONS),
+                **memory_options(args))
 
 
 def check_at_least(limits: Sequence[tuple[str, int | None, int]]) -> None:

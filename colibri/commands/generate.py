@@ -1,7 +1,8 @@
 """colibri generate [MODEL] -p PROMPT: stream a continuation to stdout.
 
 --verbose adds, on stderr, the experts each generated token chose in every MoE layer with
-their weights, then prompt and generation speed and where the time went.
+their weights and how many of them were in memory (bytes read, page faults), then prompt and
+generation speed, where the time went and the memory totals (colibri.telemetry).
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 import numpy as np
 
 from ..errors import ColibriError
+from ..telemetry import ExpertTelemetry, TokenTelemetry
 from ..tools.trace import Trace, format_route
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
-                     add_model_arg, add_seed_arg, add_threads_arg, open_model)
+                     add_memory_args, add_model_arg, add_seed_arg, add_threads_arg, open_model)
 
 
 def register(subparsers, parents=()) -> None:
@@ -40,6 +42,7 @@ def register(subparsers, parents=()) -> None:
     add_threads_arg(p)
     add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
     add_ctx_arg(p, help="KV cache size in tokens (default: prompt + N)")
+    add_memory_args(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     p.add_argument("--verbose", action="store_true",
@@ -132,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     # On one terminal the routing lines (stderr) would cut the streamed text (stdout) apart:
     # there, --verbose shows the per-token lines and prints the text once at the end.
     held = [] if args.verbose and _same_terminal() else None
+    recorder = ExpertTelemetry(model) if args.verbose else None
+    decoded: list[TokenTelemetry] = []          # one row per decode step
     for item in model.generate(args.prompt, **kwargs):
         if args.verbose:
             piece = item.text or (f"{item.token} " if not text_out and item.token >= 0 else "")
@@ -141,7 +146,12 @@ def run(args: argparse.Namespace) -> int:
                 out.write(piece)
                 out.flush()
             if item.routing is not None:
-                print(_routing_line(model, item), file=sys.stderr, flush=True)
+                rows = recorder.collect()      # the prefill's rows first, then this step's
+                line = _routing_line(model, item)
+                if len(rows):
+                    decoded.append(rows[-1:])
+                    line += " | " + rows.format_token(len(rows) - 1)
+                print(line, file=sys.stderr, flush=True)
         else:
             out.write(item if isinstance(item, str) else f"{item} ")
             out.flush()
@@ -153,4 +163,8 @@ def run(args: argparse.Namespace) -> int:
         st = model.last_stats
         print(st.summary(), file=sys.stderr)
         print("time: " + model.timings.summary(), file=sys.stderr)
+        if decoded:
+            print("memory: " + TokenTelemetry.concat(decoded).format_summary(),
+                  file=sys.stderr)
+        recorder.close()
     return 0

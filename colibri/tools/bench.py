@@ -52,9 +52,12 @@ from ..errors import ColibriError
 from ..format import ColibriFile
 from ..generate import decode_one
 from ..model import DEFAULT_ACTIVATIONS
+from ..residency import fault_counts
+from ..telemetry import ExpertTelemetry
 from .inspect import model_config, totals
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",
+           "format_telemetry",
            "format_machine_notes", "peak_rss_bytes", "json_ready", "DEFAULT_BANDWIDTH_BYTES"]
 
 # Buffer of the bandwidth measurement: far beyond what the caches hold (a 64 MiB array already
@@ -245,7 +248,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
               warmup: bool = True, seed: int = 0,
               activations: str | Sequence[str] = DEFAULT_ACTIVATIONS,
               bandwidth_bytes: int = DEFAULT_BANDWIDTH_BYTES,
-              progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+              progress: Callable[[str], None] | None = None, telemetry: bool = False,
+              load_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run pp/tg tests on a .colibri model; one dict per (activations, threads, test).
 
     model_path: the file (None: the bundled model, colibri.api.default_model_path()).
@@ -259,6 +263,11 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     bandwidth_bytes: buffer of the read-bandwidth measurement
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).
+    telemetry: record every timed token's expert hits / misses and bytes read
+        (colibri.telemetry: mincore on the blocks used, or the expert cache's counters) into
+        the row's "telemetry" (TokenTelemetry.summary); page faults per token
+        (major_faults_per_token, minor_faults_per_token, from getrusage) are in every row.
+    load_options: more keyword arguments of colibri.load (memory_budget, mlock, mmap, ...).
 
     Each row: model facts (model_facts), the test (test, n_prompt, n_gen, n_depth, n_threads,
     activations, isa, reps), load_average (1-minute, when the test started: other work on the
@@ -292,7 +301,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     rows: list[dict[str, Any]] = []
     for a, t in ((a, t) for a in acts for t in thread_counts):
         t0 = time.perf_counter()
-        model = load(path, threads=t, activations=a)
+        model = load(path, threads=t, activations=a, **(load_options or {}))
         open_ms = (time.perf_counter() - t0) * 1e3
         need = depth + max(prompts + gens)
         if need > model.max_context:
@@ -311,11 +320,18 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 if warmup:
                     once(model, n, depth, rng)
                 samples, stages = [], dict.fromkeys(model.timings.seconds, 0.0)
+                recorder = ExpertTelemetry(model) if telemetry else None
+                faults0 = fault_counts()
                 for _ in range(reps):
                     dt, st = once(model, n, depth, rng)
                     samples.append(dt)
                     for k, v in st.items():
                         stages[k] += v
+                faults = [b - a for a, b in zip(faults0, fault_counts())]
+                tel = None
+                if recorder is not None:
+                    tel = recorder.collect()[-n * reps:].summary()   # the timed tokens only
+                    recorder.close()
                 tps = [n / s for s in samples]
                 rows.append({
                     **facts, "test": name, "n_prompt": n if kind == "pp" else 0,
@@ -330,6 +346,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     "open_ms": open_ms, "peak_rss_bytes": peak_rss_bytes(),
                     "stage_seconds": stages, "time_share": _shares(stages, sum(samples)),
                     "bytes_per_token": per_token["total"], "bytes_per_token_detail": per_token,
+                    "minor_faults_per_token": faults[0] / (n * reps),
+                    "major_faults_per_token": faults[1] / (n * reps), "telemetry": tel,
                     "colibri_version": __version__, "timestamp": stamp,
                 })
         finally:
@@ -412,6 +430,7 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
         opens.setdefault(r["n_threads"], r["open_ms"])
     lines.append("open: " + ", ".join(f"{ms:.1f} ms (threads {t})" for t, ms in opens.items()))
     lines += format_roofline(rows)
+    lines += format_telemetry(rows)
     lines += format_machine_notes(rows)
     r0 = rows[0]
     lines.append(f"colibri {r0['colibri_version']}, ISA {r0['isa']}; {r0['reps']} repetitions"
@@ -448,6 +467,25 @@ def format_roofline(rows: Iterable[dict[str, Any]]) -> list[str]:
     if small:
         out.append(f"note: {d['total'] / 1e6:.3g} MB per token fits in the CPU caches, so the "
                    f"DRAM ceiling does not bind a model this small")
+    return out
+
+
+def format_telemetry(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """One line per row: page faults per token, and with telemetry the expert hit rate and
+    the bytes read per token."""
+    out = []
+    for r in rows:
+        if "major_faults_per_token" not in r:     # rows from before telemetry
+            continue
+        line = (f"memory, threads {r['n_threads']}, {r['test']}: page faults per token "
+                f"{r['major_faults_per_token']:.1f} major, {r['minor_faults_per_token']:.1f} "
+                f"minor")
+        tel = r.get("telemetry")
+        if tel:
+            line += (f"; experts in memory {100 * tel['hit_rate']:.1f}% ({tel['hits']} hits, "
+                     f"{tel['misses']} misses), {tel['bytes_read_per_token'] / 1e6:.2f} MB read "
+                     f"per token")
+        out.append(line)
     return out
 
 

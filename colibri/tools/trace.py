@@ -11,6 +11,8 @@
     tr.positions      int64   (T,)       position inside its window; 0 starts a new sequence
     tr.tokens         list[str] (T)      each token's text (decoded on first use)
     tr.layers         list[int] (M)      the model's MoE layer numbers (dense layers route nothing)
+    tr.telemetry      TokenTelemetry | None   with telemetry=True: expert hits / misses (T, M),
+                                         bytes read (T,), page faults (T,) (colibri.telemetry)
 
 A trace is taken from the forward pass itself (`Model.forward(..., return_routing=True)`), so
 `experts` and `weights` are the ids and weights the expert kernels received, not a recomputation.
@@ -35,6 +37,7 @@ import numpy as np
 
 from ..errors import ColibriError
 from ..kv_cache import DEFAULT_MAX_CTX
+from ..telemetry import ExpertTelemetry, TokenTelemetry
 from ..tokenizer import NoTokenizerError
 from .stats import RoutingStats
 
@@ -77,7 +80,8 @@ class Trace:
 
     def __init__(self, experts, weights, *, logits=None, probs=None, token_ids=None,
                  positions=None, layers: Sequence[int] | None = None, shared_gate=None,
-                 n_experts: int | None = None, tokenizer=None, tokens: Sequence[str] | None = None):
+                 n_experts: int | None = None, tokenizer=None, tokens: Sequence[str] | None = None,
+                 telemetry: TokenTelemetry | None = None):
         self.experts = np.asarray(experts, dtype=np.int32)                      # (T, M, K)
         self.weights = np.asarray(weights, dtype=np.float32)                    # (T, M, K)
         if self.experts.ndim != 3 or self.experts.shape != self.weights.shape:
@@ -112,6 +116,9 @@ class Trace:
             np.asarray(shared_gate, dtype=np.float32).reshape(T, M)
         self.tokenizer = tokenizer
         self._tokens = None if tokens is None else list(tokens)
+        if telemetry is not None and telemetry.hits.shape != (T, M):
+            raise ValueError(f"telemetry must have ({T}, {M}) hits, got {telemetry.hits.shape}")
+        self.telemetry = telemetry
 
     # -- from a forward pass ---------------------------------------------------------------------
     @classmethod
@@ -174,7 +181,10 @@ class Trace:
         return Trace(self.experts[:, j], self.weights[:, j], logits=pick(self.logits),
                      probs=pick(self.probs), token_ids=self.token_ids, positions=self.positions,
                      layers=[self.layers[i] for i in j], shared_gate=pick(self.shared_gate),
-                     n_experts=self.n_experts, tokenizer=self.tokenizer, tokens=self._tokens)
+                     n_experts=self.n_experts, tokenizer=self.tokenizer, tokens=self._tokens,
+                     telemetry=None if self.telemetry is None else TokenTelemetry(
+                         self.telemetry.hits[:, j], self.telemetry.misses[:, j],
+                         *(getattr(self.telemetry, k) for k in TokenTelemetry.FIELDS[2:])))
 
     def __getitem__(self, index) -> "Trace":
         """Tokens `index` (a slice, or an int/bool/int-array selection) as a new Trace."""
@@ -187,7 +197,7 @@ class Trace:
                      probs=pick(self.probs), token_ids=self.token_ids[index],
                      positions=self.positions[index], layers=self.layers,
                      shared_gate=pick(self.shared_gate), n_experts=self.n_experts,
-                     tokenizer=self.tokenizer, tokens=tokens)
+                     tokenizer=self.tokenizer, tokens=tokens, telemetry=pick(self.telemetry))
 
     @classmethod
     def concat(cls, traces: Sequence["Trace"]) -> "Trace":
@@ -208,10 +218,12 @@ class Trace:
 
         tokens = None if any(t._tokens is None for t in traces) else \
             [s for t in traces for s in t._tokens]
+        tel = None if any(t.telemetry is None for t in traces) else \
+            TokenTelemetry.concat([t.telemetry for t in traces])
         return cls(cat("experts"), cat("weights"), logits=cat("logits"), probs=cat("probs"),
                    token_ids=cat("token_ids"), positions=cat("positions"), layers=first.layers,
                    shared_gate=cat("shared_gate"), n_experts=first.n_experts,
-                   tokenizer=first.tokenizer, tokens=tokens)
+                   tokenizer=first.tokenizer, tokens=tokens, telemetry=tel)
 
     # -- quick statistics --------------------------------------------------------------------------
     @property
@@ -277,6 +289,9 @@ class Trace:
         arrays = {k: getattr(self, k) for k in ("experts", "weights", "logits", "probs",
                                                 "token_ids", "positions", "shared_gate")
                   if getattr(self, k) is not None}
+        if self.telemetry is not None:
+            arrays.update({f"telemetry_{k}": getattr(self.telemetry, k)
+                           for k in TokenTelemetry.FIELDS})
         np.savez_compressed(path, layers=np.asarray(self.layers, np.int64),
                             n_experts=np.int64(self.n_experts),
                             tokens=np.asarray(self.tokens, dtype=np.str_), **arrays)
@@ -285,10 +300,13 @@ class Trace:
     def load(cls, path: str | os.PathLike) -> "Trace":
         with np.load(path, allow_pickle=False) as z:
             get = lambda k: z[k] if k in z.files else None  # noqa: E731
+            tel = None if "telemetry_hits" not in z.files else \
+                TokenTelemetry(*(z[f"telemetry_{k}"] for k in TokenTelemetry.FIELDS))
             return cls(z["experts"], z["weights"], logits=get("logits"), probs=get("probs"),
                        token_ids=get("token_ids"), positions=get("positions"),
                        layers=z["layers"].tolist(), shared_gate=get("shared_gate"),
-                       n_experts=int(z["n_experts"]), tokens=z["tokens"].tolist())
+                       n_experts=int(z["n_experts"]), tokens=z["tokens"].tolist(),
+                       telemetry=tel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +375,7 @@ def _sequences(model, source) -> Iterator[tuple[Iterator[np.ndarray], int | None
 
 
 def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: int | None = None,
-               window: int | None = None) -> Iterator[Trace]:
+               window: int | None = None, telemetry: bool = False) -> Iterator[Trace]:
     """Run `source` through the model, yielding the Trace of each forward call.
 
     source: text (str); a text file (pathlib.Path, read and tokenized piece by piece); a list
@@ -366,6 +384,9 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
     max_tokens: stop after this many tokens in total (None: all).
     window: tokens per KV cache; a longer sequence continues in a fresh window whose positions
         restart at 0 (default: the model's context length, at most 4096).
+    telemetry: also record each token's expert hits / misses, bytes read and page faults
+        (Trace.telemetry, colibri.telemetry; with batch_size=1 every token is its own call,
+        as in a decode).
     Only the last position's logits are computed (the head is skipped for the others).
     """
     if int(batch_size) != batch_size or batch_size < 1:
@@ -378,6 +399,16 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
     if int(window) != window or not 1 <= window <= ctx_max:
         raise ValueError(f"window must be an integer in [1, {ctx_max}] (the model's context "
                          f"length), got {window!r}")
+    recorder = ExpertTelemetry(model) if telemetry else None
+    try:
+        yield from _traces(model, source, batch_size, max_tokens, window, recorder)
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def _traces(model, source, batch_size: int, max_tokens: int | None, window: int,
+            recorder: ExpertTelemetry | None) -> Iterator[Trace]:
     budget = max_tokens if max_tokens is not None else -1
     seen = 0
     for blocks, total in _sequences(model, source):
@@ -397,22 +428,25 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
                 chunk = block[i:i + n]
                 start = cache.length
                 _, routing = model.forward(chunk, cache=cache, return_routing=True, last_only=True)
-                yield Trace.from_routing(routing, chunk, np.arange(start, start + n),
-                                         tokenizer=model.tokenizer,
-                                         n_experts=model.config.num_experts)
+                tr = Trace.from_routing(routing, chunk, np.arange(start, start + n),
+                                        tokenizer=model.tokenizer,
+                                        n_experts=model.config.num_experts)
+                if recorder is not None:
+                    tr.telemetry = recorder.collect()
+                yield tr
                 i += n
                 seen += n
 
 
 def trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: int | None = None,
-          window: int | None = None) -> Trace:
+          window: int | None = None, telemetry: bool = False) -> Trace:
     """The routing of every token of `source` as one Trace (see iter_trace for the arguments).
 
     Memory: T x M x (2K + 2E) x 4 bytes; for statistics over long texts use
     routing_stats, which folds the chunks as they come.
     """
     parts = list(iter_trace(model, source, batch_size=batch_size, max_tokens=max_tokens,
-                            window=window))
+                            window=window, telemetry=telemetry))
     if not parts:
         raise ValueError("the input has no tokens")
     return parts[0] if len(parts) == 1 else Trace.concat(parts)

@@ -1,0 +1,357 @@
+"""A memory budget for a model: the dense part resident, the experts in a cache of blocks.
+
+    model = colibri.load("big.colibri", memory_budget=6 * 2**30)      # or --memory-budget 6GiB
+    model.expert_cache.stats()     # hits, misses, bytes read, prefetch figures
+
+The budget covers the weights: the dense part (attention, norms, routers, the head, shared
+experts and dense MLPs; not the embedding table, of which a token reads one row from the
+mapping) stays resident, locked with mlock= where the system allows; what is left holds
+N = (budget - dense) // slot expert blocks (one expert of one layer: its gate, up and down
+rows, page-aligned in the file). A budget below the dense part plus one layer's experts (a
+prefill may use every expert of a layer at once) fails at load, naming the numbers.
+
+Two ways to hold the blocks (docs/memory.md measures both):
+  - "arena" (the default): an anonymous, page-aligned arena of N slots, locked with mlock=;
+    a missing block is read into its slot with one pread (O_DIRECT where the file system
+    allows, so the page cache holds no second copy); the layer's kernel runs over the arena
+    with the routed ids mapped to slots (the same bytes, the same bits).
+  - "madvise": the kernels read the mapping as without a budget; the cache only decides
+    which blocks stay: MADV_WILLNEED on a block it takes in, MADV_DONTNEED and
+    POSIX_FADV_DONTNEED on a block it evicts, so the page cache follows the budget.
+Eviction: colibri.eviction's policies (the simulator, colibri.tools.cache_sim, replays the
+same code on recorded routing). Prefetch: colibri.prefetch, on a thread of its own.
+
+Shapes: T tokens, K experts per token, M MoE layers, E experts, N slots.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels, residency
+from .errors import ColibriError
+from .eviction import SlotTable, make_policy
+from .format import ColibriFile
+from .format.spec import PROJS
+from .weights import WeightRef
+
+__all__ = ["MemoryPlan", "memory_plan", "ExpertCache", "MemoryBudgetError", "MODES",
+           "DEFAULT_POLICY", "read_dense"]
+
+MODES = ("arena", "madvise")
+DEFAULT_POLICY = "lru"           # chosen by the simulator's measurements (docs/memory.md)
+
+
+class MemoryBudgetError(ColibriError, ValueError):
+    """A memory budget the model cannot run in."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _round_pages(n: int) -> int:
+    return -(-n // residency.PAGE) * residency.PAGE
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a budget splits for one file: dense ranges kept resident, slots for experts."""
+    dense_ranges: tuple[tuple[int, int], ...]   # (offset, size) of every resident tensor
+    dense_bytes: int            # their size, rounded to pages
+    slot_bytes: int             # one expert block, rounded to pages (the largest layer's)
+    n_blocks: int               # expert blocks in the file (M * E)
+    n_experts: int              # E
+    layers: tuple[int, ...]     # the MoE layers' numbers (M)
+    budget: int | None = None
+    n_slots: int = 0
+
+    def slots_for(self, budget: int) -> int:
+        """Expert slots a budget of `budget` bytes leaves after the dense part."""
+        return max(0, (int(budget) - self.dense_bytes) // self.slot_bytes)
+
+    @property
+    def minimum(self) -> int:
+        """The smallest budget: the dense part and one layer's experts."""
+        return self.dense_bytes + self.n_experts * self.slot_bytes
+
+
+def memory_plan(f: ColibriFile, budget: int | None = None) -> MemoryPlan:
+    """The plan of `f` for `budget` bytes (None: only the sizes). MemoryBudgetError when the
+    budget is below MemoryPlan.minimum."""
+    layers = tuple(f.model_config.moe_layer_ids)
+    E = f.n_experts
+    dense = tuple((i.offset, i.nbytes) for n, i in f.tensors.items()
+                  if ".moe.experts." not in n and n != "tok_embeddings")
+    slot = max((_round_pages(f.expert_block(layer, 0)[1]) for layer in layers), default=0)
+    plan = MemoryPlan(dense, sum(_round_pages(s) for _, s in dense), slot, len(layers) * E, E,
+                      layers)
+    if budget is None or not layers:
+        return plan
+    if budget < plan.minimum:
+        raise MemoryBudgetError(
+            f"{f.path}: memory budget {_mib(budget)} is below what the model needs: the dense "
+            f"part (attention, norms, routers, head, shared experts) takes "
+            f"{_mib(plan.dense_bytes)} and one layer's experts {E} x {_mib(slot)} = "
+            f"{_mib(E * slot)}, so at least {_mib(plan.minimum)}")
+    n = min(plan.slots_for(budget), plan.n_blocks)
+    return MemoryPlan(dense, plan.dense_bytes, slot, plan.n_blocks, E, layers, int(budget), n)
+
+
+def read_dense(f: ColibriFile, ranges) -> np.ndarray:
+    """An anonymous buffer the size of the file with only `ranges` read into it (the other
+    pages never touched, so never resident): the weights of mmap=False, at the same offsets."""
+    arena = mmap.mmap(-1, f.file_size)
+    buf = np.frombuffer(arena, np.uint8)
+    with open(f.path, "rb", buffering=0) as fh:
+        for off, size in ranges:
+            view = memoryview(arena)[off: off + size]
+            got = fh.readinto(view) if fh.seek(off) == off else 0
+            view.release()
+            if got != size:
+                raise ColibriError(f"{f.path}: short read of {size} bytes at offset {off}")
+    return buf
+
+
+class _Reader:
+    """Reads expert blocks from the file into arena slots: O_DIRECT where allowed."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.direct = -1
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                self.direct = -1
+
+    def read(self, view: memoryview, offset: int, size: int) -> None:
+        if self.direct >= 0:
+            try:
+                got = os.preadv(self.direct, [view[:_round_pages(size)]], offset)
+                if got >= size:
+                    return
+            except OSError:                      # the file system refuses O_DIRECT reads
+                os.close(self.direct)
+                self.direct = -1
+        got = os.preadv(self.fd, [view[:size]], offset)
+        if got != size:
+            raise ColibriError(f"short read of an expert block: {got} of {size} bytes at "
+                               f"offset {offset}")
+        residency.drop_file_range(self.fd, offset, size)   # no second copy in the page cache
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.direct = -1
+
+
+class ExpertCache:
+    """The expert blocks of `model` held in `plan.n_slots` slots (see the module docstring).
+
+    Installs itself as every MoE layer's experts_hook. Counters: stats(). telemetry: an
+    ExpertTelemetry the cache reports each layer call to (set by it), or None.
+    """
+
+    def __init__(self, model, plan: MemoryPlan, *, policy: str = DEFAULT_POLICY,
+                 mode: str = "arena", mlock: bool = False, prefetch: str | None = None,
+                 mapped: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "madvise" and not mapped:
+            raise ValueError("the madvise mode keeps the experts in the file's mapping: it "
+                             "cannot run with mmap=False")
+        self.mapped = mapped
+        self.model, self.plan, self.mode = model, plan, mode
+        f = model.file
+        self.layers = list(plan.layers)
+        self._index = {layer: j for j, layer in enumerate(self.layers)}
+        self.table = SlotTable(plan.n_slots, make_policy(policy, len(self.layers), f.n_experts))
+        self.policy = policy
+        self.telemetry = None
+        self.lock = threading.Lock()
+        self._ready = [threading.Event() for _ in range(plan.n_slots)]
+        self._blocks = [[f.expert_block(layer, e) for e in range(f.n_experts)]
+                        for layer in self.layers]
+        self.hits = self.misses = self.bytes_read = 0
+        self.prefetch_reads = self.prefetch_bytes = self._pending_bytes = 0
+        self.locked = False
+        self._reader = _Reader(f.path)
+        if mode == "arena":
+            self._arena = mmap.mmap(-1, max(plan.n_slots * plan.slot_bytes, residency.PAGE))
+            self.arena = np.frombuffer(self._arena, np.uint8)
+            if mlock:
+                self.locked = residency.lock(self.arena, 0, len(self.arena))
+            self._kernels = [self._arena_kernels(layer) for layer in self.layers]
+        else:
+            self.arena = None
+        self._evict_file_pages()
+        self.prefetcher = None
+        for layer in self.layers:
+            moe = model.layers[layer].ffn
+            moe.experts_hook = self._hook(self._index[layer], moe)
+        if prefetch:
+            from .prefetch import Prefetcher   # noqa: PLC0415  (prefetch imports this module)
+            self.prefetcher = Prefetcher(self, prefetch)
+
+    # -- construction ---------------------------------------------------------------------------
+    def _arena_kernels(self, layer: int):
+        """The layer's expert kernel over the arena: its three stacks at their offsets inside
+        a block, the slots plan.slot_bytes apart."""
+        f, moe = self.model.file, self.model.layers[layer].ffn
+        base = f.expert_block(layer, 0)[0]
+        refs = []
+        for proj, ref in zip(PROJS, (moe.w_gate, moe.w_up, moe.w_down)):
+            info = f.info(f"layers.{layer}.moe.experts.0.{proj}")
+            refs.append(WeightRef(self.arena, info.offset - base, ref.dtype, ref.rows, ref.cols,
+                                  ref.group_size, ref.row_stride, n_experts=self.plan.n_slots,
+                                  expert_stride=self.plan.slot_bytes))
+        return kernels.prepare_expert_ffn(*refs, threads=moe.threads,
+                                          activations=moe.activations)
+
+    def _evict_file_pages(self) -> None:
+        """Drop the expert blocks' pages from the page cache (the arena reads its own; the
+        madvise mode brings in what it takes)."""
+        buf = self.model._buf
+        for blocks in self._blocks:
+            off = blocks[0][0]
+            size = blocks[-1][0] + blocks[-1][1] - off
+            if self.mapped:
+                residency.advise(buf, off, size, residency.DONTNEED)
+            residency.drop_file_range(self._reader.fd, off, size)
+
+    # -- the layer calls ----------------------------------------------------------------------------
+    def _hook(self, j: int, moe):
+        run_arena = self.mode == "arena"
+
+        def hook(x, ids, weights, y):
+            slots = self.ensure(j, ids)
+            if self.prefetcher is not None:
+                self.prefetcher.after_layer(j, x, ids)
+            if run_arena:
+                self._kernels[j](x, slots, weights, y)
+            else:
+                moe._experts(x, ids, weights, y)
+        return hook
+
+    def ensure(self, j: int, ids: np.ndarray) -> np.ndarray:
+        """Make layer j's blocks for ids int (T, K) resident; -> their slots int32 (T, K).
+        A missing block is read by this thread; a block a prefetch is reading is waited for
+        (that block only)."""
+        table = self.table
+        with self.lock:
+            if j == 0:
+                table.begin_call()
+            slots, hit, loads = table.lookup(j, ids)
+            for s, _, _ in loads:
+                table.busy[s] = True
+                self._ready[s].clear()
+            pending, self._pending_bytes = self._pending_bytes, 0
+        nbytes = np.zeros(ids.shape[0], np.int64)
+        nbytes[0] = pending
+        first = {s: i for i, s in reversed(list(enumerate(slots.reshape(-1).tolist())))}
+        for s, b, old in loads:
+            size = self._load(s, b, old)
+            nbytes[first[s] // ids.shape[1]] += size
+            with self.lock:
+                table.busy[s] = False
+                self._ready[s].set()
+        for s in set(slots.reshape(-1).tolist()):
+            if not self._ready[s].is_set():           # being read by the prefetch thread
+                self._ready[s].wait()
+        n_hit = int(np.count_nonzero(hit))
+        self.hits += n_hit
+        self.misses += hit.size - n_hit
+        self.bytes_read += int(nbytes.sum()) - pending
+        if self.telemetry is not None:
+            self.telemetry.record(self.layers[j], hit, nbytes)
+        return slots
+
+    def _load(self, slot: int, block: int, evicted: int) -> int:
+        """Read block into slot (arena) or advise it in (madvise, after the evicted block's
+        pages leave). Returns the bytes read."""
+        j, e = divmod(block, self.plan.n_experts)
+        off, size = self._blocks[j][e]
+        if self.mode == "arena":
+            start = slot * self.plan.slot_bytes
+            view = memoryview(self._arena)[start: start + self.plan.slot_bytes]
+            try:
+                self._reader.read(view, off, size)
+            finally:
+                view.release()
+        else:
+            if evicted >= 0:
+                self._forget(evicted)
+            residency.advise(self.model._buf, off, size, residency.WILLNEED)
+        return size
+
+    def _forget(self, block: int) -> None:
+        """madvise mode: the pages of an evicted block leave the mapping and the page cache."""
+        j, e = divmod(block, self.plan.n_experts)
+        off, size = self._blocks[j][e]
+        residency.advise(self.model._buf, off, size, residency.DONTNEED)
+        residency.drop_file_range(self._reader.fd, off, size)
+
+    # -- reports ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """hits, misses, hit_rate, bytes_read (demand reads), prefetch_reads / prefetch_bytes,
+        slots, slot_bytes, dense_bytes, budget, policy, mode, locked, and the prefetcher's
+        per-layer recall when there is one."""
+        n = self.hits + self.misses
+        out = {"hits": self.hits, "misses": self.misses,
+               "hit_rate": self.hits / n if n else float("nan"), "bytes_read": self.bytes_read,
+               "prefetch_reads": self.prefetch_reads, "prefetch_bytes": self.prefetch_bytes,
+               "slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
+               "dense_bytes": self.plan.dense_bytes, "budget": self.plan.budget,
+               "policy": self.policy, "mode": self.mode, "locked": self.locked}
+        if self.prefetcher is not None:
+            out["prefetch"] = self.prefetcher.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop the prefetch thread, give the layers back their plain kernel calls."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        for layer in self.layers:
+            self.model.layers[layer].ffn.experts_hook = None
+        self._reader.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# what colibri.load(memory_budget=, mlock=, mmap=) does
+
+
+def weights_buffer(f: ColibriFile, plan: MemoryPlan | None, mapped: bool) -> np.ndarray:
+    """The buffer the model's WeightRefs point into: the file's mapping, or (mapped=False)
+    an anonymous copy at the same offsets: the whole file, or with a plan its dense part."""
+    if mapped:
+        return np.frombuffer(f.buffer, dtype=np.uint8)
+    ranges = [(0, f.file_size)] if plan is None else plan.dense_ranges
+    return read_dense(f, ranges)
+
+
+def hold_weights(model, plan: MemoryPlan | None, *, mlock: bool, mapped: bool,
+                 policy: str = DEFAULT_POLICY, mode: str = "arena",
+                 prefetch: str | None = None) -> ExpertCache | None:
+    """After the model is built: lock what must stay (mlock), bring the dense part in, and
+    with a plan start the expert cache. Returns the cache, or None without a plan."""
+    buf = model._buf
+    if plan is None:
+        if mlock:
+            model.memory_locked = residency.lock(buf, 0, len(buf))
+        return None
+    locked = True
+    for off, size in plan.dense_ranges:
+        if mlock:
+            locked &= residency.lock(buf, off, size)
+        elif mapped:
+            residency.advise(buf, off, size, residency.WILLNEED)
+    model.memory_locked = mlock and locked
+    return ExpertCache(model, plan, policy=policy, mode=mode, mlock=mlock, prefetch=prefetch,
+                       mapped=mapped)
