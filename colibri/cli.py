@@ -19,7 +19,7 @@ from . import __version__
 from .errors import ColibriError
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes")
+COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "cache-sim")
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,7 +40,7 @@ def build_parser() -> Parser:
                         help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        module = importlib.import_module(f".commands.{name}", __package__)
+        module = importlib.import_module(f".commands.{name.replace('-', '_')}", __package__)
         module.register(sub, parents=[debug])
     parser.commands = sub.choices          # name -> subparser, for errors in its name
     return parser

@@ -18,7 +18,9 @@ from ..errors import ColibriError
 from ..tools import plot
 from ..tools.stats import RoutingStats
 from ..tools.trace import iter_trace, trace as trace_of
-from .common import SHIPPED_MODEL, add_ctx_arg, add_model_arg, add_threads_arg, open_model
+from ..tools.trace import Trace
+from .common import (SHIPPED_MODEL, add_ctx_arg, add_memory_args, add_model_arg,
+                     add_threads_arg, open_model)
 
 PLOT_KINDS = ("auto", "heatmap", "tokens", "coactivation")
 
@@ -40,9 +42,12 @@ def register(subparsers, parents=()) -> None:
                    help="auto: token map for -p, heatmap for -f; coactivation uses --layer "
                         "(default: the first MoE layer) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--save", metavar="TRACE.npz",
+                   help="write the routing of every token (a Trace, for colibri cache-sim)")
     p.add_argument("--table", action="store_true", help="with -f: also print every token's "
                    "routing")
     add_threads_arg(p)
+    add_memory_args(p)
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="route at most N tokens (default: all)")
     add_ctx_arg(p, help="tokens per window: longer text restarts with an empty cache "
@@ -111,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
             print(tr.format_table())
             print()
     else:
-        stats, rows, seen = None, [], 0
+        stats, rows, seen, parts = None, [], 0, []
         for part in iter_trace(model, Path(args.file), **kw):
+            if args.save:
+                parts.append(part)
             if layers:
                 part = part.select_layers(layers)
             if stats is None:
@@ -129,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
             seen += len(part)
         if stats is None:
             raise ColibriError(f"{args.file}: no tokens (empty file)")
+        if args.save:
+            tr = Trace.concat(parts)
         out["file"] = args.file
         if args.table and args.json:
             out["trace"] = {"layers": stats.layers, "n_experts": stats.n_experts,
@@ -136,8 +145,11 @@ def run(args: argparse.Namespace) -> int:
         if args.table and not args.json:
             print()
     out["stats"] = stats.summary()
+    if args.save:
+        tr.save(args.save)
+        print(f"wrote {args.save} ({len(tr)} tokens)", file=sys.stderr)
     if args.plot:
-        _plot(args, tr, stats)
+        _plot(args, tr if args.prompt is not None else None, stats)
     if args.json:
         print(json.dumps(out, indent=1, ensure_ascii=False, allow_nan=False))
     else:
