@@ -5,7 +5,8 @@
 
 The budget covers the weights: the dense part (attention, norms, routers, the head, shared
 experts and dense MLPs; not the embedding table, of which a token reads one row from the
-mapping) stays resident, locked with mlock= where the system allows; what is left holds
+mapping, unless it is the tied head) stays resident, locked with mlock= where the system
+allows; what is left holds
 N = (budget - dense) // slot expert blocks (one expert of one layer: its gate, up and down
 rows, page-aligned in the file). A budget below the dense part plus one layer's experts (a
 prefill may use every expert of a layer at once) fails at load, naming the numbers.
@@ -37,6 +38,7 @@ from .errors import ColibriError
 from .eviction import SlotTable, make_policy
 from .format import ColibriFile
 from .format.spec import PROJS
+from .prefetch import Prefetcher
 from .weights import WeightRef
 
 __all__ = ["MemoryPlan", "memory_plan", "ExpertCache", "MemoryBudgetError", "MODES",
@@ -83,10 +85,13 @@ class MemoryPlan:
 def memory_plan(f: ColibriFile, budget: int | None = None) -> MemoryPlan:
     """The plan of `f` for `budget` bytes (None: only the sizes). MemoryBudgetError when the
     budget is below MemoryPlan.minimum."""
-    layers = tuple(f.model_config.moe_layer_ids)
+    c = f.model_config
+    layers = tuple(c.moe_layer_ids)
     E = f.n_experts
+    # the embedding table is read a row per token, unless it is also the (tied) head
+    tied = c.tie_word_embeddings or "lm_head" not in f
     dense = tuple((i.offset, i.nbytes) for n, i in f.tensors.items()
-                  if ".moe.experts." not in n and n != "tok_embeddings")
+                  if ".moe.experts." not in n and (tied or n != "tok_embeddings"))
     slot = max((_round_pages(f.expert_block(layer, 0)[1]) for layer in layers), default=0)
     plan = MemoryPlan(dense, sum(_round_pages(s) for _, s in dense), slot, len(layers) * E, E,
                       layers)
@@ -181,6 +186,7 @@ class ExpertCache:
         self.hits = self.misses = self.bytes_read = 0
         self.prefetch_reads = self.prefetch_bytes = self._pending_bytes = 0
         self.locked = False
+        self.position = 0
         self._reader = _Reader(f.path)
         if mode == "arena":
             self._arena = mmap.mmap(-1, max(plan.n_slots * plan.slot_bytes, residency.PAGE))
@@ -196,7 +202,6 @@ class ExpertCache:
             moe = model.layers[layer].ffn
             moe.experts_hook = self._hook(self._index[layer], moe)
         if prefetch:
-            from .prefetch import Prefetcher   # noqa: PLC0415  (prefetch imports this module)
             self.prefetcher = Prefetcher(self, prefetch)
 
     # -- construction ---------------------------------------------------------------------------
@@ -247,6 +252,7 @@ class ExpertCache:
         with self.lock:
             if j == 0:
                 table.begin_call()
+            self.position = table.policy.token * len(self.layers) + j   # the prefetch's clock
             slots, hit, loads = table.lookup(j, ids)
             for s, _, _ in loads:
                 table.busy[s] = True

@@ -124,7 +124,7 @@ def test_cli(tmp_path, capsys):
     assert main(["routes", "-p", "Once upon a time", "--save", str(out)]) == 0
     capsys.readouterr()
     model = str(colibri.api.default_model_path())
-    assert main(["cache-sim", str(out), "-m", model, "--budget", "1.2MiB,2MiB",
+    assert main(["cache-sim", str(out), "-m", model, "--budget", "2.2MiB,3MiB",
                  "--policy", "lru,lfu", "--bandwidth", "1.3", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in d["results"]] == ["lru", "lru", "lfu", "lfu"]

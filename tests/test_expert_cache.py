@@ -1,0 +1,133 @@
+"""The memory budget (colibri.expert_cache): the same logits with and without a budget (every
+policy, both modes, with prefetch, decode and prefill), the plan's arithmetic and its error,
+the flags, and the prefetcher's recall."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri.cli import main
+from colibri.commands.common import byte_size
+from colibri.eviction import POLICIES
+from colibri.expert_cache import MemoryBudgetError, memory_plan
+from colibri.format import ColibriFile
+
+TOKENS = [5, 7, 9, 11, 3, 5, 7, 100, 200, 300, 5, 7, 9, 41, 42]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    with ColibriFile(colibri.api.default_model_path()) as f:
+        return memory_plan(f)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(prefill logits, decode logits per step) of the shipped model without a budget."""
+    m = colibri.load(threads=1)
+    pre = m.forward(np.arange(12))
+    cache = m.new_cache()
+    steps = [m.forward(np.array([t]), cache=cache) for t in TOKENS]
+    m.close()
+    return pre, steps
+
+
+def run(model):
+    pre = model.forward(np.arange(12))
+    cache = model.new_cache()
+    return pre, [model.forward(np.array([t]), cache=cache) for t in TOKENS]
+
+
+def same(a, b) -> bool:
+    return np.array_equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_plan_counts_the_dense_part_and_blocks(plan):
+    f = ColibriFile(colibri.api.default_model_path())
+    tied = f.model_config.tie_word_embeddings or "lm_head" not in f     # the head: resident
+    dense = sum(-(-i.nbytes // 4096) * 4096 for n, i in f.tensors.items()
+                if ".moe.experts." not in n and (tied or n != "tok_embeddings"))
+    assert plan.dense_bytes == dense
+    assert plan.slot_bytes == -(-f.expert_block(0, 0)[1] // 4096) * 4096
+    assert plan.n_blocks == len(f.model_config.moe_layer_ids) * f.n_experts
+    assert plan.minimum == dense + f.n_experts * plan.slot_bytes
+    big = memory_plan(f, 10**9)
+    assert big.n_slots == plan.n_blocks                       # never more slots than blocks
+    assert memory_plan(f, plan.minimum + 3 * plan.slot_bytes + 7).n_slots == f.n_experts + 3
+
+
+def test_budget_below_the_dense_part_fails_naming_the_numbers(plan):
+    with pytest.raises(MemoryBudgetError) as e:
+        colibri.load(memory_budget=plan.minimum - 1)
+    msg = str(e.value)
+    assert f"{plan.dense_bytes / 2**20:.1f} MiB" in msg and "at least" in msg
+    assert f"{plan.minimum / 2**20:.1f} MiB" in msg
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_logits_identical_with_a_budget(policy, plan, reference):
+    m = colibri.load(threads=1, memory_budget=plan.minimum + 2 * plan.slot_bytes,
+                     cache_policy=policy)
+    assert same(run(m), reference)
+    st = m.expert_cache.stats()
+    assert st["misses"] > 0 and st["policy"] == policy and st["slots"] == plan.n_experts + 2
+    m.close()
+
+
+@pytest.mark.parametrize("mode,prefetch", [("arena", "router"), ("arena", "previous"),
+                                           ("arena", "both"), ("madvise", None),
+                                           ("madvise", "both")])
+def test_logits_identical_in_every_mode(mode, prefetch, plan, reference):
+    m = colibri.load(threads=2, memory_budget=plan.minimum + 4 * plan.slot_bytes,
+                     cache_mode=mode, prefetch=prefetch)
+    assert same(run(m), reference)
+    m.close()
+
+
+def test_no_mmap_and_mlock(plan, reference):
+    m = colibri.load(threads=1, mmap=False)
+    assert same(run(m), reference) and m._buf.flags.writeable      # a copy, not the mapping
+    m.close()
+    m = colibri.load(threads=1, memory_budget=plan.minimum, mmap=False, mlock=True)
+    assert same(run(m), reference)
+    assert m.expert_cache.stats()["locked"] in (True, False)     # where the system allows
+    m.close()
+    with pytest.raises(ValueError, match="madvise"):
+        colibri.load(memory_budget=plan.minimum, mmap=False, cache_mode="madvise")
+
+
+def test_prefetch_recall_per_layer(plan):
+    m = colibri.load(threads=1, memory_budget=plan.minimum + 8 * plan.slot_bytes,
+                     prefetch="both")
+    cache = m.new_cache()
+    for t in TOKENS:
+        m.forward(np.array([t]), cache=cache)
+    st = m.expert_cache.stats()["prefetch"]
+    M = len(m.moe_layers)
+    router, previous = st["recall"]["router"], st["recall"]["previous"]
+    assert len(router) == len(previous) == M
+    assert router[0] is None                       # the first layer has no router before it
+    assert all(0 <= r <= 1 for r in router[1:]) and all(0 <= r <= 1 for r in previous)
+    # the previous predictor's recall by hand: the share of a layer's experts it had at the
+    # token before
+    pf = m.expert_cache.prefetcher
+    assert pf.recall_total["previous"][1] == (len(TOKENS) - 1) * m.config.num_experts_per_tok
+    m.close()
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        colibri.load(memory_budget=plan.minimum, prefetch="psychic")
+
+
+def test_sizes_and_flags(capsys, plan):
+    assert byte_size("6GiB") == 6 * 2**30 and byte_size("1.5G") == int(1.5 * 2**30)
+    assert byte_size("800MiB") == 800 * 2**20 and byte_size("4096") == 4096
+    budget = f"{plan.minimum / 2**20 + 1:.2f}MiB"
+    assert main(["generate", "-p", "Once", "-n", "4", "--temp", "0", "--memory-budget", budget,
+                 "--mlock", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "memory: experts:" in err
+    assert main(["generate", "-p", "Once", "-n", "2", "--memory-budget", "100KiB"]) == 2
+    assert "below what the model needs" in capsys.readouterr().err
+    assert main(["bench", "-p", "0", "-n", "4", "-r", "1", "--bw-mib", "0", "--telemetry",
+                 "--memory-budget", budget, "--no-mmap"]) == 0
+    assert "experts in memory" in capsys.readouterr().out
