@@ -14,8 +14,11 @@ from pathlib import Path
 
 from ..api import default_model_path, load
 from ..errors import ColibriError
+from ..eviction import POLICIES
+from ..expert_cache import DEFAULT_POLICY, MODES
 from ..kernels import ACTIVATIONS
 from ..model import DEFAULT_ACTIVATIONS, Model
+from ..prefetch import PREDICTORS
 
 MODEL_HELP = ".colibri file (default: the bundled tiny-moe.colibri)"
 SHIPPED_MODEL = "Without MODEL, the small model shipped with colibri is used."
@@ -117,12 +120,26 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="read the weights into memory instead of mapping the file (with "
                         "--memory-budget: only the dense part; experts are read into the "
                         "cache)")
+    p.add_argument("--cache-policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="with --memory-budget: which expert block to evict (default: "
+                        "%(default)s)")
+    p.add_argument("--cache-mode", choices=MODES, default="arena",
+                   help="with --memory-budget: arena (blocks read into a pinned arena) or "
+                        "madvise (the mapping, WILLNEED / DONTNEED) (default: %(default)s)")
+    p.add_argument("--prefetch", choices=PREDICTORS, default=None,
+                   help="with --memory-budget: read the next layer's likely experts ahead, "
+                        "predicted by its router on the current hidden state, the previous "
+                        "token's choices, or both (default: off)")
 
 
 def memory_options(args: argparse.Namespace) -> dict:
     """colibri.load's memory keyword arguments from add_memory_args's flags."""
-    return {"memory_budget": getattr(args, "memory_budget", None),
-            "mlock": getattr(args, "mlock", False), "mmap": getattr(args, "mmap", True)}
+    out = {"memory_budget": getattr(args, "memory_budget", None),
+           "mlock": getattr(args, "mlock", False), "mmap": getattr(args, "mmap", True)}
+    if out["memory_budget"] is not None:
+        out.update(cache_policy=args.cache_policy, cache_mode=args.cache_mode,
+                   prefetch=args.prefetch)
+    return out
 
 
 def add_output_arg(p: argparse.ArgumentParser, help: str) -> None:
