@@ -26,7 +26,7 @@ import numpy as np
 __all__ = ["POLICIES", "Policy", "make_policy", "HALF_LIFE", "SlotTable", "CacheFullError"]
 
 POLICIES = ("lru", "lfu", "least-stale", "freq-weighted")
-HALF_LIFE = 16.0                 # tokens, of freq-weighted's decayed count
+HALF_LIFE = 8.0                  # tokens, of freq-weighted's decayed count (docs/memory.md)
 
 
 class Policy:

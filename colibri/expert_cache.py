@@ -45,7 +45,7 @@ __all__ = ["MemoryPlan", "memory_plan", "ExpertCache", "MemoryBudgetError", "MOD
            "DEFAULT_POLICY", "read_dense"]
 
 MODES = ("arena", "madvise")
-DEFAULT_POLICY = "lru"           # chosen by the simulator's measurements (docs/memory.md)
+DEFAULT_POLICY = "least-stale"     # chosen by the simulator's measurements (docs/memory.md)
 
 
 class MemoryBudgetError(ColibriError, ValueError):

@@ -20,11 +20,12 @@ import resource
 import numpy as np
 
 __all__ = ["PAGE", "resident_pages", "fault_counts", "lock", "unlock", "advise",
-           "drop_file_range", "WILLNEED", "DONTNEED"]
+           "drop_file_range", "WILLNEED", "DONTNEED", "RANDOM"]
 
 PAGE = mmap.PAGESIZE
 WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)

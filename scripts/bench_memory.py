@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--margin", type=byte_size, default=byte_size("200MiB"),
                     help="limit - budget: the interpreter, the KV cache, the embedding rows")
     ap.add_argument("--prefetch", default="router")
+    ap.add_argument("--mlock", action="store_true", help="--mlock in the budget configs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
@@ -98,6 +99,8 @@ def main() -> int:
         budget = limit - args.margin
         for config in args.configs.split(","):
             extra = [a.format(budget=budget, prefetch=args.prefetch) for a in CONFIGS[config]]
+            if extra and args.mlock:
+                extra.append("--mlock")
             cmd = [sys.executable, "-m", "colibri", "bench", args.model, "-p", "0", "-n",
                    str(args.n_gen), "-r", str(args.repetitions), "-t", str(args.threads),
                    "--bw-mib", "0", "--telemetry", "-o", "json", *extra]

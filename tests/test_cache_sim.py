@@ -57,7 +57,7 @@ def test_least_stale_evicts_the_running_layer_first():
 def test_freq_weighted_forgets():
     # a used 3 times long ago, b twice recently; one slot besides the running block: b stays
     # under freq-weighted (decayed count), a stays under LFU (raw count)
-    seq = [0, 0, 0] + [3] * 40 + [1, 1, 2, 1, 0]
+    seq = [0, 0, 0] + [3] * 100 + [1, 1, 2, 1, 0]
     fw = misses(seq, 3, "freq-weighted", E=4)
     lfu = misses(seq, 3, "lfu", E=4)
     # at 2, slots hold 0 (3 uses, stale), 3 (40 uses), 1: freq-weighted drops 0, LFU drops 1
