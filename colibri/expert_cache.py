@@ -14,7 +14,8 @@ prefill may use every expert of a layer at once) fails at load, naming the numbe
 Two ways to hold the blocks (docs/memory.md measures both):
   - "arena" (the default): an anonymous, page-aligned arena of N slots, locked with mlock=;
     a missing block is read into its slot with one pread (O_DIRECT where the file system
-    allows, so the page cache holds no second copy); the layer's kernel runs over the arena
+    allows, so the page cache holds no second copy; a block the page cache already holds
+    is copied from it, and its pages there dropped); the layer's kernel runs over the arena
     with the routed ids mapped to slots (the same bytes, the same bits).
   - "madvise": the kernels read the mapping as without a budget; the cache only decides
     which blocks stay: MADV_WILLNEED on a block it takes in, MADV_DONTNEED and
@@ -134,8 +135,10 @@ class _Reader:
             except OSError:
                 self.direct = -1
 
-    def read(self, view: memoryview, offset: int, size: int) -> None:
-        if self.direct >= 0:
+    def read(self, view: memoryview, offset: int, size: int, cached: bool = False) -> None:
+        """The block at `offset` into view; cached: its pages are in the page cache, so it
+        is copied from there (a plain pread) instead of read from the disk again."""
+        if self.direct >= 0 and not cached:
             try:
                 got = os.preadv(self.direct, [view[:_round_pages(size)]], offset)
                 if got >= size:
@@ -183,7 +186,7 @@ class ExpertCache:
         self._ready = [threading.Event() for _ in range(plan.n_slots)]
         self._blocks = [[f.expert_block(layer, e) for e in range(f.n_experts)]
                         for layer in self.layers]
-        self.hits = self.misses = self.bytes_read = 0
+        self.hits = self.misses = self.bytes_read = self.bytes_copied = 0
         self.prefetch_reads = self.prefetch_bytes = self._pending_bytes = 0
         self.locked = False
         self.position = 0
@@ -196,7 +199,8 @@ class ExpertCache:
             self._kernels = [self._arena_kernels(layer) for layer in self.layers]
         else:
             self.arena = None
-        self._evict_file_pages()
+        if mode == "madvise":
+            self._evict_file_pages()
         self.prefetcher = None
         for layer in self.layers:
             moe = model.layers[layer].ffn
@@ -220,8 +224,9 @@ class ExpertCache:
                                           activations=moe.activations)
 
     def _evict_file_pages(self) -> None:
-        """Drop the expert blocks' pages from the page cache (the arena reads its own; the
-        madvise mode brings in what it takes)."""
+        """madvise mode: drop the expert blocks' pages from the page cache, so that what
+        stays is what the cache takes in. (The arena leaves them: a block the page cache
+        holds is copied from there, then dropped.)"""
         buf = self.model._buf
         for blocks in self._blocks:
             off = blocks[0][0]
@@ -286,10 +291,18 @@ class ExpertCache:
         if self.mode == "arena":
             start = slot * self.plan.slot_bytes
             view = memoryview(self._arena)[start: start + self.plan.slot_bytes]
+            buf = self.model._buf
+            cached = self.mapped and residency.resident_pages(buf, off, size)[0] == \
+                -(-size // residency.PAGE)
             try:
-                self._reader.read(view, off, size)
+                self._reader.read(view, off, size, cached)
             finally:
                 view.release()
+            if cached:                 # copied: the page cache's copy goes, the disk's stays
+                if self.mapped:
+                    residency.advise(buf, off, size, residency.DONTNEED)
+                self.bytes_copied += size
+                return 0
         else:
             if evicted >= 0:
                 self._forget(evicted)
@@ -305,12 +318,14 @@ class ExpertCache:
 
     # -- reports ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """hits, misses, hit_rate, bytes_read (demand reads), prefetch_reads / prefetch_bytes,
+        """hits, misses, hit_rate, bytes_read (demand reads from the disk),
+        bytes_from_page_cache (blocks copied from it instead), prefetch_reads / prefetch_bytes,
         slots, slot_bytes, dense_bytes, budget, policy, mode, locked, and the prefetcher's
         per-layer recall when there is one."""
         n = self.hits + self.misses
         out = {"hits": self.hits, "misses": self.misses,
                "hit_rate": self.hits / n if n else float("nan"), "bytes_read": self.bytes_read,
+               "bytes_from_page_cache": self.bytes_copied,
                "prefetch_reads": self.prefetch_reads, "prefetch_bytes": self.prefetch_bytes,
                "slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
                "dense_bytes": self.plan.dense_bytes, "budget": self.plan.budget,

@@ -3,10 +3,15 @@ policy, both modes, with prefetch, decode and prefill), the plan's arithmetic an
 the flags, and the prefetcher's recall."""
 from __future__ import annotations
 
+import mmap
+import os
+import shutil
+
 import numpy as np
 import pytest
 
 import colibri
+from colibri import residency
 from colibri.cli import main
 from colibri.commands.common import byte_size
 from colibri.eviction import POLICIES
@@ -131,3 +136,32 @@ def test_sizes_and_flags(capsys, plan):
     assert main(["bench", "-p", "0", "-n", "4", "-r", "1", "--bw-mib", "0", "--telemetry",
                  "--memory-budget", budget, "--no-mmap"]) == 0
     assert "experts in memory" in capsys.readouterr().out
+
+
+def test_blocks_from_the_disk_and_from_the_page_cache(tmp_path, plan, reference):
+    """A copy whose pages were dropped: blocks come from the disk (O_DIRECT where the file
+    system allows); blocks the page cache holds are copied from it; the bytes add up."""
+    path = tmp_path / "tiny.colibri"
+    shutil.copy(colibri.api.default_model_path(), path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    budget = plan.minimum + 40 * plan.slot_bytes          # every block fits
+    m = colibri.load(path, threads=1, memory_budget=budget)
+    # the dense part's faults read ahead into the experts: drop those pages
+    buf = m._buf
+    residency.advise(buf, 0, len(buf), mmap.MADV_RANDOM)
+    first = m.file.expert_block(0, 0)[0]
+    residency.advise(buf, first, len(buf) - first, residency.DONTNEED)
+    residency.drop_file_range(fd, first, 0)
+    os.close(fd)
+    f = m.file
+    cold = sum(residency.resident_pages(buf, *f.expert_block(layer, e))[0] == 0
+               for layer in m.moe_layers for e in range(f.n_experts))
+    assert same(run(m), reference)
+    st = m.expert_cache.stats()
+    block = f.expert_block(0, 0)[1]
+    assert st["bytes_read"] + st["bytes_from_page_cache"] == st["misses"] * block
+    if cold == 0:
+        pytest.skip("the kernel kept every page (tmpfs, or pages not yet on its LRU lists)")
+    assert st["bytes_read"] > 0
+    m.close()
