@@ -165,3 +165,18 @@ def test_blocks_from_the_disk_and_from_the_page_cache(tmp_path, plan, reference)
         pytest.skip("the kernel kept every page (tmpfs, or pages not yet on its LRU lists)")
     assert st["bytes_read"] > 0
     m.close()
+
+
+def test_perplexity_and_routes_take_the_flags(tmp_path, capsys, plan):
+    import json
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a little fox who lived in the woods. " * 12)
+    budget = f"{plan.minimum / 2**20 + 0.5:.2f}MiB"
+    ppl = []
+    for extra in ([], ["--memory-budget", budget, "--mlock"]):
+        assert main(["perplexity", "-f", str(text), "--ctx", "64", "-o", "json", *extra]) == 0
+        ppl.append(json.loads(capsys.readouterr().out)["ppl"])
+    assert ppl[0] == ppl[1]
+    assert main(["routes", "-p", "Once upon a time", "--json", "--memory-budget", budget,
+                 "--cache-policy", "lru", "--prefetch", "both"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["tokens"]

@@ -13,8 +13,9 @@ import numpy as np
 
 from ..errors import ColibriError
 from ..tools.perplexity import MIN_CTX, format_markdown, perplexity
-from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_model_arg,
-                     add_output_arg, add_threads_arg, check_at_least, model_path)
+from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_memory_args,
+                     add_model_arg, add_output_arg, add_threads_arg, check_at_least,
+                     memory_options, model_path, open_model)
 
 
 def register(subparsers, parents=()) -> None:
@@ -40,6 +41,7 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("-b", "--batch", type=int, default=1, metavar="B",
                    help="windows per forward pass (default: %(default)s)")
     add_threads_arg(p, "-t", "--threads")
+    add_memory_args(p)
     add_activations_arg(p, "-a", "--activations",
                         help="activations of MODEL's q4/q8 matmuls: int16 (within ~1e-4 of "
                              "exact), f32 (exact) or int8 (fastest); the base always runs f32, "
@@ -70,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     check_at_least((("--ctx", args.ctx, MIN_CTX), ("--stride", args.stride, 1),
                     ("--batch", args.batch, 1), ("--threads", args.threads, 1)))
     data = _read_data(args.file)
-    model = model_path(args.model)
+    memory = memory_options(args)
+    # with memory flags the model is opened here (perplexity() takes a Model as it is)
+    model = open_model(args) if memory != memory_options(argparse.Namespace()) else \
+        model_path(args.model)
     show = args.output == "md" and sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
