@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import numpy as np
+
+from .eviction import CacheFullError
 
 __all__ = ["Prefetcher", "PREDICTORS"]
 
@@ -51,7 +54,9 @@ class Prefetcher:
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="colibri-prefetch", daemon=True)
+        # the thread holds the prefetcher weakly: a model dropped without close() lets it end
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._wake),
+                                        name="colibri-prefetch", daemon=True)
         self._thread.start()
 
     # -- on the compute thread ---------------------------------------------------------------------
@@ -93,36 +98,33 @@ class Prefetcher:
             self._wake.notify()
 
     # -- on the prefetch thread --------------------------------------------------------------------
-    def _run(self) -> None:
+    def _fetch(self, target: int, blocks: list[int]) -> None:
+        """Read the blocks of a request not yet resident, unless their layer has started."""
         cache, table = self.cache, self.cache.table
-        while True:
-            with self._wake:
-                while not self._queue and not self._stop:
-                    self._wake.wait()
-                if self._stop:
-                    return
-                target, blocks = self._queue.popleft()
-            for b in blocks:
-                with cache.lock:
-                    if cache.position >= target:          # the layer runs: it reads itself
-                        self.dropped += 1
-                        break
-                    if table.block_slot[b] >= 0:
-                        continue
-                    s, old = table.claim(b, table.pinned)
-                    table.policy.access(b)
-                    table.busy[s] = True
-                    cache._ready[s].clear()
+        for b in blocks:
+            with cache.lock:
+                if cache.position >= target:          # the layer runs: it reads itself
+                    self.dropped += 1
+                    break
+                if table.block_slot[b] >= 0:
+                    continue
                 try:
-                    size = cache._load(s, b, old)
-                finally:
-                    with cache.lock:
-                        table.busy[s] = False
-                        cache._ready[s].set()
+                    s, old = table.claim(b, table.pinned)
+                except CacheFullError:            # every slot in use: nothing to evict
+                    break
+                table.policy.access(b)
+                table.busy[s] = True
+                cache._ready[s].clear()
+            try:
+                size = cache._load(s, b, old)
+            finally:
                 with cache.lock:
-                    cache.prefetch_reads += 1
-                    cache.prefetch_bytes += size
-                    cache._pending_bytes += size
+                    table.busy[s] = False
+                    cache._ready[s].set()
+            with cache.lock:
+                cache.prefetch_reads += 1
+                cache.prefetch_bytes += size
+                cache._pending_bytes += size
 
     # -- reports -----------------------------------------------------------------------------------
     def recall(self) -> dict[str, np.ndarray]:
@@ -149,3 +151,19 @@ class Prefetcher:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout=5)
+
+
+def _serve(ref: weakref.ref, wake: threading.Condition) -> None:
+    """The prefetch thread: serve requests while the prefetcher lives and is not closed."""
+    while True:
+        with wake:
+            p = ref()
+            if p is None or p._stop:
+                return
+            if not p._queue:
+                del p
+                wake.wait(timeout=1.0)
+                continue
+            request = p._queue.popleft()
+        p._fetch(*request)
+        del p
