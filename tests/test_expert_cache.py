@@ -130,12 +130,13 @@ def test_sizes_and_flags(capsys, plan):
     assert main(["generate", "-p", "Once", "-n", "4", "--temp", "0", "--memory-budget", budget,
                  "--mlock", "--verbose"]) == 0
     err = capsys.readouterr().err
-    assert "memory: experts:" in err
+    assert "memory: experts:" in err and "expert cache: " in err
     assert main(["generate", "-p", "Once", "-n", "2", "--memory-budget", "100KiB"]) == 2
     assert "below what the model needs" in capsys.readouterr().err
     assert main(["bench", "-p", "0", "-n", "4", "-r", "1", "--bw-mib", "0", "--telemetry",
-                 "--memory-budget", budget, "--no-mmap"]) == 0
-    assert "experts in memory" in capsys.readouterr().out
+                 "--memory-budget", budget, "--no-mmap", "--prefetch", "router"]) == 0
+    out = capsys.readouterr().out
+    assert "experts in memory" in out and "prefetch recall (router)" in out
 
 
 def test_blocks_from_the_disk_and_from_the_page_cache(tmp_path, plan, reference):

@@ -119,6 +119,20 @@ def _routing_line(model, step) -> str:
     return " ".join(parts)
 
 
+def _cache_line(st: dict) -> str:
+    """'332 slots x 3.38 MiB (least-stale, arena), hit rate 95.5%, ... prefetch recall by
+    layer (router): -, 0.44, ...'."""
+    line = (f"{st['slots']} slots x {st['slot_bytes'] / 2**20:.2f} MiB ({st['policy']}, "
+            f"{st['mode']}{', locked' if st['locked'] else ''}), hit rate "
+            f"{100 * st['hit_rate']:.1f}%, {st['bytes_read'] / 1e6:.1f} MB read from the disk "
+            f"and {st['bytes_from_page_cache'] / 1e6:.1f} MB copied from the page cache, "
+            f"{st['prefetch_reads']} blocks prefetched")
+    for name, recall in (st.get("prefetch") or {}).get("recall", {}).items():
+        line += (f"; prefetch recall by layer ({name}): "
+                 + ", ".join("-" if r is None else f"{r:.2f}" for r in recall))
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
     model = open_model(args)
@@ -166,5 +180,7 @@ def run(args: argparse.Namespace) -> int:
         if decoded:
             print("memory: " + TokenTelemetry.concat(decoded).format_summary(),
                   file=sys.stderr)
+        if model.expert_cache is not None:
+            print("expert cache: " + _cache_line(model.expert_cache.stats()), file=sys.stderr)
         recorder.close()
     return 0

@@ -348,6 +348,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     "bytes_per_token": per_token["total"], "bytes_per_token_detail": per_token,
                     "minor_faults_per_token": faults[0] / (n * reps),
                     "major_faults_per_token": faults[1] / (n * reps), "telemetry": tel,
+                    "expert_cache": (model.expert_cache.stats()
+                                     if model.expert_cache is not None else None),
                     "colibri_version": __version__, "timestamp": stamp,
                 })
         finally:
@@ -485,6 +487,13 @@ def format_telemetry(rows: Iterable[dict[str, Any]]) -> list[str]:
             line += (f"; experts in memory {100 * tel['hit_rate']:.1f}% ({tel['hits']} hits, "
                      f"{tel['misses']} misses), {tel['bytes_read_per_token'] / 1e6:.2f} MB read "
                      f"per token")
+        cache = r.get("expert_cache")
+        if cache:
+            line += (f"; expert cache {cache['slots']} slots of "
+                     f"{cache['slot_bytes'] / 2**20:.2f} MiB, {cache['policy']}, {cache['mode']}")
+            recall = (cache.get("prefetch") or {}).get("mean_recall") or {}
+            line += "".join(f", prefetch recall ({k}) {v:.2f}" for k, v in recall.items()
+                            if v is not None)
         out.append(line)
     return out
 
