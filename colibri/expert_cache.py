@@ -213,6 +213,11 @@ class ExpertCache:
         """The layer's expert kernel over the arena: its three stacks at their offsets inside
         a block, the slots plan.slot_bytes apart."""
         f, moe = self.model.file, self.model.layers[layer].ffn
+        if getattr(moe, "biased_experts", None) is not None:   # not the fused kernel's math
+            raise MemoryBudgetError(
+                f"{f.path}: layer {layer}'s experts have biases or their own activation, "
+                f"which the arena's fused kernel does not compute: use cache_mode='madvise' "
+                f"(--cache-mode madvise) with a memory budget")
         base = f.expert_block(layer, 0)[0]
         refs = []
         for proj, ref in zip(PROJS, (moe.w_gate, moe.w_up, moe.w_down)):
