@@ -140,10 +140,14 @@ class ModelConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_metadata(self) -> dict[str, Any]:
-        """The "arch" object to store (JSON types: tuples become lists)."""
+        """The "arch" object to store (JSON types: tuples become lists). The fields of
+        _STORED_IF_SET are left out at their default, so files of the families that do not
+        use them keep the "arch" object they always had."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in _STORED_IF_SET and v == f.default:
+                continue
             if isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, Mapping):
@@ -156,6 +160,10 @@ class ModelConfig:
 
 
 # --- field types and checks ------------------------------------------------------------------
+
+# fields added after the first families: stored only when they differ from the default
+_STORED_IF_SET = ("n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank",
+                  "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 
 _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
