@@ -30,7 +30,7 @@ from typing import Any
 FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # families with their own parity files (tests/test_family_<name>.py), not the Llama-style
 # attention reference_tensors and the FAMILY_NAMES-parametrized tests walk
-OTHER_FAMILY_NAMES = ("deepseek_v2", "deepseek_v3")
+OTHER_FAMILY_NAMES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
 _COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
@@ -60,6 +60,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=3,
         routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # partial RoPE (half of a head_dim unlike hidden/heads), q/k/v biases, per-head q/k norm
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        _COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+        n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True)),
 }
 
 _CORPUS = [
