@@ -23,6 +23,8 @@ import transformers
 
 import colibri.api as api
 from colibri.convert import convert
+from colibri.config import ConfigError
+from colibri.families import get_family
 from colibri.families.deepseek import deinterleave_rows
 from colibri.tools.trace import trace
 from cli_helpers import run as run_cli
@@ -32,7 +34,8 @@ __all__ = ["FamilyRef", "PARITY_FORMATS", "test_f32_full_prompt_batch_with_paddi
            "test_f32_batch_step_by_step_with_cache", "test_f32_decode_step",
            "test_f32_routing_matches_transformers_router", "test_f32_greedy_tokens_identical",
            "test_format_matches_transformers_with_the_same_weights",
-           "test_format_error_within_documented_bounds", "test_routes_and_trace"]
+           "test_format_error_within_documented_bounds", "test_routes_and_trace",
+           "test_config_defaults_agree_with_transformers"]
 
 PARITY_FORMATS = {   # name -> convert() keyword arguments (test_model.FORMATS' plain ones)
     "f16": dict(dtype="f16"),
@@ -285,3 +288,69 @@ def test_routes_and_trace(ref, capsys):
     code, out, err = run_cli(capsys, "routes", m.file.path, "-p", text, "--threads", "1")
     assert code == 0 and err == "", err
     assert out.startswith(tr.format_table() + "\n\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+# ---------------------------------------------------------------------------------------------
+
+OPTIONAL_KEYS = ("first_k_dense_replace", "moe_intermediate_size", "n_shared_experts",
+                 "q_lora_rank", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                 "norm_topk_prob", "intermediate_size", "use_qk_norm", "attention_bias")
+
+
+def _derived(hf) -> dict:
+    """What transformers' config object implies, in ModelConfig's terms."""
+    mla = hf.model_type.startswith("deepseek")
+    out = dict(num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+               moe_intermediate_size=hf.moe_intermediate_size,
+               moe_layers=tuple(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+               shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size,
+               routed_scaling_factor=hf.routed_scaling_factor, head_dim=hf.head_dim)
+    if hf.first_k_dense_replace:
+        out["dense_intermediate_size"] = hf.intermediate_size
+    if mla:
+        out.update(kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank or 0,
+                   qk_nope_head_dim=hf.qk_nope_head_dim, v_head_dim=hf.v_head_dim)
+    if hf.model_type != "deepseek_v2" or hf.topk_method == "group_limited_greedy":
+        out.update(n_group=hf.n_group, topk_group=hf.topk_group)
+    if hf.model_type != "deepseek_v2":
+        out["norm_topk_prob"] = hf.norm_topk_prob
+    if hf.model_type == "glm4_moe":
+        out.update(qk_norm="per_head" if hf.use_qk_norm else "none",
+                   attention_bias=hf.attention_bias)
+    return out
+
+
+def test_config_defaults_agree_with_transformers(ref):
+    """Each field config.json may leave out takes the value transformers' config class
+    gives it (one left out at a time), and the full config.json reads as transformers does."""
+    import json
+    full = json.loads(ref.hf.config.to_json_string())
+    fam = get_family(full["model_type"])
+    cls = type(ref.hf.config)
+    checked = 0
+    for key in (None, *OPTIONAL_KEYS):
+        if key is not None and key not in full:
+            continue
+        # head_dim is derived from qk_rope_head_dim: without the one, leave out the other
+        gone = (key, "head_dim") if key == "qk_rope_head_dim" else (key,)
+        plain = {k: v for k, v in full.items() if k not in gone}
+        try:
+            hf = cls(**{k: v for k, v in plain.items()
+                        if k not in ("architectures", "transformers_version", "model_type")})
+        except Exception:            # a default that does not fit the rest of the tiny config
+            continue
+        if key is not None and getattr(hf, key, 0) is None and key != "q_lora_rank":
+            with pytest.raises(ConfigError, match=key):   # transformers has no value either
+                fam.model_config(plain)
+            continue
+        try:
+            cfg = fam.model_config(plain)
+        except ConfigError:          # e.g. V3's 8 default groups of 8 experts: groups of one,
+            continue                 # which transformers' router cannot run either
+        for name, value in _derived(hf).items():
+            assert getattr(cfg, name) == value, (key, name, getattr(cfg, name), value)
+        checked += 1
+    assert checked > 8

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from .base import DENSE_MLP_NAMES, LLAMA_NAMES, QWEN_EXPERT_NAMES
-from .config_json import HFConfig, build, experts, get_bool, get_float, get_int
+from .config_json import REQUIRED, HFConfig, build, experts, get_bool, get_float, get_int
 from .tensors import CanonicalTensor
 
 NAME_MAP = {
@@ -40,6 +40,9 @@ NAME_MAP = {
     **DENSE_MLP_NAMES,
 }
 
+__all__ = ["NAME_MAP", "CONFIG_FIELDS", "REQUIRED", "model_config", "deinterleave_rows",
+           "deinterleave_rope"]
+
 CONFIG_FIELDS = {
     "num_experts": "n_routed_experts",
     "head_dim": "qk_rope_head_dim",
@@ -48,30 +51,37 @@ CONFIG_FIELDS = {
 }
 
 
-def model_config(hf: HFConfig, family: str, **router: Any) -> ModelConfig:
-    """The ModelConfig of a DeepSeek config.json; `router` holds the family's routing
-    fields (router, norm_topk_prob, n_group, topk_group)."""
+def model_config(hf: HFConfig, family: str, defaults: dict[str, Any], **router: Any
+                 ) -> ModelConfig:
+    """The ModelConfig of a DeepSeek config.json; `defaults` are the family's config class
+    defaults of the fields config.json may leave out, `router` its routing fields (router,
+    norm_topk_prob, n_group, topk_group)."""
     if get_bool(hf, "attention_bias", False):
         raise ConfigError(f"config.json: attention_bias=true is not supported for {family}")
+    d = defaults
     n_layers = get_int(hf, "num_hidden_layers")
-    first_dense = get_int(hf, "first_k_dense_replace", 0, minimum=0)
-    moe_size = get_int(hf, "moe_intermediate_size")
-    shared = get_int(hf, "n_shared_experts", 0, minimum=0)
+    first_dense = get_int(hf, "first_k_dense_replace", d["first_k_dense_replace"], minimum=0)
+    moe_size = get_int(hf, "moe_intermediate_size", d["moe_intermediate_size"])
+    shared = get_int(hf, "n_shared_experts", d["n_shared_experts"], minimum=0)
     dense = {} if first_dense == 0 else {
-        "dense_intermediate_size": get_int(hf, "intermediate_size")}
+        "dense_intermediate_size": get_int(hf, "intermediate_size", d["intermediate_size"])}
+    # q_lora_rank: null means a plain q projection, a missing key the class default
+    q_lora = hf.get("q_lora_rank", d["q_lora_rank"])
+    rope_dim = get_int(hf, "qk_rope_head_dim", d["qk_rope_head_dim"])
     return build(
-        hf, family=family,
-        **experts(hf, ("n_routed_experts", "num_local_experts"), 64, default_top_k=6),
+        {**hf, "head_dim": rope_dim}, family=family,    # as the config classes set head_dim
+        **experts(hf, ("n_routed_experts", "num_local_experts"), d["n_routed_experts"],
+                  default_top_k=d["num_experts_per_tok"]),
         moe_intermediate_size=moe_size,
         moe_layers=tuple(range(min(first_dense, n_layers), n_layers)),
         **dense,
         shared_expert_intermediate_size=shared * moe_size,
-        routed_scaling_factor=get_float(hf, "routed_scaling_factor", 1.0),
-        kv_lora_rank=get_int(hf, "kv_lora_rank"),
-        q_lora_rank=get_int(hf, "q_lora_rank", 0, minimum=0),
-        qk_nope_head_dim=get_int(hf, "qk_nope_head_dim"),
-        head_dim=get_int(hf, "qk_rope_head_dim"),
-        v_head_dim=get_int(hf, "v_head_dim"),
+        routed_scaling_factor=get_float(hf, "routed_scaling_factor",
+                                        d["routed_scaling_factor"]),
+        kv_lora_rank=get_int(hf, "kv_lora_rank", d["kv_lora_rank"]),
+        q_lora_rank=get_int({"q_lora_rank": q_lora}, "q_lora_rank", 0, minimum=0),
+        qk_nope_head_dim=get_int(hf, "qk_nope_head_dim", d["qk_nope_head_dim"]),
+        v_head_dim=get_int(hf, "v_head_dim", d["v_head_dim"]),
         **router,
     )
 

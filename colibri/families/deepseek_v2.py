@@ -15,6 +15,14 @@ from .base import Family
 from .config_json import HFConfig, get_int
 
 
+# DeepseekV2Config's defaults of the fields a config.json may leave out (num_experts_per_tok
+# has none there: it must be given)
+DEFAULTS = dict(first_k_dense_replace=0, moe_intermediate_size=1407, n_shared_experts=2,
+                intermediate_size=11008, q_lora_rank=1536, n_routed_experts=64,
+                num_experts_per_tok=deepseek.REQUIRED, routed_scaling_factor=1.0,
+                kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
 def model_config(hf: HFConfig) -> ModelConfig:
     method = hf.get("topk_method") or "greedy"
     if method == "greedy":
@@ -25,7 +33,7 @@ def model_config(hf: HFConfig) -> ModelConfig:
     else:
         raise ConfigError(f"config.json: topk_method {method!r} is not supported for "
                           f"deepseek_v2 (supported: greedy, group_limited_greedy)")
-    return deepseek.model_config(hf, "deepseek_v2", norm_topk_prob=False, **router)
+    return deepseek.model_config(hf, "deepseek_v2", DEFAULTS, norm_topk_prob=False, **router)
 
 
 FAMILY = Family(

@@ -21,9 +21,16 @@ from .config_json import HFConfig, get_bool, get_int
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+# DeepseekV3Config's defaults of the fields a config.json may leave out
+DEFAULTS = dict(first_k_dense_replace=3, moe_intermediate_size=2048, n_shared_experts=1,
+                intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
+                num_experts_per_tok=8, routed_scaling_factor=2.5, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
 def model_config(hf: HFConfig) -> ModelConfig:
     return deepseek.model_config(
-        hf, "deepseek_v3", router="sigmoid_group_topk",
+        hf, "deepseek_v3", DEFAULTS, router="sigmoid_group_topk",
         norm_topk_prob=get_bool(hf, "norm_topk_prob", True),
         n_group=get_int(hf, "n_group", 8), topk_group=get_int(hf, "topk_group", 4))
 

@@ -50,12 +50,13 @@ def partial_rotary_factor(hf: HFConfig) -> float:
 
 
 def model_config(hf: HFConfig) -> ModelConfig:
+    # the defaults are Glm4MoeConfig's
     n_layers = get_int(hf, "num_hidden_layers")
     first_dense = get_int(hf, "first_k_dense_replace", 1, minimum=0)
-    moe_size = get_int(hf, "moe_intermediate_size")
+    moe_size = get_int(hf, "moe_intermediate_size", 1408)
     shared = get_int(hf, "n_shared_experts", 1, minimum=0)
     dense = {} if first_dense == 0 else {
-        "dense_intermediate_size": get_int(hf, "intermediate_size")}
+        "dense_intermediate_size": get_int(hf, "intermediate_size", 10944)}
     cfg = build(
         hf, family="glm4_moe",
         **experts(hf, ("n_routed_experts", "num_local_experts"), 128, default_top_k=8),
