@@ -422,6 +422,7 @@ class _ShardReader:
     def __init__(self, path: Path, budget: int):
         self.path, self.budget = path, budget
         self._f, self._ctx, self._read = None, None, 0
+        self._header = None             # (data start, parsed header) for get_fp8
 
     def get(self, key: str, index: tuple) -> np.ndarray:
         if self._f is None or self._read >= self.budget:
@@ -435,14 +436,20 @@ class _ShardReader:
 
     def get_fp8(self, key: str) -> np.ndarray:
         """An F8_E4M3 tensor as float32 (safetensors' NumPy reader has no float8 type: the
-        bytes are read at the offsets of the file's header, safetensors' documented layout)."""
+        bytes are read at the offsets of the file's header, safetensors' documented layout;
+        the header is parsed once per shard)."""
         import ml_dtypes
+        if self._header is None:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._header = (8 + n, json.loads(f.read(n)))
+        start, header = self._header
+        info = header[key]
+        begin, end = info["data_offsets"]
         with open(self.path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            info = json.loads(f.read(n))[key]
-            begin, end = info["data_offsets"]
-            f.seek(8 + n + begin)
+            f.seek(start + begin)
             raw = np.frombuffer(f.read(end - begin), dtype=np.uint8)
+        self._read += raw.nbytes
         return raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(info["shape"])
 
     def close(self) -> None:
@@ -575,8 +582,11 @@ def _read(reader: _ShardReader, src: Path, t: PlannedTensor) -> np.ndarray:
     """The values of planned tensor t as the checkpoint holds them (FP8: dequantized)."""
     if t.scale is None:
         return reader.get(t.ckpt.key, t.source.index)
-    with _safe_open(src / t.scale.shard) as f:
-        scale = f.get_tensor(t.scale.key).astype(np.float32)
+    if t.scale.shard == t.ckpt.shard:
+        scale = reader.get(t.scale.key, ()).astype(np.float32)
+    else:
+        with _safe_open(src / t.scale.shard) as f:
+            scale = f.get_tensor(t.scale.key).astype(np.float32)
     _check_finite(scale, t.name, t.scale.key)
     return dequantize_fp8(reader.get_fp8(t.ckpt.key), scale, t.fp8_block)
 

@@ -135,6 +135,37 @@ def _fp8_checkpoint(src, dst, edit=None):
     return dst, dequantized
 
 
+def _reshard(folder):
+    """Move every *_scale_inv into a second shard with an index: the scales of a release
+    checkpoint's tensors are not always in the tensor's shard."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:                      # FP8 arrays: read the raw layout
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    header.pop("__metadata__", None)
+    import ml_dtypes
+    kinds = {"F32": np.float32, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+    tensors = {k: np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]],
+                                kinds[v["dtype"]]).reshape(v["shape"])
+               for k, v in header.items()}
+    path.unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items()
+                                                   if not k.endswith("_scale_inv")},
+              "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items()
+                                                   if k.endswith("_scale_inv")}}
+    weight_map = {}
+    for name, part in shards.items():
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+    with safe_open(str(folder / "model-00002-of-00002.safetensors"), "np") as f:
+        assert all(k.endswith("_scale_inv") for k in f.keys())
+
+
 def test_fp8_checkpoint_converts(hf_checkpoint, tmp_path):
     """colibri's logits on the converted FP8 checkpoint = transformers' with the dequantized
     weights; "auto" stores bf16."""
@@ -167,6 +198,10 @@ def test_fp8_checkpoint_converts(hf_checkpoint, tmp_path):
     with api.load(dst, threads=1, activations="f32") as m:
         got = api.forward(m, ids)
     assert _rel_err(got, want) <= F32_TOL
+    _reshard(fp8)                                     # the scales in another shard
+    dst = convert(fp8, tmp_path / "fp8-sharded.colibri", dtype="f32", progress=False)
+    with api.load(dst, threads=1, activations="f32") as m:
+        np.testing.assert_array_equal(api.forward(m, ids), got)
     # the plain checkpoint gives other logits: the FP8 rounding was really applied
     with torch.no_grad():
         plain = load_hf_model(src)(input_ids=torch.from_numpy(ids)).logits.numpy()
