@@ -102,8 +102,9 @@ class KVCache:
         """Store k float32 (B, Hkv, S, Dh), v (B, Hkv, S, Dv) at slots [length, length+S) of
         `layer`.
 
-        Returns views (B, Hkv, L, Dh) and (B, Hkv, L, Dv), L = length+S, of everything the layer attends to. The length
-        itself moves only in `commit`, once every layer has written.
+        Returns views (B, Hkv, L, Dh) and (B, Hkv, L, Dv), L = length+S, of everything the
+        layer attends to. The length itself moves only in `commit`, once every layer has
+        written.
         """
         s = k.shape[2]
         start = self.length

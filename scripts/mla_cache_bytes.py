@@ -6,16 +6,24 @@ latent and the rotary key, colibri/mla.py) against the per-head K/V layout of th
 KVCache allocates lazily (np.zeros), so the caches made here cost no memory.
 """
 from colibri.kv_cache import KVCache
-geos = {  # name: layers, heads, Dn, Dr, Dv, Rkv (config.json of the hub checkpoints)
+
+GEOMETRIES = {  # name: layers, heads, Dn, Dr, Dv, Rkv (config.json of the hub checkpoints)
     "DeepSeek-V2-Lite": (27, 16, 128, 64, 128, 512),
     "DeepSeek-V2 / V2.5": (60, 128, 128, 64, 128, 512),
     "DeepSeek-V3 / R1": (61, 128, 128, 64, 128, 512),
 }
-print("| geometry | MLA cache B/token | per-head K/V B/token | ratio | MLA, 4096 tokens | per-head, 4096 tokens |")
-print("|---|---|---|---|---|---|")
-for name, (L, H, Dn, Dr, Dv, R) in geos.items():
-    mla = KVCache(L, 1, 1, 1, R, value_dim=Dr)
-    naive = KVCache(L, 1, H, 1, Dn + Dr, value_dim=Dv)
-    print(f"| {name} | {mla.bytes_per_token:,} | {naive.bytes_per_token:,} | "
-          f"{naive.bytes_per_token / mla.bytes_per_token:.1f}x | "
-          f"{mla.bytes_per_token * 4096 / 2**20:.0f} MiB | {naive.bytes_per_token * 4096 / 2**30:.2f} GiB |")
+
+
+def main() -> None:
+    print("| geometry | MLA cache B/token | per-head K/V B/token | ratio | MLA, 4096 tokens "
+          "| per-head, 4096 tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, (L, H, Dn, Dr, Dv, R) in GEOMETRIES.items():
+        mla = KVCache(L, 1, 1, 1, R, value_dim=Dr).bytes_per_token
+        naive = KVCache(L, 1, H, 1, Dn + Dr, value_dim=Dv).bytes_per_token
+        print(f"| {name} | {mla:,} | {naive:,} | {naive / mla:.1f}x | "
+              f"{mla * 4096 / 2**20:.0f} MiB | {naive * 4096 / 2**30:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
