@@ -4,7 +4,7 @@ the DeepSeek-V2-Lite geometry over L cached tokens, f32 NumPy projections.
 
     python scripts/mla_decode_step.py [L ...]      # default 256 1024 4096
 
-Prints the median of 20 steps of each; the load of the machine (uptime) beside it.
+Prints the median of 20 steps of each (after 5 warm-up steps) and the machine's load.
 """
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def main(lengths: list[int]) -> None:
         c3, s3 = rope.cos_sin(np.array([[L]]))
         mask = np.ones((1, 1, L + 1), bool)
         times = {"absorbed decode": [], "expanded (general path)": []}
+        for _ in range(5):                                  # warm-up: BLAS threads, pages
+            mla.decode(x, cos, sin, cache, 0, state)
+            mla(x[None], c3, s3, mask, cache, 0)
         for _ in range(20):
             t0 = time.perf_counter()
             a = mla.decode(x, cos, sin, cache, 0, state).copy()
