@@ -236,9 +236,9 @@ def format_summary(s: dict[str, Any], full: bool = False) -> str:
                       f"{'renormalised' if a.get('norm_topk_prob') else 'not renormalised'}"
                       + (f", shared expert {shared}" + (" (sigmoid gate)" if
                          a.get("shared_expert_gate") else "") if shared else "")
-                      + _router_text(a)))
+                      + router_summary(a)))
         if a.get("kv_lora_rank"):
-            facts.append(("attention", _mla_text(a)))
+            facts.append(("attention", mla_summary(a)))
         else:
             facts.append(_attention_fact(a))
         facts.append(("vocab", f"{a.get('vocab_size')}, context "
@@ -316,7 +316,7 @@ def format_rows(name: str, info, rows: np.ndarray) -> str:
     return "\n".join(out)
 
 
-def _router_text(a: dict) -> str:
+def router_summary(a: dict) -> str:
     """The routing rule beyond softmax top-k (DeepSeek / GLM group routers, scaling)."""
     rule = a.get("router", "softmax_topk")
     text = "" if rule == "softmax_topk" else f", router {rule}"
@@ -326,7 +326,7 @@ def _router_text(a: dict) -> str:
     return text + (f", weights x {scale}" if scale != 1.0 else "")
 
 
-def _mla_text(a: dict) -> str:
+def mla_summary(a: dict) -> str:
     """Multi-head latent attention: latent and rotary widths, per-head dims."""
     q = f", q lora {a['q_lora_rank']}" if a.get("q_lora_rank") else ""
     return (f"hidden {a.get('hidden_size')}, MLA: heads {a.get('num_attention_heads')} x "
