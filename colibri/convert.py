@@ -67,7 +67,7 @@ SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
 _SMALL_KINDS = ("attn_norm", "ffn_norm", "norm", "attn.q_norm", "attn.k_norm",
                 "attn.bq", "attn.bk", "attn.bv", "attn.q_a_norm", "attn.kv_a_norm",
-                "moe.router_bias")
+                "moe.correction_bias")
 _ATTN_KINDS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
                "attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b")
 _GATE_KINDS = ("moe.router", "moe.shared_gate")

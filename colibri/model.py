@@ -204,12 +204,13 @@ class Model:
                 shared = tuple(weight_ref(f, buf, f"{p}moe.shared.{n}") for n in mlp)
                 if c.shared_expert_gate:
                     gate = weight_ref(f, buf, p + "moe.shared_gate")
-            bias = vector(f, p + "moe.router_bias") if c.router == "sigmoid_group_topk" else None
+            bias = (vector(f, p + "moe.correction_bias") if c.router == "sigmoid_group_topk"
+                    else None)
             ffn = MoE(weight_ref(f, buf, router_name(i)),
                       *(expert_ref(f, buf, i, n, c.num_experts) for n in mlp),
                       top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, threads=t,
                       shared=shared, shared_gate=gate, rule=c.router, activations=act,
-                      router_bias=bias, n_group=c.n_group, topk_group=c.topk_group,
+                      correction_bias=bias, n_group=c.n_group, topk_group=c.topk_group,
                       routed_scaling_factor=c.routed_scaling_factor)
         else:
             ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}") for n in mlp), threads=t,

@@ -34,7 +34,7 @@ class MoE:
     router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
     rule: the routing rule (config.ROUTERS); activations: of the experts and shared expert.
-    router_bias: float32 (E,), the correction bias of "sigmoid_group_topk"; n_group /
+    correction_bias: float32 (E,), the choice bias of "sigmoid_group_topk"; n_group /
     topk_group: the group rules' groups; routed_scaling_factor: multiplies the weights.
     """
     router: WeightRef
@@ -48,7 +48,7 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
-    router_bias: np.ndarray | None = None
+    correction_bias: np.ndarray | None = None
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -58,7 +58,7 @@ class MoE:
         self._router = kernels.prepare_linear(self.router, threads=self.threads)
         self._route = kernels.prepare_route(self.top_k, rule=self.rule,
                                             norm_topk_prob=self.norm_topk_prob,
-                                            threads=self.threads, bias=self.router_bias,
+                                            threads=self.threads, bias=self.correction_bias,
                                             n_group=self.n_group, topk_group=self.topk_group)
         self._scale = np.float32(self.routed_scaling_factor)
         self._experts = kernels.prepare_expert_ffn(self.w_gate, self.w_up, self.w_down,

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 against transformers (tests/family_parity.py), plus what is V2's own: the
+"""DeepSeek-V2 against transformers (tests/family_oracle.py), plus what is V2's own: the
 group-limited greedy router, YaRN with the mscale correction, the greedy router, the
 latent KV cache's size and the converter's RoPE de-interleaving."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import colibri.api as api  # noqa: E402
 from colibri.config import ConfigError  # noqa: E402
 from colibri.convert import convert, plan  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_parity import FamilyRef  # noqa: E402
+from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_oracle import FamilyRef  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 

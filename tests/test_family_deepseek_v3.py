@@ -1,4 +1,4 @@
-"""DeepSeek-V3 against transformers (tests/family_parity.py), plus what is V3's own: sigmoid
+"""DeepSeek-V3 against transformers (tests/family_oracle.py), plus what is V3's own: sigmoid
 routing with the correction bias in groups, half-split RoPE (rope_interleave false), the
 multi-token-prediction layers skipped, and FP8 block-scaled checkpoints."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import colibri.api as api  # noqa: E402
 from colibri.convert import convert, plan  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_parity import FamilyRef  # noqa: E402
+from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_oracle import FamilyRef  # noqa: E402
 from hf_factory import copy_checkpoint, load_hf_model, tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 
@@ -39,7 +39,7 @@ def test_model_config_fields():
     assert cfg.norm_topk_prob and cfg.routed_scaling_factor == 2.5 and cfg.q_lora_rank == 0
     assert cfg.moe_layers == (1, 2) and cfg.shared_expert_intermediate_size == 32
     names = {name for _, name in get_family(FAMILY).tensor_map(cfg)}
-    assert "layers.1.moe.router_bias" in names and "layers.0.moe.router_bias" not in names
+    assert "layers.1.moe.correction_bias" in names and "layers.0.moe.correction_bias" not in names
 
 
 def test_router_bias_changes_the_choice(ref):

@@ -1,4 +1,4 @@
-"""GLM-4-MoE against transformers (tests/family_parity.py), plus what is its own: partial
+"""GLM-4-MoE against transformers (tests/family_oracle.py), plus what is its own: partial
 RoPE (rope_parameters.partial_rotary_factor), the switches use_qk_norm / attention_bias,
 GLM-4.5's single group, the MTP layers skipped."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from colibri.config import ConfigError  # noqa: E402
 from colibri.convert import plan  # noqa: E402
 from colibri.families import canonical_tensors, get_family  # noqa: E402
 from colibri.rope import Rope  # noqa: E402
-from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_parity import FamilyRef  # noqa: E402
+from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_oracle import FamilyRef  # noqa: E402
 from hf_factory import copy_checkpoint, tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 
@@ -46,7 +46,7 @@ def test_model_config_fields():
     plain = get_family(FAMILY).model_config(config_dict(use_qk_norm=False, attention_bias=False))
     names = {t.name for t in canonical_tensors(plain)}
     assert "layers.1.attn.q_norm" not in names and "layers.1.attn.bq" not in names
-    assert "layers.1.moe.router_bias" in names and "layers.1.moe.shared.w_up" in names
+    assert "layers.1.moe.correction_bias" in names and "layers.1.moe.shared.w_up" in names
     old = config_dict()
     old.pop("rope_parameters")
     old.update(rope_theta=5e5, partial_rotary_factor=0.25)

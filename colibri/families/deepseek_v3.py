@@ -41,7 +41,7 @@ def ignores(key: str, cfg: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
-NAME_MAP = {**deepseek.NAME_MAP, "moe.router_bias": "mlp.gate.e_score_correction_bias"}
+NAME_MAP = {**deepseek.NAME_MAP, "moe.correction_bias": "mlp.gate.e_score_correction_bias"}
 
 FAMILY = Family(
     model_type="deepseek_v3",

@@ -28,7 +28,7 @@ NAME_MAP = {
     "attn.bv": "self_attn.v_proj.bias",
     **QK_NORM_NAMES,          # per head: (Dh,)
     **QWEN_EXPERT_NAMES,
-    "moe.router_bias": "mlp.gate.e_score_correction_bias",
+    "moe.correction_bias": "mlp.gate.e_score_correction_bias",
     "moe.shared.w_gate": "mlp.shared_experts.gate_proj.weight",
     "moe.shared.w_up": "mlp.shared_experts.up_proj.weight",
     "moe.shared.w_down": "mlp.shared_experts.down_proj.weight",

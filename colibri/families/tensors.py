@@ -45,7 +45,7 @@ DIMS: dict[str, tuple[str, ...]] = {
                    "kv_lora_rank"),                                      # (H*(Dn+Dv), Rkv)
     "attn.wo/mla": ("hidden_size", "num_attention_heads*v_head_dim"),   # (D, H*Dv)
     "moe.router": ("num_experts", "hidden_size"),                        # (E, D)
-    "moe.router_bias": ("num_experts",),                                 # sigmoid_group_topk
+    "moe.correction_bias": ("num_experts",),                             # sigmoid_group_topk
     "moe.experts.w_gate": ("moe_intermediate_size", "hidden_size"),      # (I, D)
     "moe.experts.w_up": ("moe_intermediate_size", "hidden_size"),        # (I, D)
     "moe.experts.w_down": ("hidden_size", "moe_intermediate_size"),      # (D, I)
@@ -110,7 +110,7 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
         if i in moe_layers:
             add(p + "moe.router", "moe.router", layer=i)
             if cfg.router == "sigmoid_group_topk":
-                add(p + "moe.router_bias", "moe.router_bias", layer=i)
+                add(p + "moe.correction_bias", "moe.correction_bias", layer=i)
             for e in range(cfg.num_experts):
                 for w in EXPERT_PROJS:
                     add(f"{p}moe.experts.{e}.{w}", "moe.experts." + w, layer=i, expert=e, proj=w)

@@ -1,7 +1,11 @@
 # colibri/pyx/routing.pxi: routing, logits (T, E) -> ids (T, K), weights (T, K).
 
+cdef enum:                  # the group rules' codes (2 is left to the rules added beside them)
+    SOFTMAX_GROUP = 3
+    SIGMOID_GROUP = 4
+
 RULES = {"softmax_topk": 0, "topk_softmax": 1,
-         "softmax_group_topk": 2, "sigmoid_group_topk": 3}
+         "softmax_group_topk": SOFTMAX_GROUP, "sigmoid_group_topk": SIGMOID_GROUP}
 # the rules that choose groups of experts first (DeepSeek): they take n_group / topk_group,
 # the sigmoid one a correction bias (E,); no noise
 GROUP_RULES = ("softmax_group_topk", "sigmoid_group_topk")
@@ -161,10 +165,10 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
     if noisy:
         for e in range(E):
             key[e] = l[e] + colibri_gumbel(seed, <uint64_t>t, <uint64_t>e)
-    if rule == 2:
+    if rule == SOFTMAX_GROUP:
         _route_softmax_group(l, E, k, job.n_group, job.topk_group, p, key, gscore, gids,
                              ids, w)
-    elif rule == 3:
+    elif rule == SIGMOID_GROUP:
         _route_sigmoid_group(l, E, k, job.n_group, job.topk_group, job.bias, norm, p, key,
                              gscore, gids, ids, w)
     elif rule == 0:                                 # softmax over all E, then top-k
@@ -210,12 +214,16 @@ cdef void _route_task(void *ctx, Py_ssize_t t) noexcept nogil:
                  j.gscore + t * j.E, j.gids + t * j.E)
 
 
+cdef inline bint _grouped(int rcode) noexcept:
+    return rcode == SOFTMAX_GROUP or rcode == SIGMOID_GROUP
+
+
 cdef object _group_settings(int rcode, Py_ssize_t E, Py_ssize_t k, bias, Py_ssize_t n_group,
                            Py_ssize_t topk_group):
     """Check a group rule's settings against E and k; the bias as a float32 (E,) view or
     None. ValueError naming the setting."""
     cdef const float[::1] bv
-    if rcode < 2:
+    if not _grouped(rcode):
         return None
     if n_group < 1 or E % n_group:
         raise ValueError(f"n_group = {n_group} must divide the E = {E} experts")
@@ -224,7 +232,7 @@ cdef object _group_settings(int rcode, Py_ssize_t E, Py_ssize_t k, bias, Py_ssiz
     if k > topk_group * (E // n_group):
         raise ValueError(f"k = {k} exceeds the {topk_group * (E // n_group)} experts of "
                          f"topk_group = {topk_group} groups of {E // n_group}")
-    if rcode == 3:
+    if rcode == SIGMOID_GROUP:
         if E // n_group < 2:
             raise ValueError(f"sigmoid_group_topk scores a group by its two best experts: "
                              f"groups of {E // n_group} expert (E = {E}, n_group = {n_group})")
@@ -246,7 +254,7 @@ cdef object _route_run(const float *lp, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k
     wts = np.empty((T, k), dtype=np.float32)
     if T == 0:
         return ids, wts
-    cdef bint grouped = rcode >= 2
+    cdef bint grouped = _grouped(rcode)
     cdef Py_ssize_t blocks = 3 if grouped else 2
     cdef float *scratch = <float *>malloc(blocks * T * E * sizeof(float))
     cdef int32_t *gids = NULL
@@ -291,7 +299,7 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
         raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
     bias_view = _group_settings(rcode, E, k, bias, n_group, topk_group)
     cdef bint noisy = noise_seed is not None
-    if noisy and rcode >= 2:
+    if noisy and _grouped(rcode):
         raise ValueError(f"routing rule {rule!r} takes no noise_seed")
     arr = np.asarray(logits)
     if T and np.isnan(arr).any():

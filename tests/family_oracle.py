@@ -1,7 +1,8 @@
-"""The parity tests of one family against transformers, shared by tests/test_family_<name>.py.
+"""The parity tests of one family against transformers, shared by the DeepSeek-V2 / V3 and
+GLM-4-MoE test files (tests/test_family_<name>.py).
 
 A family's test file makes a module-scoped `ref` fixture (a FamilyRef over a tiny random
-checkpoint of hf_factory) and imports the tests below (`from family_parity import *`);
+checkpoint of hf_factory) and imports the tests below (`from family_oracle import *`);
 they then run against that family:
   - f32: full prompt of a left-padded batch, the same batch step by step through a KV
     cache (the general path), one sequence token by token (the decode step), routing ids
@@ -73,7 +74,7 @@ def hf_name(name: str, hf) -> tuple[str, tuple]:
         return p + "mlp." + _MLP[sub], ()
     if sub == "router":
         return p + "mlp.gate.weight", ()
-    if sub == "router_bias":
+    if sub == "correction_bias":
         return p + "mlp.gate.e_score_correction_bias", ()
     if sub.startswith("shared."):
         return p + "mlp.shared_experts." + _MLP[sub.split(".")[1]], ()
