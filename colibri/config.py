@@ -19,9 +19,11 @@ from .errors import ColibriError
 
 __all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS"]
 
-ROUTERS = ("softmax_topk",                  # softmax over all E, then top-k [, renormalised]
-           "softmax_group_topk",            # DeepSeek-V2 group_limited_greedy
-           "sigmoid_group_topk")            # DeepSeek-V3, GLM-4-MoE: sigmoid + bias, groups
+ROUTERS = (
+    "softmax_topk",     # softmax over all E, then top-k [, renormalised]
+    "softmax_group_topk",   # DeepSeek-V2 group_limited_greedy: softmax, best groups, top-k
+    "sigmoid_group_topk",   # DeepSeek-V3, GLM-4-MoE: sigmoid + correction bias, groups, top-k
+)
 QK_NORMS = ("none", "full", "per_head")     # none | over the whole projection | per head
 
 
@@ -141,12 +143,12 @@ class ModelConfig:
 
     def to_metadata(self) -> dict[str, Any]:
         """The "arch" object to store (JSON types: tuples become lists). The fields of
-        _STORED_IF_SET are left out at their default, so files of the families that do not
-        use them keep the "arch" object they always had."""
+        LATER_FIELDS are left out at their defaults: a file of a family that does not use
+        them is what it was before they existed, and older readers still open it."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in _STORED_IF_SET and v == f.default:
+            if f.name in LATER_FIELDS and v == f.default:
                 continue
             if isinstance(v, tuple):
                 v = list(v)
@@ -159,11 +161,14 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# --- field types and checks ------------------------------------------------------------------
+# Fields added after the first four families (the DeepSeek / GLM-4-MoE rules): stored only
+# when they differ from the default (to_metadata).
+LATER_FIELDS = frozenset({
+    "n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
+    "qk_nope_head_dim", "v_head_dim"})
 
-# fields added after the first families: stored only when they differ from the default
-_STORED_IF_SET = ("n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank",
-                  "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
+
+# --- field types and checks ------------------------------------------------------------------
 
 _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",

@@ -173,7 +173,7 @@ class PlannedTensor:
     dtype: str                      # colibri dtype written
     group_size: int = 0
     role: str | None = None         # quantization role, None for tensors no role covers
-    scale: CheckpointTensor | None = None     # the block scales of an FP8 tensor
+    fp8_scale: CheckpointTensor | None = None    # the block scales of an FP8 tensor
     fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
 
     @property
@@ -367,7 +367,7 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
     cfg = family.model_config(hf_config)
     ckpt = scan_checkpoint(src)
 
-    matched, used, scales = [], set(), {}
+    matched, used, fp8_scales = [], set(), {}
     block = None
     for t in canonical_tensors(cfg):
         s, c = _match(t, family, cfg, ckpt)
@@ -375,8 +375,8 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         used.add(s.key)
         if c.dtype == FP8:
             block = block or fp8_block(hf_config)
-            scales[t.name] = _fp8_scale(s, c, ckpt, block)
-            used.add(scales[t.name].key)
+            fp8_scales[t.name] = _fp8_scale(s, c, ckpt, block)
+            used.add(fp8_scales[t.name].key)
     ignorable = [k for k in ckpt if k not in used and (
         k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings)
         or (family.ignores is not None and family.ignores(k, cfg)))]
@@ -401,7 +401,7 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         else:
             tensors.append(PlannedTensor(t, s, c, base))
     for t in tensors:
-        t.scale = scales.get(t.name)
+        t.fp8_scale = fp8_scales.get(t.name)
         t.fp8_block = block or DEFAULT_FP8_BLOCK
     g = _pick_group_size(tensors, group_size)
     for t in tensors:
@@ -580,14 +580,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
 
 def _read(reader: _ShardReader, src: Path, t: PlannedTensor) -> np.ndarray:
     """The values of planned tensor t as the checkpoint holds them (FP8: dequantized)."""
-    if t.scale is None:
+    if t.fp8_scale is None:
         return reader.get(t.ckpt.key, t.source.index)
-    if t.scale.shard == t.ckpt.shard:
-        scale = reader.get(t.scale.key, ()).astype(np.float32)
+    if t.fp8_scale.shard == t.ckpt.shard:
+        scale = reader.get(t.fp8_scale.key, ()).astype(np.float32)
     else:
-        with _safe_open(src / t.scale.shard) as f:
-            scale = f.get_tensor(t.scale.key).astype(np.float32)
-    _check_finite(scale, t.name, t.scale.key)
+        with _safe_open(src / t.fp8_scale.shard) as f:
+            scale = f.get_tensor(t.fp8_scale.key).astype(np.float32)
+    _check_finite(scale, t.name, t.fp8_scale.key)
     return dequantize_fp8(reader.get_fp8(t.ckpt.key), scale, t.fp8_block)
 
 

@@ -193,7 +193,7 @@ def test_fp8_checkpoint_converts(hf_checkpoint, tmp_path):
         want = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
     p = plan(fp8)
     assert p.dtype == "bf16"
-    assert sum(t.scale is not None for t in p.tensors) == len(dequantized)
+    assert sum(t.fp8_scale is not None for t in p.tensors) == len(dequantized)
     dst = convert(fp8, tmp_path / "fp8.colibri", dtype="f32", progress=False)
     with api.load(dst, threads=1, activations="f32") as m:
         got = api.forward(m, ids)
