@@ -27,7 +27,8 @@ if TYPE_CHECKING:                                   # no runtime import: weights
     from .weights import WeightRef
 
 __all__ = [
-    "dequantize_ref", "linear_ref", "route_topk_ref", "gumbel_ref", "group_by_expert_ref",
+    "dequantize_ref", "linear_ref", "route_topk_ref", "route_group_ref", "gumbel_ref",
+    "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
     "linear_iact_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
     "rms_norm_rows_ref", "rope_rows_ref",
@@ -252,7 +253,8 @@ def _top(key: np.ndarray, k: int) -> np.ndarray:
 
 
 def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
-                   norm_topk_prob: bool = False, noise_seed: int | None = None
+                   norm_topk_prob: bool = False, noise_seed: int | None = None,
+                   bias: np.ndarray | None = None, n_group: int = 1, topk_group: int = 1
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Router weights: logits float32 (T, E) -> ids int32 (T, K), weights float32 (T, K).
 
@@ -261,10 +263,14 @@ def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
     "topk_softmax": top-k by logit; weights = softmax over the k chosen logits.
     noise_seed: the top-k selects on logits + gumbel_ref(seed) instead (sampling-time routing);
         the weights come from the un-noised logits.
+    "softmax_group_topk" / "sigmoid_group_topk": route_group_ref (n_group, topk_group, bias).
     Each row of ids is listed by descending weight, ties -> lower expert index.
     """
     logits = np.asarray(logits, dtype=np.float32)
     T, E = logits.shape
+    if rule in ("softmax_group_topk", "sigmoid_group_topk"):
+        return route_group_ref(logits, k, rule=rule, norm_topk_prob=norm_topk_prob,
+                               bias=bias, n_group=n_group, topk_group=topk_group)
     if rule not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"unknown routing rule {rule!r}")
     noise = gumbel_ref(noise_seed, T, E) if noise_seed is not None else None
@@ -282,6 +288,60 @@ def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
             sel = _top(l if noise is None else l + noise[t], k)
             w = _softmax_f32(l[sel])
         order = np.lexsort((sel, -w.astype(np.float64)))              # weight desc, id asc
+        ids[t], wts[t] = sel[order], w[order]
+    return ids, wts
+
+
+def _kept_experts(gscore: np.ndarray, n_group: int, topk_group: int, E: int) -> np.ndarray:
+    """bool (E,): the experts of the topk_group groups of largest gscore (ties -> lower)."""
+    keep = np.zeros(n_group, dtype=bool)
+    keep[_top(gscore, topk_group)] = True
+    return np.repeat(keep, E // n_group)
+
+
+def route_group_ref(logits: np.ndarray, k: int, *, rule: str, norm_topk_prob: bool = False,
+                    bias: np.ndarray | None = None, n_group: int = 1, topk_group: int = 1
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's group-limited routing: logits float32 (T, E) -> ids int32 (T, K), weights
+    float32 (T, K), listed by descending weight (ties -> lower expert index).
+
+    The E experts form n_group groups of E / n_group consecutive experts; the topk_group
+    best groups are kept, then the top k of their experts are taken.
+    "softmax_group_topk" (V2 group_limited_greedy): p = softmax(logits); group score = max p
+        of the group; experts of other groups get p = 0; top-k by p; weights = p[ids].
+    "sigmoid_group_topk" (V3, GLM-4-MoE): s = sigmoid(logits) (float32), c = s + bias;
+        group score = the sum of the group's two largest c; other groups' c = -inf; top-k by
+        c; weights = s[ids], / (sum + 1e-20) in float32 when norm_topk_prob.
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    T, E = logits.shape
+    size = E // n_group
+    ids = np.empty((T, k), dtype=np.int32)
+    wts = np.empty((T, k), dtype=np.float32)
+    for t in range(T):
+        if rule == "softmax_group_topk":
+            p = _softmax_f32(logits[t])
+            keep = _kept_experts(p.reshape(n_group, size).max(axis=1), n_group, topk_group, E)
+            key = np.where(keep, p, np.float32(0.0)).astype(np.float32)
+            sel = _top(key, k)
+            w = key[sel]
+        elif rule == "sigmoid_group_topk":
+            with np.errstate(over="ignore"):
+                s = (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits[t]))).astype(np.float32)
+            c = (s + np.asarray(bias, dtype=np.float32)).astype(np.float32)
+            top2 = -np.sort(-c.reshape(n_group, size), axis=1)[:, :2]
+            gscore = (top2[:, 0] + top2[:, 1]).astype(np.float32)
+            keep = _kept_experts(gscore, n_group, topk_group, E)
+            sel = _top(np.where(keep, c, np.float32(-np.inf)), k)
+            w = s[sel]
+            if norm_topk_prob:
+                total = np.float32(0.0)
+                for v in w:                          # in order, in float32, as the kernel
+                    total = np.float32(total + v)
+                w = (w / np.float32(total + np.float32(1e-20))).astype(np.float32)
+        else:
+            raise ValueError(f"unknown group routing rule {rule!r}")
+        order = np.lexsort((sel, -w.astype(np.float64)))
         ids[t], wts[t] = sel[order], w[order]
     return ids, wts
 

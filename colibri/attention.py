@@ -63,14 +63,15 @@ def build_mask(valid: np.ndarray, n_new: int, window: int | None = None) -> np.n
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """Scaled dot-product attention with GQA.
 
-    q (B, H, S, Dh), k/v (B, Hkv, L, Dh) float32, mask bool (B, S, L) -> float32 (B, S, H*Dh).
+    q (B, H, S, Dh), k (B, Hkv, L, Dh), v (B, Hkv, L, Dv) float32 (Dv = Dh but for MLA),
+    mask bool (B, S, L) -> float32 (B, S, H*Dv).
     A query row with no visible key (left padding) gets zeros instead of NaN.
     """
-    B, H, S, Dh = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
+    B, H, S, Dq = q.shape
+    Hkv, L, Dh = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hkv
     out = np.empty((B, Hkv, G, S, Dh), dtype=np.float32)
-    qg = q.reshape(B, Hkv, G, S, Dh)
+    qg = q.reshape(B, Hkv, G, S, Dq)
     kt = k.transpose(0, 1, 3, 2)[:, :, None]                                 # (B, Hkv, 1, Dh, L)
     vv = v[:, :, None]                                                        # (B, Hkv, 1, L, Dh)
     chunk = max(1, _SCORE_BYTES // max(1, B * H * L * 4))

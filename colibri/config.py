@@ -19,7 +19,11 @@ from .errors import ColibriError
 
 __all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS"]
 
-ROUTERS = ("softmax_topk",)                 # softmax over all E, then top-k [, renormalised]
+ROUTERS = (
+    "softmax_topk",     # softmax over all E, then top-k [, renormalised]
+    "softmax_group_topk",   # DeepSeek-V2 group_limited_greedy: softmax, best groups, top-k
+    "sigmoid_group_topk",   # DeepSeek-V3, GLM-4-MoE: sigmoid + correction bias, groups, top-k
+)
 QK_NORMS = ("none", "full", "per_head")     # none | over the whole projection | per head
 
 
@@ -41,8 +45,11 @@ class ModelConfig:
     num_experts: int                                 # E
     num_experts_per_tok: int                         # K
     moe_intermediate_size: int                       # I
-    router: str = "softmax_topk"
+    router: str = "softmax_topk"                     # one of ROUTERS (kernels.route_topk)
     norm_topk_prob: bool = False                     # renormalise the top-k weights to sum 1
+    n_group: int = 1                                 # expert groups of the group routers
+    topk_group: int = 1                              # groups kept per token
+    routed_scaling_factor: float = 1.0               # multiplies the routed weights
     shared_expert_intermediate_size: int = 0         # Is; 0: no shared expert
     shared_expert_gate: bool = False                 # shared expert scaled by sigmoid(x . g)
     moe_layers: tuple[int, ...] | None = None        # None: every layer is an MoE layer
@@ -61,6 +68,12 @@ class ModelConfig:
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | tuple[int, ...] | None = None
+    # multi-head latent attention (DeepSeek-V2/V3, colibri/mla.py) when kv_lora_rank > 0:
+    # head_dim is then the rotary key dim (qk_rope_head_dim), as transformers sets it
+    kv_lora_rank: int = 0                            # Rkv, the cached latent's width
+    q_lora_rank: int = 0                             # Rq; 0: q is one projection
+    qk_nope_head_dim: int = 0                        # Dn, the per-head key dims without RoPE
+    v_head_dim: int = 0                              # Dv
 
     def __post_init__(self):
         _check(self)
@@ -87,6 +100,16 @@ class ModelConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (colibri/mla.py) instead of attention.Attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: Dn + Dr, the per-head query/key width (the softmax scale's dimension)."""
+        return self.qk_nope_head_dim + self.head_dim
 
     @property
     def kv_group(self) -> int:
@@ -119,10 +142,14 @@ class ModelConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_metadata(self) -> dict[str, Any]:
-        """The "arch" object to store (JSON types: tuples become lists)."""
+        """The "arch" object to store (JSON types: tuples become lists). The fields of
+        LATER_FIELDS are left out at their defaults: a file of a family that does not use
+        them is what it was before they existed, and older readers still open it."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in LATER_FIELDS and v == f.default:
+                continue
             if isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, Mapping):
@@ -134,14 +161,23 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# Fields added after the first four families (the DeepSeek / GLM-4-MoE rules): stored only
+# when they differ from the default (to_metadata).
+LATER_FIELDS = frozenset({
+    "n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
+    "qk_nope_head_dim", "v_head_dim"})
+
+
 # --- field types and checks ------------------------------------------------------------------
 
 _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size", "max_position_embeddings")
-_COUNT = ("shared_expert_intermediate_size", "dense_intermediate_size")      # may be 0
+_COUNT = ("shared_expert_intermediate_size", "dense_intermediate_size",      # may be 0
+          "n_group", "topk_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+          "v_head_dim")
 _BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings")
-_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps")
+_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "routed_scaling_factor")
 _TOKEN = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -219,6 +255,8 @@ def _check(c: ModelConfig) -> None:
     if c.router not in ROUTERS:
         raise ConfigError(f"router {c.router!r} is not supported (supported: "
                           f"{', '.join(ROUTERS)})")
+    _check_groups(c)
+    _check_mla(c)
     if c.qk_norm not in QK_NORMS:
         raise ConfigError(f"qk_norm must be one of {', '.join(QK_NORMS)}, found {c.qk_norm!r}")
     if c.clip_qkv is not None and not (math.isfinite(c.clip_qkv) and c.clip_qkv > 0):
@@ -243,3 +281,41 @@ def _check(c: ModelConfig) -> None:
         raise ConfigError(f"rotary dimension {rot} (head_dim {c.head_dim} x "
                           f"partial_rotary_factor {c.partial_rotary_factor}) must be a positive "
                           f"even number")
+
+
+def _check_groups(c: ModelConfig) -> None:
+    """The group routers' settings (kernels.route_topk checks them again per call)."""
+    E, K = c.num_experts, c.num_experts_per_tok
+    if c.n_group < 1 or E % c.n_group:
+        raise ConfigError(f"n_group {c.n_group} must be a positive divisor of num_experts {E}")
+    if not 1 <= c.topk_group <= c.n_group:
+        raise ConfigError(f"topk_group {c.topk_group} must be in 1..n_group {c.n_group}")
+    if c.router.endswith("_group_topk") and K > c.topk_group * (E // c.n_group):
+        raise ConfigError(f"num_experts_per_tok {K} exceeds the {c.topk_group * (E // c.n_group)} "
+                          f"experts of topk_group {c.topk_group} groups of {E // c.n_group}")
+    if c.router == "sigmoid_group_topk" and E // c.n_group < 2:
+        raise ConfigError(f"router sigmoid_group_topk scores a group by its two best experts: "
+                          f"num_experts {E} / n_group {c.n_group} leaves groups of one")
+    if not c.routed_scaling_factor > 0:
+        raise ConfigError(f"routed_scaling_factor must be positive, found "
+                          f"{c.routed_scaling_factor!r}")
+
+
+def _check_mla(c: ModelConfig) -> None:
+    if not c.is_mla:
+        if c.q_lora_rank or c.qk_nope_head_dim or c.v_head_dim:
+            raise ConfigError("q_lora_rank, qk_nope_head_dim and v_head_dim are MLA fields: "
+                              "they need kv_lora_rank > 0")
+        return
+    for name in ("qk_nope_head_dim", "v_head_dim"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"MLA (kv_lora_rank {c.kv_lora_rank}) needs {name} >= 1, found "
+                              f"{getattr(c, name)}")
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise ConfigError(f"MLA expands the latent into every head: num_key_value_heads "
+                          f"{c.num_key_value_heads} must equal num_attention_heads "
+                          f"{c.num_attention_heads}")
+    if c.partial_rotary_factor != 1.0 or c.attention_bias or c.qk_norm != "none" \
+            or c.clip_qkv is not None or c.sliding_window:
+        raise ConfigError("MLA takes no partial_rotary_factor, attention_bias, qk_norm, "
+                          "clip_qkv or sliding_window")

@@ -18,8 +18,14 @@ Target dtype of each tensor:
   routing decisions are sensitive to error).
 - everything else: `quant` (q8/q4) when its role is in `quantize`, else `dtype`;
   dtype "auto" keeps the checkpoint's dtype (bf16 stays bf16, bit-exact).
-Roles: experts (routed experts), shared (shared expert), attn (wq/wk/wv/wo), head (lm_head),
-dense (the mlp of dense layers). The embedding is never quantized.
+Roles: experts (routed experts), shared (shared expert), attn (wq/wk/wv/wo and MLA's
+projections), head (lm_head), dense (the mlp of dense layers). The embedding is never
+quantized.
+
+FP8 checkpoints (DeepSeek-V3's release: float8_e4m3fn weights, each with a float32
+`<key>_scale_inv` per block of config.json's quantization_config.weight_block_size, 128 x 128)
+are dequantized on reading, value * scale_inv of its block, then stored as above; "auto"
+stores them as bf16 (the checkpoint's other tensors' dtype).
 """
 from __future__ import annotations
 
@@ -54,8 +60,16 @@ SINGLE_FILE = "model.safetensors"
 
 # safetensors dtype -> colibri dtype of the values (what "auto" keeps)
 _SOURCE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+FP8 = "F8_E4M3"                   # block-scaled: dequantized on reading
+_AUTO_FP8 = "bf16"
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2, FP8: 1}
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
 _SMALL_KINDS = ("attn_norm", "ffn_norm", "norm", "attn.q_norm", "attn.k_norm",
-                "attn.bq", "attn.bk", "attn.bv")
+                "attn.bq", "attn.bk", "attn.bv", "attn.q_a_norm", "attn.kv_a_norm",
+                "moe.correction_bias")
+_ATTN_KINDS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
+               "attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b")
 _GATE_KINDS = ("moe.router", "moe.shared_gate")
 
 
@@ -159,6 +173,8 @@ class PlannedTensor:
     dtype: str                      # colibri dtype written
     group_size: int = 0
     role: str | None = None         # quantization role, None for tensors no role covers
+    fp8_scale: CheckpointTensor | None = None    # the block scales of an FP8 tensor
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
 
     @property
     def name(self) -> str:
@@ -167,7 +183,7 @@ class PlannedTensor:
     @property
     def source_nbytes(self) -> int:
         # the source (a whole checkpoint tensor or one expert's slice) has the canonical shape
-        return math.prod(self.canon.shape) * (4 if self.ckpt.dtype == "F32" else 2)
+        return math.prod(self.canon.shape) * _ITEM_BYTES[self.ckpt.dtype]
 
     def spec(self):
         c = self.canon
@@ -221,7 +237,7 @@ def quant_role(kind: str) -> str | None:
         return "experts"
     if kind.startswith("moe.shared."):
         return "shared"
-    if kind in ("attn.wq", "attn.wk", "attn.wv", "attn.wo"):
+    if kind in _ATTN_KINDS:
         return "attn"
     if kind == "lm_head":
         return "head"
@@ -256,19 +272,50 @@ def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
         raise ColibriError(
             f"checkpoint tensor {s.key!r} has shape {c.shape}, but config.json implies "
             f"{want} ({family.explain(dims, cfg)})")
-    if c.dtype not in _SOURCE_DTYPES:
-        extra = " (FP8 checkpoints are not supported)" if c.dtype.startswith("F8") else ""
+    if c.dtype not in _SOURCE_DTYPES and not (c.dtype == FP8 and s.key + SCALE_SUFFIX in ckpt):
+        extra = (f" without its block scales {s.key + SCALE_SUFFIX!r}" if c.dtype == FP8
+                 else " (FP8 checkpoints: F8_E4M3 with block scales)"
+                 if c.dtype.startswith("F8") else "")
         raise ColibriError(f"checkpoint tensor {s.key!r} has dtype {c.dtype}, unsupported"
-                           f"{extra}; supported: {', '.join(_SOURCE_DTYPES)}")
+                           f"{extra}; supported: {', '.join(_SOURCE_DTYPES)}, {FP8} with "
+                           f"*{SCALE_SUFFIX}")
     return s, c
 
 
+def fp8_block(hf_config: Mapping[str, Any]) -> tuple[int, int]:
+    """The (rows, columns) of an FP8 checkpoint's scale blocks (quantization_config)."""
+    q = hf_config.get("quantization_config") or {}
+    block = q.get("weight_block_size", DEFAULT_FP8_BLOCK) if isinstance(q, dict) else None
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ColibriError(f"config.json: quantization_config.weight_block_size must be two "
+                           f"positive integers, found {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _fp8_scale(s: Source, c: CheckpointTensor, ckpt: Mapping[str, CheckpointTensor],
+               block: tuple[int, int]) -> CheckpointTensor:
+    """The scale tensor of FP8 checkpoint tensor c, shape-checked: (ceil(R/br), ceil(C/bc))."""
+    scale = ckpt[s.key + SCALE_SUFFIX]
+    if s.index or len(c.shape) != 2:
+        raise ColibriError(f"checkpoint tensor {s.key!r}: FP8 is supported for whole 2-D "
+                           f"matrices only, found shape {c.shape}")
+    want = tuple(-(-n // b) for n, b in zip(c.shape, block))
+    if scale.shape != want or scale.dtype not in _SOURCE_DTYPES:
+        raise ColibriError(f"checkpoint tensor {scale.key!r} has shape {scale.shape} and "
+                           f"dtype {scale.dtype}; {s.key!r} {c.shape} in blocks of {block} "
+                           f"needs {want} floats")
+    return scale
+
+
 def _auto_dtype(matched: list[tuple[CanonicalTensor, CheckpointTensor]]) -> str:
-    """The checkpoint dtype holding the most parameters (all of them, in a usual checkpoint)."""
+    """The checkpoint dtype holding the most parameters (all of them, in a usual checkpoint);
+    FP8 counts as bf16."""
     count: dict[str, int] = {}
     for t, c in matched:
-        count[c.dtype] = count.get(c.dtype, 0) + math.prod(t.shape)
-    return _SOURCE_DTYPES[max(count, key=count.get)]
+        d = _AUTO_FP8 if c.dtype == FP8 else _SOURCE_DTYPES[c.dtype]
+        count[d] = count.get(d, 0) + math.prod(t.shape)
+    return max(count, key=count.get)
 
 
 def _pick_group_size(tensors: list[PlannedTensor], group_size: int | None) -> int:
@@ -320,13 +367,19 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
     cfg = family.model_config(hf_config)
     ckpt = scan_checkpoint(src)
 
-    matched, used = [], set()
+    matched, used, fp8_scales = [], set(), {}
+    block = None
     for t in canonical_tensors(cfg):
         s, c = _match(t, family, cfg, ckpt)
         matched.append((t, s, c))
         used.add(s.key)
+        if c.dtype == FP8:
+            block = block or fp8_block(hf_config)
+            fp8_scales[t.name] = _fp8_scale(s, c, ckpt, block)
+            used.add(fp8_scales[t.name].key)
     ignorable = [k for k in ckpt if k not in used and (
-        k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings))]
+        k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings)
+        or (family.ignores is not None and family.ignores(k, cfg)))]
     extra = sorted(set(ckpt) - used - set(ignorable))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
@@ -347,6 +400,9 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
             tensors.append(PlannedTensor(t, s, c, gate))
         else:
             tensors.append(PlannedTensor(t, s, c, base))
+    for t in tensors:
+        t.fp8_scale = fp8_scales.get(t.name)
+        t.fp8_block = block or DEFAULT_FP8_BLOCK
     g = _pick_group_size(tensors, group_size)
     for t in tensors:
         if t.role is not None:
@@ -366,6 +422,7 @@ class _ShardReader:
     def __init__(self, path: Path, budget: int):
         self.path, self.budget = path, budget
         self._f, self._ctx, self._read = None, None, 0
+        self._header = None             # (data start, parsed header) for get_fp8
 
     def get(self, key: str, index: tuple) -> np.ndarray:
         if self._f is None or self._read >= self.budget:
@@ -377,10 +434,36 @@ class _ShardReader:
         self._read += a.nbytes
         return a
 
+    def get_fp8(self, key: str) -> np.ndarray:
+        """An F8_E4M3 tensor as float32 (safetensors' NumPy reader has no float8 type: the
+        bytes are read at the offsets of the file's header, safetensors' documented layout;
+        the header is parsed once per shard)."""
+        import ml_dtypes
+        if self._header is None:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._header = (8 + n, json.loads(f.read(n)))
+        start, header = self._header
+        info = header[key]
+        begin, end = info["data_offsets"]
+        with open(self.path, "rb") as f:
+            f.seek(start + begin)
+            raw = np.frombuffer(f.read(end - begin), dtype=np.uint8)
+        self._read += raw.nbytes
+        return raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(info["shape"])
+
     def close(self) -> None:
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
         self._f = self._ctx = None
+
+
+def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Block-scaled FP8 values float32 (R, C) times their block's scale_inv (ceil(R/br),
+    ceil(C/bc)) -> float32 (R, C), as transformers' FP8 dequantization."""
+    s = np.asarray(scale_inv, dtype=np.float32)
+    full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[:w.shape[0], :w.shape[1]]
+    return w * full
 
 
 def _check_finite(a: np.ndarray, name: str, key: str, chunk: int = 1 << 22) -> None:
@@ -474,7 +557,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                 reader = _ShardReader(src / shard, budget=max(largest, 64 << 20))
                 try:
                     for t in todo:
-                        a = reader.get(t.ckpt.key, t.source.index)
+                        a = _read(reader, src, t)
+                        if p.family.transform is not None:
+                            a = p.family.transform(t.canon, p.config, p.hf_config, a)
                         _check_finite(a, t.name, t.ckpt.key)
                         data, raw = _encode(t, a)
                         try:
@@ -491,6 +576,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
     finally:
         bar.close()
     return dst
+
+
+def _read(reader: _ShardReader, src: Path, t: PlannedTensor) -> np.ndarray:
+    """The values of planned tensor t as the checkpoint holds them (FP8: dequantized)."""
+    if t.fp8_scale is None:
+        return reader.get(t.ckpt.key, t.source.index)
+    if t.fp8_scale.shard == t.ckpt.shard:
+        scale = reader.get(t.fp8_scale.key, ()).astype(np.float32)
+    else:
+        with _safe_open(src / t.fp8_scale.shard) as f:
+            scale = f.get_tensor(t.fp8_scale.key).astype(np.float32)
+    _check_finite(scale, t.name, t.fp8_scale.key)
+    return dequantize_fp8(reader.get_fp8(t.ckpt.key), scale, t.fp8_block)
 
 
 def _check_meta(meta: Mapping[str, str] | None) -> dict[str, str]:

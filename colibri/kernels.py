@@ -49,7 +49,8 @@ __all__ = [
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
-ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax")
+ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "softmax_group_topk",
+                                  "sigmoid_group_topk")
 ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
 
 
@@ -145,7 +146,8 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
 
 def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
                norm_topk_prob: bool = False, noise_seed: int | None = None,
-               threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               threads: int | None = None, bias: np.ndarray | None = None, n_group: int = 1,
+               topk_group: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Pick k experts per token and their weights from router logits.
 
     Parameters
@@ -157,13 +159,26 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
         (ties -> lower expert index); weights = p[ids], divided by their sum when
         `norm_topk_prob`. "topk_softmax": the k largest logits; weights = softmax over those
         k (max taken over the k, so nothing underflows that need not).
-    norm_topk_prob : bool, renormalise the k weights of "softmax_topk" to sum 1
+        The group rules (DeepSeek) split the E experts into n_group groups of E / n_group
+        consecutive experts, keep the topk_group best groups (ties -> lower group) and take
+        the top k of their experts:
+        "softmax_group_topk" (DeepSeek-V2 group_limited_greedy): p = softmax over all E; a
+        group scores its largest p; weights = p[ids], never renormalised.
+        "sigmoid_group_topk" (DeepSeek-V3, GLM-4-MoE): s = sigmoid(logits), the choice
+        c = s + bias; a group scores the sum of its two largest c; top-k by c; weights =
+        s[ids], divided by (their sum + 1e-20) when `norm_topk_prob`.
+        (routed_scaling_factor is the caller's: moe.MoE multiplies the weights by it.)
+    norm_topk_prob : bool, renormalise the k weights of "softmax_topk" /
+        "sigmoid_group_topk" to sum 1
     noise_seed : int or None
         If given, Gumbel(0, 1) noise is added to the logits before the selection
         (sampling-time routing); the weights still come from the un-noised logits. The noise
         is a pure function of (seed, token index in this call, expert): reproducible, and
         independent of the thread count. To vary it across layers or steps, vary the seed.
+        Not with the group rules.
     threads : int or None
+    bias : float32 (E,), the correction bias of "sigmoid_group_topk" (else unused)
+    n_group, topk_group : int, the groups of the group rules (else unused)
 
     Returns
     -------
@@ -182,9 +197,10 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
     if noise_seed is not None and (isinstance(noise_seed, bool)
                                    or not isinstance(noise_seed, (int, np.integer))):
         raise ValueError(f"noise_seed must be an int or None, found {noise_seed!r}")
+    b = None if bias is None else _f32("bias", bias, (1,))
     return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
                                None if noise_seed is None else int(noise_seed),
-                               resolve_threads(threads))
+                               resolve_threads(threads), b, int(n_group), int(topk_group))
 
 
 def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -458,16 +474,20 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
 
 
 def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = False,
-                  threads: int | None = None) -> Callable[[np.ndarray], tuple]:
+                  threads: int | None = None, bias: np.ndarray | None = None,
+                  n_group: int = 1, topk_group: int = 1) -> Callable[[np.ndarray], tuple]:
     """route_topk with its settings checked once (no noise).
 
     Returns p with p(logits float32 (T, E), C-contiguous) -> (ids int32 (T, K), weights
     float32 (T, K)), the same as route_topk(logits, k, rule=rule,
-    norm_topk_prob=norm_topk_prob, threads=threads).
+    norm_topk_prob=norm_topk_prob, threads=threads, bias=bias, n_group=n_group,
+    topk_group=topk_group).
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an int, found {k!r}")
-    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads))
+    b = None if bias is None else _rows_f32("bias", bias, (1,))
+    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads),
+                                  b, int(n_group), int(topk_group))
 
 
 def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,

@@ -11,6 +11,11 @@ left padding of a batch) and its RoPE position, so later steps need neither the 
 nor the positions again. The decode step writes its one key and value inside the compiled
 attention call (kernels.attend_cached_into); write_one is the same write in NumPy.
 
+The value planes may be narrower or wider than the key planes (value_dim): a model with
+multi-head latent attention (colibri/mla.py) keeps one "head" per layer whose key plane holds
+the compressed latent (Rkv wide) and whose value plane holds the shared rotary key (Dr wide)
+instead of per-head keys and values (docs/families.md has the bytes per token).
+
 Shapes as in the package docstring (P cache slots, S new tokens per sequence).
 """
 from __future__ import annotations
@@ -34,20 +39,24 @@ class CacheOverflowError(ColibriError, ValueError):
 class KVCache:
     """Keys and values of every layer for a batch of B sequences, P = ctx slots each.
 
-    Attributes: k, v (lists over layers of float32 (B, Hkv, P, Dh)); valid (B, P) bool;
+    Attributes: k, v (lists over layers of float32 (B, Hkv, P, Dh) and (B, Hkv, P, Dv), Dv =
+    value_dim, head_dim unless given); valid (B, P) bool;
     pos (B, P) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
     scratch (a dict in which the model keeps the decode step's RunState, see Model.forward).
     """
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int):
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int,
+                 value_dim: int | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
         for name, val in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
-                          ("ctx", ctx), ("head_dim", head_dim)):
+                          ("ctx", ctx), ("head_dim", head_dim), ("value_dim", value_dim)):
             if int(val) != val or val < 1:
                 raise ValueError(f"KVCache: {name} must be a positive integer, got {val!r}")
         self.n_layers, self.batch, self.n_kv_heads = int(n_layers), int(batch), int(n_kv_heads)
-        self.ctx, self.head_dim = int(ctx), int(head_dim)
+        self.ctx, self.head_dim, self.value_dim = int(ctx), int(head_dim), int(value_dim)
         shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, P, Dh)
         self.k = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
+        shape = shape[:3] + (self.value_dim,)                           # (B, Hkv, P, Dv)
         self.v = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
         self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, P)
         self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, P)
@@ -58,7 +67,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes reserved for K and V (all layers)."""
-        return 2 * self.n_layers * self.batch * self.n_kv_heads * self.ctx * self.head_dim * 4
+        return (self.n_layers * self.batch * self.n_kv_heads * self.ctx
+                * (self.head_dim + self.value_dim) * 4)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one sequence takes in every layer's K and V planes."""
+        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * 4
 
     @property
     def remaining(self) -> int:
@@ -84,10 +99,12 @@ class KVCache:
 
     # -- writing (called by the model during a forward pass) ------------------------------------
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v float32 (B, Hkv, S, Dh) at slots [length, length+S) of `layer`.
+        """Store k float32 (B, Hkv, S, Dh), v (B, Hkv, S, Dv) at slots [length, length+S) of
+        `layer`.
 
-        Returns views (B, Hkv, L, Dh), L = length+S, of everything the layer attends to. The length
-        itself moves only in `commit`, once every layer has written.
+        Returns views (B, Hkv, L, Dh) and (B, Hkv, L, Dv), L = length+S, of everything the
+        layer attends to. The length itself moves only in `commit`, once every layer has
+        written.
         """
         s = k.shape[2]
         start = self.length
@@ -144,7 +161,7 @@ class KVCache:
         """An independent cache with the same contents (e.g. to branch from a shared prefix)."""
         new = KVCache.__new__(KVCache)
         new.n_layers, new.batch, new.n_kv_heads = self.n_layers, self.batch, self.n_kv_heads
-        new.ctx, new.head_dim = self.ctx, self.head_dim
+        new.ctx, new.head_dim, new.value_dim = self.ctx, self.head_dim, self.value_dim
         new.k, new.v = [], []
         for k, v in zip(self.k, self.v):
             k2 = np.zeros_like(k)
@@ -161,5 +178,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.n_layers}, batch={self.batch}, kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, ctx={self.ctx}, length={self.length}, "
+                f"head_dim={self.head_dim}"
+                + (f", value_dim={self.value_dim}" if self.value_dim != self.head_dim else "")
+                + f", ctx={self.ctx}, length={self.length}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")

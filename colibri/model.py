@@ -38,6 +38,7 @@ from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buf
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .mla import MLA, softmax_scale
 from .moe import DenseMLP, MoE
 from .norms import rms_norm
 from .rope import Rope
@@ -65,7 +66,7 @@ _norm_rows = kernels.rms_norm_rows_into        # (x (N, C), weight (C,), eps, ou
 @dataclass
 class _Layer:
     attn_norm: np.ndarray
-    attn: Attention
+    attn: Attention | MLA
     ffn_norm: np.ndarray
     ffn: MoE | DenseMLP
 
@@ -151,7 +152,7 @@ class Model:
         f, c, t = self.file, self.config, self.threads
         self._buf = weights_buffer(f, self._plan, self._mapped)  # the mapping (or a copy), 1-D
         self.rope = Rope.from_config(c)
-        self._cache_dims = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self._cache_dims = self._cache_geometry()       # (layers, kv heads, Dh, Dv)
         self._state_key = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, c.rms_norm_eps)       # the geometry of a RunState
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
@@ -160,6 +161,38 @@ class Model:
         self._head = kernels.prepare_linear(self.head, threads=t, activations=self.activations)
         self.final_norm = vector(f, "norm")
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
+
+    def _cache_geometry(self) -> tuple[int, int, int, int]:
+        """(layers, kv heads, key width, value width) of this model's KV cache; MLA caches
+        one latent (Rkv) and one rotary key (Dr) per token and layer."""
+        c = self.config
+        if c.is_mla:
+            return c.num_hidden_layers, 1, c.kv_lora_rank, c.head_dim
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.head_dim
+
+    def _dense_f32(self, name: str) -> np.ndarray:
+        """Tensor `name` of the file decoded to a new float32 array (any format)."""
+        t = self.file.tensor(name)
+        if isinstance(t, QuantizedTensor):
+            return t.dequantize()
+        if t.dtype == np.uint16:                                             # bf16 bits
+            return quant.bf16_to_f32(t)
+        return np.array(t, dtype=np.float32)
+
+    def _mla(self, i: int, proj) -> MLA:
+        """Layer i's latent attention (colibri/mla.py); proj(name) -> _Linear."""
+        f, c, p = self.file, self.config, f"layers.{i}."
+        lora = c.q_lora_rank > 0
+        return MLA(
+            wq=None if lora else proj("attn.wq", "attn.bq"),
+            wq_a=proj("attn.wq_a", "attn.bq_a") if lora else None,
+            q_a_norm=vector(f, p + "attn.q_a_norm") if lora else None,
+            wq_b=proj("attn.wq_b", "attn.bq_b") if lora else None,
+            wkv_a=proj("attn.wkv_a", "attn.bkv_a"), kv_a_norm=vector(f, p + "attn.kv_a_norm"),
+            wkv_b=proj("attn.wkv_b", "attn.bkv_b"), wo=proj("attn.wo", "attn.bo"),
+            kv_b=self._dense_f32(p + "attn.wkv_b"), n_heads=c.num_attention_heads,
+            nope_dim=c.qk_nope_head_dim, rope_dim=c.head_dim, v_dim=c.v_head_dim,
+            kv_rank=c.kv_lora_rank, scale=softmax_scale(c))
 
     def _layer(self, i: int) -> _Layer:
         """Layer i's weights (views and WeightRefs into the mapping) and settings."""
@@ -170,16 +203,10 @@ class Model:
             b = vector(f, p + bias) if (p + bias) in f else None
             return _Linear(weight_ref(f, buf, p + name), b, t, act)
 
-        wq, wk, wv = (proj(f"attn.w{n}", f"attn.b{n}") for n in "qkv")
-        qk_norm = c.qk_norm != "none"
-        attn = Attention(
-            wq, wk, wv, proj("attn.wo", "attn.bo"),
-            n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
-            q_norm=vector(f, p + "attn.q_norm") if qk_norm else None,
-            k_norm=vector(f, p + "attn.k_norm") if qk_norm else None,
-            clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
-            threads=t)
+        if c.is_mla:
+            attn = self._mla(i, proj)
+        else:
+            attn = self._attention(i, proj)
         mlp = ("w_gate", "w_up", "w_down")
         if c.is_moe_layer(i):
             shared = gate = None
@@ -187,14 +214,32 @@ class Model:
                 shared = tuple(weight_ref(f, buf, f"{p}moe.shared.{n}") for n in mlp)
                 if c.shared_expert_gate:
                     gate = weight_ref(f, buf, p + "moe.shared_gate")
+            bias = (vector(f, p + "moe.correction_bias") if c.router == "sigmoid_group_topk"
+                    else None)
             ffn = MoE(weight_ref(f, buf, router_name(i)),
                       *(expert_ref(f, buf, i, n, c.num_experts) for n in mlp),
                       top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, threads=t,
-                      shared=shared, shared_gate=gate, rule=c.router, activations=act)
+                      shared=shared, shared_gate=gate, rule=c.router, activations=act,
+                      correction_bias=bias, n_group=c.n_group, topk_group=c.topk_group,
+                      routed_scaling_factor=c.routed_scaling_factor)
         else:
             ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}") for n in mlp), threads=t,
                            activations=act)
         return _Layer(vector(f, p + "attn_norm"), attn, vector(f, p + "ffn_norm"), ffn)
+
+    def _attention(self, i: int, proj) -> Attention:
+        """Layer i's attention (colibri/attention.py); proj(name, bias) -> _Linear."""
+        f, c, t, p = self.file, self.config, self.threads, f"layers.{i}."
+        wq, wk, wv = (proj(f"attn.w{n}", f"attn.b{n}") for n in "qkv")
+        qk_norm = c.qk_norm != "none"
+        return Attention(
+            wq, wk, wv, proj("attn.wo", "attn.bo"),
+            n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+            q_norm=vector(f, p + "attn.q_norm") if qk_norm else None,
+            k_norm=vector(f, p + "attn.k_norm") if qk_norm else None,
+            clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
+            threads=t)
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -213,12 +258,13 @@ class Model:
         """A KV cache for `batch` sequences of up to `ctx` tokens.
 
         ctx defaults to the model's max_position_embeddings capped at DEFAULT_MAX_CTX (4096):
-        a cache costs 2 * layers * batch * Hkv * ctx * Dh * 4 bytes once filled.
+        a cache costs 2 * layers * batch * Hkv * ctx * Dh * 4 bytes once filled (MLA:
+        layers * batch * ctx * (Rkv + Dr) * 4, the latent and the rotary key).
         """
         if ctx is None:
             ctx = min(self.max_context, DEFAULT_MAX_CTX)
-        c = self.config
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, ctx, c.head_dim)
+        n_layers, heads, k_dim, v_dim = self._cache_dims
+        return KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Embedding rows of ids int (B, S) -> float32 (B, S, D); only those rows are decoded."""
@@ -299,10 +345,10 @@ class Model:
                 raise ValueError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
             if cache.batch != B:
                 raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
-            if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != self._cache_dims:
-                raise ValueError(f"cache made for (layers, kv heads, head dim) = "
-                                 f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, model has "
-                                 f"{self._cache_dims}")
+            dims = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
+            if dims != self._cache_dims:
+                raise ValueError(f"cache made for (layers, kv heads, head dim, value dim) = "
+                                 f"{dims}, model has {self._cache_dims}")
             cache.check_room(S)
             past = cache.length
         if attention_mask is None:
@@ -372,7 +418,8 @@ class Model:
         ids = input_ids
         if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
                 or ids.dtype.kind not in "iu" or cache.batch != 1 or cache.length >= cache.ctx
-                or (cache.n_layers, cache.n_kv_heads, cache.head_dim) != self._cache_dims):
+                or (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
+                != self._cache_dims):
             return None
         token, n = int(ids.reshape(-1)[0]), cache.length
         if not 0 <= token < self.config.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:

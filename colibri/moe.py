@@ -1,9 +1,13 @@
 """The feed-forward half of a layer: routed experts (+ gated shared expert) or a dense SwiGLU.
 
     router logits = x @ W_router^T                     (kernels.linear, f32 weights by default)
-    ids, w        = route_topk(logits, K)              (softmax over all E -> top-k [-> renorm])
+    ids, w        = route_topk(logits, K)              (the config's rule, e.g. softmax over all
+                                                        E -> top-k [-> renorm]; DeepSeek's
+                                                        group rules [+ correction bias])
+    w            *= routed_scaling_factor              (DeepSeek, GLM-4-MoE; 1 elsewhere)
     y             = sum_k w[t,k] * expert_{ids[t,k]}(x[t])   (kernels.expert_ffn, grouped by expert)
-    y            += sigmoid(x @ g) * shared(x)         (Qwen2-MoE's shared expert)
+    y            += sigmoid(x @ g) * shared(x)         (Qwen2-MoE's shared expert; DeepSeek's
+                                                        and GLM's are ungated: + shared(x))
 
 The kernels read the weights in place from the mapped file (WeightRef); an expert no token
 chose is never touched. Every kernel call gets the model's thread count.
@@ -31,6 +35,8 @@ class MoE:
     router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
     rule: the routing rule (config.ROUTERS); activations: of the experts and shared expert.
+    correction_bias: float32 (E,), the choice bias of "sigmoid_group_topk"; n_group /
+    topk_group: the group rules' groups; routed_scaling_factor: multiplies the weights.
     """
     router: WeightRef
     w_gate: WeightRef
@@ -43,6 +49,10 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
+    correction_bias: np.ndarray | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # experts_hook(x, ids, weights, y) runs the routed experts instead of the mapping's
     # kernel call when set: an expert cache (colibri.expert_cache) or the telemetry that
     # watches the mapping (colibri.telemetry). None: the plain call below.
@@ -53,7 +63,9 @@ class MoE:
         self._router = kernels.prepare_linear(self.router, threads=self.threads)
         self._route = kernels.prepare_route(self.top_k, rule=self.rule,
                                             norm_topk_prob=self.norm_topk_prob,
-                                            threads=self.threads)
+                                            threads=self.threads, bias=self.correction_bias,
+                                            n_group=self.n_group, topk_group=self.topk_group)
+        self._scale = np.float32(self.routed_scaling_factor)
         self._experts = kernels.prepare_expert_ffn(self.w_gate, self.w_up, self.w_down,
                                                    threads=self.threads,
                                                    activations=self.activations)
@@ -67,6 +79,8 @@ class MoE:
         logits = np.empty((x.shape[0], self.router.rows), dtype=np.float32)       # (T, E)
         self._router(x, logits)
         ids, weights = self._route(logits)                                           # (T, K)
+        if self._scale != 1:
+            weights *= self._scale
         t0 = timings.add("router", t0)
         y = np.empty(x.shape, dtype=np.float32) if out is None else out
         if self.experts_hook is None:

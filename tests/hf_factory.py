@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# families with their own parity files (tests/test_family_<name>.py), not the Llama-style
+# attention reference_tensors and the FAMILY_NAMES-parametrized tests walk
+OTHER_FAMILY_NAMES = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
 _COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
@@ -43,6 +46,26 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, intermediate_size=128, moe_intermediate_size=64,
                                          num_experts=4, head_dim=32, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(_COMMON, intermediate_size=64, num_experts=4, clip_qkv=4.0)),
+    # MLA with a q LoRA, one dense first layer, 2 shared experts, group-limited routing
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3,
+        kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5)),
+    # sigmoid + correction bias routing in 4 groups, plain q projection, one shared expert
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _COMMON, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=3,
+        routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # partial RoPE (half of a head_dim unlike hidden/heads), q/k/v biases, per-head q/k norm
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        _COMMON, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+        n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True)),
 }
 
 _CORPUS = [
@@ -62,7 +85,7 @@ def tiny_config(family: str, **overrides: Any):
     import transformers
 
     if family not in TINY_CONFIGS:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_NAMES)}")
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(TINY_CONFIGS)}")
     cls_name, kwargs = TINY_CONFIGS[family]
     kwargs = dict(kwargs, **overrides)
     theta = kwargs.pop("rope_theta", None)
@@ -116,6 +139,9 @@ def make_hf_checkpoint(path: str | Path, family: str, dtype: str = "float32", sh
     with torch.no_grad():
         for p in model.parameters():       # distinct values everywhere (norms are all 1 at init)
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        for name, b in model.named_buffers():   # DeepSeek-V3's router bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=gen) * 0.05)
     model = model.to(torch_dtype)
     model.save_pretrained(path, max_shard_size="40KB" if sharded else "50GB")
     if tokenizer:

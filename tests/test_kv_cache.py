@@ -109,3 +109,20 @@ def test_scratch_is_per_cache():
     c = KVCache(1, 1, 1, 4, 2)
     c.scratch["x"] = np.zeros(3)
     assert c.copy().scratch == {} and "x" in c.scratch
+
+
+def test_value_planes_of_another_width():
+    """value_dim: the value planes' width (an MLA cache: the latent in the key planes, the
+    rotary key in the value planes); sizes, writes and copies follow it."""
+    c = KVCache(n_layers=2, batch=1, n_kv_heads=1, ctx=6, head_dim=32, value_dim=8)
+    assert c.k[0].shape == (1, 1, 6, 32) and c.v[1].shape == (1, 1, 6, 8)
+    assert c.nbytes == 2 * 6 * (32 + 8) * 4 and c.bytes_per_token == 2 * (32 + 8) * 4
+    k, v = np.ones((1, 1, 3, 32), np.float32), np.full((1, 1, 3, 8), 2.0, np.float32)
+    kk, vv = c.write(1, k, v)
+    assert kk.shape == (1, 1, 3, 32) and vv.shape == (1, 1, 3, 8)
+    c.commit(np.ones((1, 3), bool), np.arange(3)[None])
+    d = c.copy()
+    assert d.value_dim == 8 and np.array_equal(d.v[1][:, :, :3], v)
+    assert "value_dim=8" in repr(c) and "value_dim" not in repr(KVCache(1, 1, 1, 2, 4))
+    with pytest.raises(ValueError, match="value_dim must be a positive integer"):
+        KVCache(1, 1, 1, 2, 4, value_dim=0)

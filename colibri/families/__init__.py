@@ -8,11 +8,11 @@ checkpoint to tests/hf_factory.py.
 from __future__ import annotations
 
 from ..errors import ColibriError
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import deepseek_v2, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from .base import Family
 from .tensors import canonical_tensors
 
-_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe)
+_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 

@@ -9,7 +9,7 @@ are the same for every family (tensors.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ..config import ModelConfig
 from ..errors import ColibriError
@@ -82,6 +82,11 @@ class Family:
       as an alternative to the per-expert keys.
     config_fields: ModelConfig field → config.json field, where the names differ (error
       messages).
+    transform: (canonical tensor, config, config.json, values) → the values to store, for a
+      family whose file layout differs from its checkpoint's (DeepSeek's interleaved RoPE
+      rows); None: stored as read.
+    ignores: (checkpoint key, config) → True for keys the runtime does not use beyond
+      IGNORABLE_SUFFIXES (DeepSeek-V3's multi-token-prediction layers); None: none.
     """
     model_type: str
     model_config: Callable[[HFConfig], ModelConfig]
@@ -90,6 +95,8 @@ class Family:
     layer_prefix: str = LAYER_PREFIX
     config_fields: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
+    transform: Callable[[CanonicalTensor, ModelConfig, HFConfig, Any], Any] | None = None
+    ignores: Callable[[str, ModelConfig], bool] | None = None
 
     def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """canonical name → shape implied by config.json."""
@@ -128,8 +135,9 @@ class Family:
         """'num_attention_heads*head_dim=4*16, hidden_size=32' with config.json field names."""
         parts = []
         for expr in dims:
-            factors = expr.split("*")
-            names = "*".join(self.config_fields.get(f, f) for f in factors)
-            values = "*".join(f if f.isdigit() else str(getattr(cfg, f)) for f in factors)
+            terms = [t.split("*") for t in expr.split("+")]
+            names = "+".join("*".join(self.config_fields.get(f, f) for f in t) for t in terms)
+            values = "+".join("*".join(f if f.isdigit() else str(getattr(cfg, f)) for f in t)
+                              for t in terms)
             parts.append(f"{names}={values}")
         return ", ".join(parts)

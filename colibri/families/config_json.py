@@ -17,6 +17,7 @@ from ..config import ConfigError, ModelConfig
 HFConfig = Mapping[str, Any]          # a parsed config.json
 
 _MISSING = object()
+REQUIRED = _MISSING       # as a getter's default: the field must be present
 
 
 def get_int(hf: HFConfig, key: str, default: Any = _MISSING, *, minimum: int = 1) -> int:

@@ -34,7 +34,18 @@ DIMS: dict[str, tuple[str, ...]] = {
     "attn.k_norm/full": ("num_key_value_heads*head_dim",),
     "attn.q_norm/per_head": ("head_dim",),                               # Qwen3
     "attn.k_norm/per_head": ("head_dim",),
+    # multi-head latent attention (DeepSeek): Rq q_lora_rank, Rkv kv_lora_rank, Dr = head_dim
+    "attn.wq/mla": ("num_attention_heads*qk_head_dim", "hidden_size"),   # (H*(Dn+Dr), D)
+    "attn.wq_a": ("q_lora_rank", "hidden_size"),                         # (Rq, D)
+    "attn.q_a_norm": ("q_lora_rank",),
+    "attn.wq_b": ("num_attention_heads*qk_head_dim", "q_lora_rank"),     # (H*(Dn+Dr), Rq)
+    "attn.wkv_a": ("kv_lora_rank+head_dim", "hidden_size"),              # (Rkv+Dr, D)
+    "attn.kv_a_norm": ("kv_lora_rank",),
+    "attn.wkv_b": ("num_attention_heads*qk_nope_head_dim+num_attention_heads*v_head_dim",
+                   "kv_lora_rank"),                                      # (H*(Dn+Dv), Rkv)
+    "attn.wo/mla": ("hidden_size", "num_attention_heads*v_head_dim"),   # (D, H*Dv)
     "moe.router": ("num_experts", "hidden_size"),                        # (E, D)
+    "moe.correction_bias": ("num_experts",),                             # sigmoid_group_topk
     "moe.experts.w_gate": ("moe_intermediate_size", "hidden_size"),      # (I, D)
     "moe.experts.w_up": ("moe_intermediate_size", "hidden_size"),        # (I, D)
     "moe.experts.w_down": ("hidden_size", "moe_intermediate_size"),      # (D, I)
@@ -49,10 +60,13 @@ DIMS: dict[str, tuple[str, ...]] = {
 
 
 def eval_dim(expr: str, cfg: ModelConfig) -> int:
-    """'num_attention_heads*head_dim' -> H*Dh of `cfg`."""
-    out = 1
-    for factor in expr.split("*"):
-        out *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
+    """'num_attention_heads*head_dim' -> H*Dh of `cfg`; a sum of such products with '+'."""
+    out = 0
+    for term in expr.split("+"):
+        prod = 1
+        for factor in term.split("*"):
+            prod *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
+        out += prod
     return out
 
 
@@ -82,7 +96,9 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         add(p + "attn_norm", "attn_norm", layer=i)
-        for w in ("wq", "wk", "wv", "wo"):
+        if cfg.is_mla:
+            _mla_tensors(add, p, i, cfg)
+        for w in () if cfg.is_mla else ("wq", "wk", "wv", "wo"):
             add(p + "attn." + w, "attn." + w, layer=i)
         if cfg.attention_bias:
             for b in ("bq", "bk", "bv"):
@@ -93,6 +109,8 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
         add(p + "ffn_norm", "ffn_norm", layer=i)
         if i in moe_layers:
             add(p + "moe.router", "moe.router", layer=i)
+            if cfg.router == "sigmoid_group_topk":
+                add(p + "moe.correction_bias", "moe.correction_bias", layer=i)
             for e in range(cfg.num_experts):
                 for w in EXPERT_PROJS:
                     add(f"{p}moe.experts.{e}.{w}", "moe.experts." + w, layer=i, expert=e, proj=w)
@@ -108,3 +126,15 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
     if not cfg.tie_word_embeddings:
         add("lm_head", "lm_head")
     return out
+
+
+def _mla_tensors(add, p: str, i: int, cfg: ModelConfig) -> None:
+    """The attention tensors of an MLA layer (colibri/mla.py), in data-flow order."""
+    if cfg.q_lora_rank:
+        for kind in ("attn.wq_a", "attn.q_a_norm", "attn.wq_b"):
+            add(p + kind, kind, layer=i)
+    else:
+        add(p + "attn.wq", "attn.wq", "attn.wq/mla", layer=i)
+    for kind in ("attn.wkv_a", "attn.kv_a_norm", "attn.wkv_b"):
+        add(p + kind, kind, layer=i)
+    add(p + "attn.wo", "attn.wo", "attn.wo/mla", layer=i)

@@ -55,13 +55,16 @@ cdef class PreparedLinear:
 
 
 cdef class PreparedRoute:
-    """route_topk with k, rule, norm_topk_prob and threads fixed, no noise: `p(logits)` ->
-    (ids int32 (T, K), weights float32 (T, K)) from logits float32 (T, E), as route_topk."""
-    cdef Py_ssize_t k
+    """route_topk with k, rule, norm_topk_prob, threads (and a group rule's bias, n_group,
+    topk_group) fixed, no noise: `p(logits)` -> (ids int32 (T, K), weights float32 (T, K))
+    from logits float32 (T, E), as route_topk."""
+    cdef Py_ssize_t k, n_group, topk_group
     cdef int rule, threads
     cdef bint norm
+    cdef object bias
 
-    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads):
+    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads, bias=None,
+                 Py_ssize_t n_group=1, Py_ssize_t topk_group=1):
         _check_threads(threads)
         if rule not in RULES:
             raise ValueError(f"unknown routing rule {rule!r}; expected one of "
@@ -69,6 +72,7 @@ cdef class PreparedRoute:
         if k < 1:
             raise ValueError(f"k = {k} must be >= 1")
         self.k, self.rule, self.norm, self.threads = k, RULES[rule], norm_topk_prob, threads
+        self.bias, self.n_group, self.topk_group = bias, n_group, topk_group
 
     def __call__(self, logits):
         cdef Py_ssize_t ld[2]
@@ -76,6 +80,7 @@ cdef class PreparedRoute:
         cdef Py_ssize_t T = ld[0], E = ld[1], k = self.k, i, bad = -1
         if k > E:
             raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
+        bias_view = _group_settings(self.rule, E, k, self.bias, self.n_group, self.topk_group)
         for i in range(T * E):
             if lp[i] != lp[i]:                                     # NaN
                 bad = i
@@ -83,25 +88,8 @@ cdef class PreparedRoute:
         if bad >= 0:
             raise ValueError(f"logits contain NaN (first at token {bad // E}, expert "
                              f"{bad % E})")
-        ids = np.empty((T, k), dtype=np.int32)
-        wts = np.empty((T, k), dtype=np.float32)
-        if T == 0:
-            return ids, wts
-        cdef float *scratch = <float *>malloc(2 * T * E * sizeof(float))
-        if scratch == NULL:
-            raise MemoryError(f"route_topk: no memory for {T} x {E} scratch")
-        cdef RouteJob job
-        job.logits, job.E, job.k = lp, E, k
-        job.rule, job.norm, job.noisy, job.seed = self.rule, self.norm, False, 0
-        job.p, job.key = scratch, scratch + T * E
-        job.ids = <int32_t *>colibri_array_data(ids)
-        job.w = <float *>colibri_array_data(wts)
-        try:
-            with nogil:
-                colibri_pool_run(_team(<double>T * E * 64, self.threads), _route_task, &job, T)
-        finally:
-            free(scratch)
-        return ids, wts
+        return _route_run(lp, T, E, k, self.rule, self.norm, False, 0, bias_view,
+                          self.n_group, self.topk_group, self.threads)
 
 
 cdef class PreparedExperts:

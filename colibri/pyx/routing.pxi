@@ -1,6 +1,32 @@
 # colibri/pyx/routing.pxi: routing, logits (T, E) -> ids (T, K), weights (T, K).
 
-RULES = {"softmax_topk": 0, "topk_softmax": 1}
+cdef enum:                  # the group rules' codes (2 is left to the rules added beside them)
+    SOFTMAX_GROUP = 3
+    SIGMOID_GROUP = 4
+
+RULES = {"softmax_topk": 0, "topk_softmax": 1,
+         "softmax_group_topk": SOFTMAX_GROUP, "sigmoid_group_topk": SIGMOID_GROUP}
+# the rules that choose groups of experts first (DeepSeek): they take n_group / topk_group,
+# the sigmoid one a correction bias (E,); no noise
+GROUP_RULES = ("softmax_group_topk", "sigmoid_group_topk")
+
+
+ctypedef struct RouteJob:
+    # route_topk on the pool: work item t = token t
+    const float *logits
+    Py_ssize_t E, k
+    int rule
+    bint norm, noisy
+    uint64_t seed
+    float *p
+    float *key
+    int32_t *ids
+    float *w
+    # the group rules: groups, groups kept, correction bias (E,) or NULL, scratch
+    Py_ssize_t n_group, topk_group
+    const float *bias
+    float *gscore
+    int32_t *gids
 
 
 cdef void _softmax(const float *v, Py_ssize_t n, float *p) noexcept nogil:
@@ -49,11 +75,88 @@ cdef void _select_topk(const float *key, Py_ssize_t E, Py_ssize_t k, int32_t *id
             j -= 1
         ids[j] = <int32_t>e
 
+cdef void _keep_groups(float *key, const float *gscore, Py_ssize_t E, Py_ssize_t n_group,
+                       Py_ssize_t topk_group, int32_t *gids, float masked) noexcept nogil:
+    """key[e] = masked for every expert outside the topk_group groups of largest gscore
+    (n_group groups of E / n_group consecutive experts; ties -> lower group)."""
+    cdef Py_ssize_t g, e, size = E // n_group
+    cdef bint keep
+    _select_topk(gscore, n_group, topk_group, gids)
+    for g in range(n_group):
+        keep = False
+        for e in range(topk_group):
+            if gids[e] == g:
+                keep = True
+        if not keep:
+            for e in range(g * size, (g + 1) * size):
+                key[e] = masked
+
+
+cdef void _route_softmax_group(const float *l, Py_ssize_t E, Py_ssize_t k, Py_ssize_t n_group,
+                               Py_ssize_t topk_group, float *p, float *key, float *gscore,
+                               int32_t *gids, int32_t *ids, float *w) noexcept nogil:
+    """DeepSeek-V2 group_limited_greedy: p = softmax over all E; a group's score is its
+    largest p; the experts outside the topk_group best groups get p = 0; top-k of that;
+    weights = those p (no renormalisation)."""
+    cdef Py_ssize_t g, e, j, size = E // n_group
+    cdef float m
+    _softmax(l, E, p)
+    for g in range(n_group):
+        m = p[g * size]
+        for e in range(g * size + 1, (g + 1) * size):
+            if p[e] > m:
+                m = p[e]
+        gscore[g] = m
+    for e in range(E):
+        key[e] = p[e]
+    _keep_groups(key, gscore, E, n_group, topk_group, gids, 0.0)
+    _select_topk(key, E, k, ids)
+    for j in range(k):
+        w[j] = key[ids[j]]
+
+
+cdef void _route_sigmoid_group(const float *l, Py_ssize_t E, Py_ssize_t k, Py_ssize_t n_group,
+                               Py_ssize_t topk_group, const float *bias, bint norm, float *p,
+                               float *key, float *gscore, int32_t *gids, int32_t *ids,
+                               float *w) noexcept nogil:
+    """DeepSeek-V3 / GLM-4-MoE: s = sigmoid(logits), choice c = s + bias; a group's score is
+    the sum of its two largest c; the experts outside the topk_group best groups get
+    c = -inf; top-k of c; weights = s (not c) of those, divided by (their sum + 1e-20) when
+    norm. All in float32, as transformers."""
+    cdef Py_ssize_t g, e, j, size = E // n_group
+    cdef float a, b, v, s = 0.0
+    for e in range(E):
+        p[e] = 1.0 / (1.0 + expf(-l[e]))
+        key[e] = p[e] + bias[e]
+    for g in range(n_group):
+        a = key[g * size]                 # the largest and second largest c of the group
+        b = -INFINITY
+        for e in range(g * size + 1, (g + 1) * size):
+            v = key[e]
+            if v > a:
+                b = a
+                a = v
+            elif v > b:
+                b = v
+        gscore[g] = a + b
+    _keep_groups(key, gscore, E, n_group, topk_group, gids, -INFINITY)
+    _select_topk(key, E, k, ids)
+    for j in range(k):
+        w[j] = p[ids[j]]
+    if norm:
+        for j in range(k):
+            s += w[j]
+        s += <float>1e-20
+        for j in range(k):
+            w[j] = w[j] / s
+
 
 cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bint norm,
                        bint noisy, uint64_t seed, Py_ssize_t t, float *p, float *key,
-                       int32_t *ids, float *w) noexcept nogil:
-    """One token's routing (see kernels.route_topk); p, key: scratch of E floats."""
+                       int32_t *ids, float *w, const RouteJob *job,
+                       float *gscore, int32_t *gids) noexcept nogil:
+    """One token's routing (see kernels.route_topk); p, key, gscore: scratch of E floats,
+    gids of E int32; job: the group rules' settings."""
     cdef const float *sel
     cdef Py_ssize_t e, j, i
     cdef double s = 0.0
@@ -62,7 +165,13 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
     if noisy:
         for e in range(E):
             key[e] = l[e] + colibri_gumbel(seed, <uint64_t>t, <uint64_t>e)
-    if rule == 0:                                   # softmax over all E, then top-k
+    if rule == SOFTMAX_GROUP:
+        _route_softmax_group(l, E, k, job.n_group, job.topk_group, p, key, gscore, gids,
+                             ids, w)
+    elif rule == SIGMOID_GROUP:
+        _route_sigmoid_group(l, E, k, job.n_group, job.topk_group, job.bias, norm, p, key,
+                             gscore, gids, ids, w)
+    elif rule == 0:                                 # softmax over all E, then top-k
         _softmax(l, E, p)
         sel = p
         if noisy:
@@ -96,28 +205,91 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
         ids[i] = ij
 
 
-ctypedef struct RouteJob:
-    # route_topk on the pool: work item t = token t
-    const float *logits
-    Py_ssize_t E, k
-    int rule
-    bint norm, noisy
-    uint64_t seed
-    float *p
-    float *key
-    int32_t *ids
-    float *w
 
 
 cdef void _route_task(void *ctx, Py_ssize_t t) noexcept nogil:
     cdef const RouteJob *j = <const RouteJob *>ctx
     _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, t,
-                 j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k)
+                 j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k, j,
+                 j.gscore + t * j.E, j.gids + t * j.E)
+
+
+cdef inline bint _grouped(int rcode) noexcept:
+    return rcode == SOFTMAX_GROUP or rcode == SIGMOID_GROUP
+
+
+cdef object _group_settings(int rcode, Py_ssize_t E, Py_ssize_t k, bias, Py_ssize_t n_group,
+                           Py_ssize_t topk_group):
+    """Check a group rule's settings against E and k; the bias as a float32 (E,) view or
+    None. ValueError naming the setting."""
+    cdef const float[::1] bv
+    if not _grouped(rcode):
+        return None
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group = {n_group} must divide the E = {E} experts")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group = {topk_group} must be in 1..n_group = {n_group}")
+    if k > topk_group * (E // n_group):
+        raise ValueError(f"k = {k} exceeds the {topk_group * (E // n_group)} experts of "
+                         f"topk_group = {topk_group} groups of {E // n_group}")
+    if rcode == SIGMOID_GROUP:
+        if E // n_group < 2:
+            raise ValueError(f"sigmoid_group_topk scores a group by its two best experts: "
+                             f"groups of {E // n_group} expert (E = {E}, n_group = {n_group})")
+        if bias is None:
+            raise ValueError("sigmoid_group_topk needs the correction bias (E,)")
+        bv = bias
+        if bv.shape[0] != E:
+            raise ValueError(f"bias has {bv.shape[0]} elements, expected E = {E}")
+        return bv
+    return None
+
+
+cdef object _route_run(const float *lp, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k, int rcode,
+                       bint norm, bint noisy, uint64_t seed, object bias_view,
+                       Py_ssize_t n_group, Py_ssize_t topk_group, int threads):
+    """The routing of T tokens on the pool: (ids int32 (T, K), weights float32 (T, K))."""
+    cdef const float[::1] bv
+    ids = np.empty((T, k), dtype=np.int32)
+    wts = np.empty((T, k), dtype=np.float32)
+    if T == 0:
+        return ids, wts
+    cdef bint grouped = _grouped(rcode)
+    cdef Py_ssize_t blocks = 3 if grouped else 2
+    cdef float *scratch = <float *>malloc(blocks * T * E * sizeof(float))
+    cdef int32_t *gids = NULL
+    if grouped:
+        gids = <int32_t *>malloc(T * E * sizeof(int32_t))
+    if scratch == NULL or (grouped and gids == NULL):
+        free(scratch)
+        free(gids)
+        raise MemoryError(f"route_topk: no memory for {T} x {E} scratch")
+    cdef RouteJob job
+    job.logits, job.E, job.k = lp, E, k
+    job.rule, job.norm, job.noisy, job.seed = rcode, norm, noisy, seed
+    job.p, job.key = scratch, scratch + T * E
+    job.ids = <int32_t *>colibri_array_data(ids)
+    job.w = <float *>colibri_array_data(wts)
+    job.n_group, job.topk_group, job.bias = n_group, topk_group, NULL
+    job.gscore = scratch + 2 * T * E if grouped else NULL
+    job.gids = gids
+    if bias_view is not None:
+        bv = bias_view
+        job.bias = &bv[0]
+    try:
+        with nogil:
+            colibri_pool_run(_team(<double>T * E * 64, threads), _route_task, &job, T)
+    finally:
+        free(scratch)
+        free(gids)
+    return ids, wts
 
 
 def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_topk_prob,
-               noise_seed, int threads):
-    """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E)."""
+               noise_seed, int threads, bias=None, Py_ssize_t n_group=1,
+               Py_ssize_t topk_group=1):
+    """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E); the group rules
+    take n_group, topk_group and (sigmoid_group_topk) bias float32 (E,)."""
     _check_threads(threads)
     cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1]
     if rule not in RULES:
@@ -125,32 +297,16 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     cdef int rcode = RULES[rule]
     if E < 1 or not 1 <= k <= E:
         raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
+    bias_view = _group_settings(rcode, E, k, bias, n_group, topk_group)
+    cdef bint noisy = noise_seed is not None
+    if noisy and _grouped(rcode):
+        raise ValueError(f"routing rule {rule!r} takes no noise_seed")
     arr = np.asarray(logits)
     if T and np.isnan(arr).any():
         bad = np.argwhere(np.isnan(arr))[0]
         raise ValueError(f"logits contain NaN (first at token {bad[0]}, expert {bad[1]})")
-    cdef bint noisy = noise_seed is not None
     cdef uint64_t seed = (int(noise_seed) & 0xFFFFFFFFFFFFFFFF) if noisy else 0
-    ids = np.empty((T, k), dtype=np.int32)
-    wts = np.empty((T, k), dtype=np.float32)
     if T == 0:
-        return ids, wts
-    cdef int32_t[:, ::1] iv = ids
-    cdef float[:, ::1] wv = wts
-    cdef float *scratch = <float *>malloc(2 * T * E * sizeof(float))
-    if scratch == NULL:
-        raise MemoryError(f"route_topk: no memory for {T} x {E} scratch")
-    cdef float *p = scratch
-    cdef float *key = scratch + T * E
-    cdef int nth = _team(<double>T * E * 64, threads)      # ~64 B of work per logit
-    cdef RouteJob job
-    try:
-        with nogil:
-            job.logits, job.E, job.k = &logits[0, 0], E, k
-            job.rule, job.norm = rcode, norm_topk_prob
-            job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
-            job.ids, job.w = &iv[0, 0], &wv[0, 0]
-            colibri_pool_run(nth, _route_task, &job, T)
-    finally:
-        free(scratch)
-    return ids, wts
+        return np.empty((0, k), dtype=np.int32), np.empty((0, k), dtype=np.float32)
+    return _route_run(&logits[0, 0], T, E, k, rcode, norm_topk_prob, noisy, seed, bias_view,
+                      n_group, topk_group, threads)

@@ -14,7 +14,7 @@ from html import escape
 
 import numpy as np
 
-from .inspect import human_bytes, totals
+from .inspect import human_bytes, mla_summary, router_summary, totals
 
 __all__ = ["model_html", "trace_html", "stats_html", "tensor_groups", "expert_colour"]
 
@@ -93,8 +93,10 @@ def model_html(model) -> str:
          f"top-{c.num_experts_per_tok}, "
          + ("renormalised" if c.norm_topk_prob else "not renormalised")
          + (f", shared expert {shared}" + (" (sigmoid gate)" if c.shared_expert_gate
-                                          else "") if shared else "")),
-        ("attention", f"hidden {c.hidden_size}, heads {c.num_attention_heads}/"
+                                          else "") if shared else "")
+         + router_summary(c.to_metadata())),
+        ("attention", mla_summary(c.to_metadata()) if c.is_mla else
+         f"hidden {c.hidden_size}, heads {c.num_attention_heads}/"
          f"{c.num_key_value_heads} × {c.head_dim}, qk_norm {c.qk_norm}"),
         ("vocab / context", f"{c.vocab_size} / {model.max_context}"),
         ("parameters", f"{_count(t['parameters'])} total"

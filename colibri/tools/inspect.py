@@ -235,13 +235,12 @@ def format_summary(s: dict[str, Any], full: bool = False) -> str:
                       f"top-{a.get('num_experts_per_tok')}, "
                       f"{'renormalised' if a.get('norm_topk_prob') else 'not renormalised'}"
                       + (f", shared expert {shared}" + (" (sigmoid gate)" if
-                         a.get("shared_expert_gate") else "") if shared else "")))
-        facts.append(("attention", f"hidden {a.get('hidden_size')}, heads "
-                      f"{a.get('num_attention_heads')}/{a.get('num_key_value_heads')} x "
-                      f"{a.get('head_dim')}, qk_norm {a.get('qk_norm')}"
-                      + (", qkv bias" if a.get("attention_bias") else "")
-                      + (f", clip_qkv {a['clip_qkv']}" if a.get("clip_qkv") else "")
-                      + (f", window {a['sliding_window']}" if a.get("sliding_window") else "")))
+                         a.get("shared_expert_gate") else "") if shared else "")
+                      + router_summary(a)))
+        if a.get("kv_lora_rank"):
+            facts.append(("attention", mla_summary(a)))
+        else:
+            facts.append(_attention_fact(a))
         facts.append(("vocab", f"{a.get('vocab_size')}, context "
                       f"{a.get('max_position_embeddings')}, rope theta {a.get('rope_theta')}"
                       + (f" ({a['rope_scaling'].get('rope_type')})" if a.get("rope_scaling")
@@ -315,3 +314,33 @@ def format_rows(name: str, info, rows: np.ndarray) -> str:
                      if r.size else "")
             out.append(f"  [{i}] {np.array2string(r, separator=' ')}  {stats}")
     return "\n".join(out)
+
+
+def router_summary(a: dict) -> str:
+    """The routing rule beyond softmax top-k (DeepSeek / GLM group routers, scaling)."""
+    rule = a.get("router", "softmax_topk")
+    text = "" if rule == "softmax_topk" else f", router {rule}"
+    if rule.endswith("_group_topk"):
+        text += f" ({a.get('topk_group', 1)} of {a.get('n_group', 1)} groups)"
+    scale = a.get("routed_scaling_factor", 1.0)
+    return text + (f", weights x {scale}" if scale != 1.0 else "")
+
+
+def mla_summary(a: dict) -> str:
+    """Multi-head latent attention: latent and rotary widths, per-head dims."""
+    q = f", q lora {a['q_lora_rank']}" if a.get("q_lora_rank") else ""
+    return (f"hidden {a.get('hidden_size')}, MLA: heads {a.get('num_attention_heads')} x "
+            f"(nope {a.get('qk_nope_head_dim')} + rope {a.get('head_dim')}), v "
+            f"{a.get('v_head_dim')}, cached latent {a.get('kv_lora_rank')} + rope key "
+            f"{a.get('head_dim')}{q}")
+
+
+def _attention_fact(a: dict) -> tuple[str, str]:
+    return ("attention", f"hidden {a.get('hidden_size')}, heads "
+            f"{a.get('num_attention_heads')}/{a.get('num_key_value_heads')} x "
+            f"{a.get('head_dim')}, qk_norm {a.get('qk_norm')}"
+            + (f", rotary {a['partial_rotary_factor']}" if a.get("partial_rotary_factor", 1.0)
+               != 1.0 else "")
+            + (", qkv bias" if a.get("attention_bias") else "")
+            + (f", clip_qkv {a['clip_qkv']}" if a.get("clip_qkv") else "")
+            + (f", window {a['sliding_window']}" if a.get("sliding_window") else ""))
