@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ColibriError
-from .generate import _StopText, default_stop_ids
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .sampling import Sampler, log_softmax, top_logprobs
+from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
 
 __all__ = ["SamplingParams", "TokenEvent", "RequestHandle", "Scheduler",
@@ -213,7 +213,7 @@ class _Request:
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
         self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
-        self.guard = _StopText(list(params.stop))
+        self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
         self.cache: KVCache | None = None
         self.prefilled = 0                         # prompt tokens in the cache
