@@ -87,6 +87,17 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False):
     """Model.forward_ragged: logits float32 (N, V) of the last row of each segment [, routing
     per segment int32 (M, S_i, K)]; each segment's cache advances by its S_i tokens."""
     checked = check_segments(model, segments)
+    if len(checked) == 1 and checked[0][1].size == 1:     # one token of one sequence: the
+        cache, ids = checked[0]                           # decode step (the same bits, fewer
+        out = model._decode_call(ids, cache, None, return_routing)   # allocations)
+        if out is not None:
+            if not return_routing:
+                return out
+            logits, trace = out
+            routing = np.stack(trace.ids).astype(np.int32, copy=False).reshape(
+                len(trace.ids), 1, -1) if trace.ids else np.zeros(
+                (0, 1, model.config.num_experts_per_tok), np.int32)
+            return logits, [routing]
     with blas_on_one_thread():
         return _run(model, checked, return_routing)
 
