@@ -95,12 +95,20 @@ def test_bad_prompts_and_stop_ids(model):
 
 def test_queue_full_raises_with_retry_after(model):
     s = Scheduler(model, parallel=1, max_queue=2)
-    s.submit([5, 6], SamplingParams(max_tokens=4))
-    s.submit([5, 6], SamplingParams(max_tokens=4))
+    for _ in range(3):                              # one for the free slot, two waiting
+        s.submit([5, 6], SamplingParams(max_tokens=4))
     with pytest.raises(QueueFullError, match="queue is full") as err:
         s.submit([5, 6], SamplingParams(max_tokens=4))
     assert err.value.retry_after > 0
-    assert s.stats()["queue_depth"] == 2
+    assert s.stats()["queue_depth"] == 3
+    s.step()                                        # the slot took one: still two waiting
+    with pytest.raises(QueueFullError):
+        s.submit([5, 6], SamplingParams(max_tokens=4))
+    no_wait = Scheduler(model, parallel=2, max_queue=0)
+    no_wait.submit([5], SamplingParams(max_tokens=2))
+    no_wait.submit([5], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        no_wait.submit([5], SamplingParams(max_tokens=2))
 
 
 def test_admission_counts_kv_bytes(model):
