@@ -423,7 +423,12 @@ class Scheduler:
                     self._tokens_in += len(ids)
                     if r.prefilling:
                         continue
-                self._advance(r, logits[j], None if routing is None else routing[j])
+                try:
+                    self._advance(r, logits[j], None if routing is None else routing[j])
+                except Exception as exc:           # e.g. NaN logits: this request only
+                    log.exception("sampling %s failed; it ends with 'error'", r.handle.id)
+                    r.handle.error = exc
+                    self._end(r, TokenEvent(-1, "", finish_reason="error"))
             return True
 
     def _forward(self, segments, want_routing: bool):

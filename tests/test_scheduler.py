@@ -293,6 +293,25 @@ def test_forward_error_ends_the_requests_with_error(model, monkeypatch):
     assert s.stats()["kv_bytes_in_use"] == 0 and not s.step()
 
 
+def test_nan_logits_end_that_request_only(model, monkeypatch):
+    s = Scheduler(model, parallel=2)
+    bad = s.submit([5, 6], SamplingParams(max_tokens=3, stop_ids=[]))
+    good = s.submit([7, 8], SamplingParams(max_tokens=3, stop_ids=[]))
+    fast = model.forward_ragged
+
+    def poisoned(segments, return_routing=False):
+        logits = fast(segments, return_routing)
+        logits[0] = np.nan                          # the first segment: bad's
+        return logits
+
+    monkeypatch.setattr(model, "forward_ragged", poisoned)
+    s.step()
+    monkeypatch.setattr(model, "forward_ragged", fast)
+    run_all(s)
+    assert bad.finish_reason == "error" and "NaN" in str(bad.error)
+    assert good.finish_reason == "length" and good.completion_tokens == 3
+
+
 def test_broken_on_event_cancels_its_request(model):
     s = Scheduler(model, parallel=1)
 
