@@ -135,13 +135,52 @@ class MLA:
         q = np.concatenate([q[..., :Dn], apply_rope(q[..., Dn:], cos, sin)], axis=-1)
         if cache is not None:
             c, k_rope = cache.write(layer, c, k_rope)                      # (B, 1, L, .)
-        L = c.shape[2]
+        o = self._expanded(q, c, k_rope, mask)                              # (B, S, H*Dv)
+        return self.wo(o.reshape(B * S, H * Dv)).reshape(B, S, D)
+
+    def _expanded(self, q: np.ndarray, c: np.ndarray, k_rope: np.ndarray, mask: np.ndarray
+                  ) -> np.ndarray:
+        """Attention with the latents expanded through kv_b: q (B, H, S, Dn+Dr) after RoPE,
+        c (B, 1, L, Rkv), k_rope (B, 1, L, Dr) rotated, mask bool (B, S, L) -> (B, S, H*Dv)."""
+        B, L = c.shape[0], c.shape[2]
+        H, Dn, Dr, Dv, R = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
         kv = self.wkv_b(np.ascontiguousarray(c.reshape(B * L, R)))        # (B*L, H*(Dn+Dv))
         kv = kv.reshape(B, L, H, Dn + Dv).transpose(0, 2, 1, 3)             # (B, H, L, Dn+Dv)
         k = np.concatenate([kv[..., :Dn], np.broadcast_to(k_rope, (B, H, L, Dr))], axis=-1)
         v = np.ascontiguousarray(kv[..., Dn:])                              # (B, H, L, Dv)
-        o = attend(np.ascontiguousarray(q), k, v, mask, self.scale)         # (B, S, H*Dv)
-        return self.wo(o.reshape(B * S, H * Dv)).reshape(B, S, D)
+        return attend(np.ascontiguousarray(q), k, v, mask, self.scale)
+
+    # -- the ragged step of continuous batching --------------------------------------------------
+    def forward_segments(self, x: np.ndarray, segments: list, layer: int) -> np.ndarray:
+        """attention.Attention.forward_segments for latent attention: x float32 (T, D), the
+        rows of all segments -> float32 (T, D).
+
+        The query, the latent and the output projection run over all T rows in one call
+        each; RoPE, the cache write and the attention per segment: a decode segment
+        absorbed as decode does it, any other expanded as __call__ does (its mask).
+        """
+        T = x.shape[0]
+        H, Dn, Dr, Dv, R = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
+        q = self._query(x).reshape(T, H, Dn + Dr)
+        c, k_rope = self._latent(x)                                        # (T, Rkv), (T, Dr)
+        o = np.empty((T, H * Dv), dtype=np.float32)
+        for seg in segments:
+            a, b = seg.start, seg.start + seg.n
+            if seg.decode:
+                q_rope = np.ascontiguousarray(q[a, :, Dn:])                  # (H, Dr)
+                _rope_rows(q_rope, seg.cos, seg.sin)
+                kr = np.ascontiguousarray(k_rope[a:a + 1])                   # (1, Dr)
+                _rope_rows(kr, seg.cos, seg.sin)
+                o[a] = self._absorbed(q[a, :, :Dn], q_rope, c[a], kr[0], seg.cache, layer)
+                continue
+            S = b - a
+            qs = q[a:b].transpose(1, 0, 2)[None]                             # (1, H, S, .)
+            qs = np.concatenate([qs[..., :Dn], apply_rope(qs[..., Dn:], seg.cos, seg.sin)],
+                                axis=-1)
+            kr = apply_rope(k_rope[a:b].reshape(1, 1, S, Dr), seg.cos, seg.sin)
+            cc, kk = seg.cache.write(layer, c[a:b].reshape(1, 1, S, R), kr)  # (1, 1, L, .)
+            o[a:b] = self._expanded(qs, cc, kk, seg.mask(None))[0]
+        return self.wo(o)
 
     # -- one token of one sequence -------------------------------------------------------------
     def decode(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache, layer: int,
@@ -154,19 +193,28 @@ class MLA:
         scores[h, j] = (q_nope[h] W_kb[h]) · c_j + q_rope[h] · k_rope_j, out[h] =
         W_vb[h] (sum_j p[h, j] c_j).
         """
-        H, Dn, Dr, R = self.n_heads, self.nope_dim, self.rope_dim, self.kv_rank
+        H, Dn, Dr = self.n_heads, self.nope_dim, self.rope_dim
         q = self._query(x).reshape(H, Dn + Dr)
         q_rope = np.ascontiguousarray(q[:, Dn:])                           # (H, Dr)
         _rope_rows(q_rope, cos, sin)
         c, k_rope = self._latent(x)
         k_rope = np.ascontiguousarray(k_rope)                              # (1, Dr)
         _rope_rows(k_rope, cos, sin)
+        self.wo(self._absorbed(q[:, :Dn], q_rope, c[0], k_rope[0], cache, layer)
+                .reshape(1, -1), s.o)
+        return s.o
+
+    def _absorbed(self, q_nope: np.ndarray, q_rope: np.ndarray, c: np.ndarray,
+                  k_rope: np.ndarray, cache, layer: int) -> np.ndarray:
+        """One token's attention with kv_b absorbed: q_nope (H, Dn), q_rope (H, Dr) rotated,
+        its latent c (Rkv,) and rotated key k_rope (Dr,) written to slot cache.length of
+        `layer` -> the heads' output float32 (H*Dv,)."""
         slot = cache.length
         lat, rot = cache.k[layer][0, 0], cache.v[layer][0, 0]              # (P, Rkv), (P, Dr)
-        lat[slot] = c[0]
-        rot[slot] = k_rope[0]
+        lat[slot] = c
+        rot[slot] = k_rope
         lat, rot = lat[:slot + 1], rot[:slot + 1]                          # (L, .)
-        q_lat = np.matmul(q[:, None, :Dn], self._w_kt)[:, 0]               # (H, Rkv)
+        q_lat = np.matmul(q_nope[:, None], self._w_kt)[:, 0]               # (H, Rkv)
         scores = q_lat @ lat.T
         scores += q_rope @ rot.T                                           # (H, L)
         scores *= self._scale
@@ -174,6 +222,4 @@ class MLA:
         p = np.exp(scores, out=scores)
         p /= p.sum(axis=1, keepdims=True)
         o_lat = p @ lat                                                    # (H, Rkv)
-        o = np.matmul(self._w_v, o_lat[:, :, None])                        # (H, Dv, 1)
-        self.wo(o.reshape(1, -1), s.o)
-        return s.o
+        return np.matmul(self._w_v, o_lat[:, :, None]).reshape(-1)         # (H*Dv,)

@@ -46,10 +46,10 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         if cache.batch != 1:
             raise ValueError(f"segment {j}: cache must be for one sequence, has batch "
                              f"{cache.batch}")
-        if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != dims:
-            raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim) = "
-                             f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, model has "
-                             f"{dims}")
+        found = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
+        if found != dims:
+            raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim, value "
+                             f"dim) = {found}, model has {dims}")
         if id(cache) in seen:
             raise ValueError(f"segment {j}: its cache is already used by another segment")
         seen.add(id(cache))

@@ -33,6 +33,7 @@ from test_model import (BOUNDS, F32_TOL, _positions, _prompts, _rel_err, quality
 
 __all__ = ["FamilyRef", "PARITY_FORMATS", "test_f32_full_prompt_batch_with_padding",
            "test_f32_batch_step_by_step_with_cache", "test_f32_decode_step",
+           "test_f32_ragged_step_matches_transformers",
            "test_f32_routing_matches_transformers_router", "test_f32_greedy_tokens_identical",
            "test_format_matches_transformers_with_the_same_weights",
            "test_format_error_within_documented_bounds", "test_routes_and_trace",
@@ -218,6 +219,25 @@ def test_f32_decode_step(ref):
     err = _rel_err(got, want)
     assert err <= F32_TOL, f"{ref.family}: decode step error {err:.2e}"
     assert cache.bytes_per_token == m.new_cache(ctx=1).nbytes
+
+
+def test_f32_ragged_step_matches_transformers(ref):
+    """Continuous batching's ragged step (Model.forward_ragged): the sequences of the batch,
+    each in its own cache, in one pass (prompts of different lengths, then decode tokens
+    together) give transformers' logits of each sequence."""
+    m = ref.model()
+    seqs = [s for s in ref.seqs if len(s) > 3]
+    caches = [m.new_cache(ctx=len(s)) for s in seqs]
+    got = [[row] for row in m.forward_ragged([(c, s[:-3]) for c, s in zip(caches, seqs)])]
+    for t in (3, 2, 1):
+        for j, row in enumerate(m.forward_ragged([(c, s[-t:len(s) - t + 1])
+                                                  for c, s in zip(caches, seqs)])):
+            got[j].append(row)
+    for j, s in enumerate(seqs):
+        b = next(i for i, q in enumerate(ref.seqs) if q is s)
+        want = ref.logits[b, ref.valid[b]][len(s) - 4:]
+        err = _rel_err(np.stack(got[j]), want)
+        assert err <= F32_TOL, f"{ref.family}: ragged step error {err:.2e} (sequence {b})"
 
 
 def test_f32_routing_matches_transformers_router(ref):
