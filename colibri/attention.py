@@ -123,6 +123,7 @@ class Attention:
     window: int | None = None                  # sliding window (slots), None = full attention
     wqkv: Projection | None = None
     threads: int = 1                           # of the compiled attention in decode
+    scale: float | None = None                 # of q . k; None: head_dim^-0.5
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -132,7 +133,9 @@ class Attention:
             raise ValueError(f"qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
         if self.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
             raise ValueError(f"qk_norm {self.qk_norm!r} needs q_norm and k_norm weights")
-        self.scale = self.head_dim ** -0.5
+        if self.scale is None:
+            self.scale = self.head_dim ** -0.5
+        self._scale32 = np.float32(self.scale)      # the decode step's (the same value)
 
     def project_qkv(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x float32 (B, S, D) -> q (B, H, S, Dh), k, v (B, Hkv, S, Dh), before RoPE."""
@@ -209,6 +212,6 @@ class Attention:
         slot = cache.length                               # the new token's; L = slot + 1
         start = slot + 1 - self.window if self.window and slot >= self.window else 0
         _attend_cached(s.q_heads, cache.k[layer], cache.v[layer], s.k_heads, s.v_heads,
-                       slot, start, s.scale, s.att_heads, self.threads)
+                       slot, start, self._scale32, s.att_heads, self.threads)
         self.wo(s.att_row, s.o)
         return s.o

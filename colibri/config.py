@@ -17,10 +17,15 @@ from typing import Any, Mapping
 
 from .errors import ColibriError
 
-__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS"]
+__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS", "NORMS"]
 
-ROUTERS = ("softmax_topk",)                 # softmax over all E, then top-k [, renormalised]
+ROUTERS = (
+    "softmax_topk",     # softmax over all E, then top-k [, renormalised]
+    "topk_softmax",     # top-k of the logits, then softmax over the k (Granite-MoE, GPT-OSS)
+    "sparsemixer",      # PhiMoE's top-2 sparsemixer (inference form), router_jitter_noise
+)
 QK_NORMS = ("none", "full", "per_head")     # none | over the whole projection | per head
+NORMS = ("rms_norm", "layer_norm")          # the model's norms: RMSNorm | LayerNorm
 
 
 class ConfigError(ColibriError, ValueError):
@@ -55,7 +60,16 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = field(default=None, hash=False)
     partial_rotary_factor: float = 1.0
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6                       # eps of every norm (RMSNorm or LayerNorm)
+    norm: str = "rms_norm"                           # one of NORMS
+    norm_bias: bool = False                          # LayerNorm biases (attn/ffn/final norms)
+    attention_out_bias: bool = False                 # o_proj bias
+    lm_head_bias: bool = False                       # head bias
+    attention_multiplier: float | None = None        # softmax scale; None: head_dim^-0.5
+    embedding_multiplier: float = 1.0                # embedding rows scaled by (muP)
+    residual_multiplier: float = 1.0                 # both residual branches scaled by (muP)
+    logits_scaling: float = 1.0                      # logits divided by (muP)
+    router_jitter_noise: float = 0.0                 # sparsemixer's threshold is 2x this
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     bos_token_id: int | tuple[int, ...] | None = None
@@ -89,6 +103,13 @@ class ModelConfig:
         return self.shared_expert_intermediate_size > 0
 
     @property
+    def attention_scale(self) -> float:
+        """The factor of q . k before the softmax."""
+        if self.attention_multiplier is None:
+            return self.head_dim ** -0.5
+        return self.attention_multiplier
+
+    @property
     def kv_group(self) -> int:
         """G = H / Hkv: query heads per kv head."""
         return self.num_attention_heads // self.num_key_value_heads
@@ -119,10 +140,14 @@ class ModelConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_metadata(self) -> dict[str, Any]:
-        """The "arch" object to store (JSON types: tuples become lists)."""
+        """The "arch" object to store (JSON types: tuples become lists). The fields of
+        LATER_FIELDS are left out at their defaults: a file of a family that does not use
+        them is what it was before they existed, and older readers still open it."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in LATER_FIELDS and v == f.default:
+                continue
             if isinstance(v, tuple):
                 v = list(v)
             elif isinstance(v, Mapping):
@@ -134,14 +159,24 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# Fields added after the first four families (Granite-MoE, DBRX, PhiMoE rules): stored only
+# when they differ from the default (to_metadata).
+LATER_FIELDS = frozenset({
+    "norm", "norm_bias", "attention_out_bias", "lm_head_bias", "attention_multiplier",
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "router_jitter_noise"})
+
+
 # --- field types and checks ------------------------------------------------------------------
 
 _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size", "max_position_embeddings")
 _COUNT = ("shared_expert_intermediate_size", "dense_intermediate_size")      # may be 0
-_BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings")
-_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps")
+_BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings",
+         "norm_bias", "attention_out_bias", "lm_head_bias")
+_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "embedding_multiplier",
+          "residual_multiplier", "logits_scaling", "router_jitter_noise")
+_OPTIONAL_FLOAT = ("clip_qkv", "attention_multiplier")          # a number or null
 _TOKEN = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -160,8 +195,8 @@ def _coerce(name: str, v: Any, source: str) -> Any:
     elif name in _BOOL:
         if not isinstance(v, bool):
             raise bad("true or false")
-    elif name in _FLOAT or name == "clip_qkv":
-        if v is None and name == "clip_qkv":
+    elif name in _FLOAT or name in _OPTIONAL_FLOAT:
+        if v is None and name in _OPTIONAL_FLOAT:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad("a number")
@@ -172,7 +207,7 @@ def _coerce(name: str, v: Any, source: str) -> Any:
         if isinstance(v, list) and all(_is_int(i) for i in v):
             return tuple(v)
         raise bad("an integer, a list of integers or null")
-    elif name in ("family", "router", "qk_norm"):
+    elif name in ("family", "router", "qk_norm", "norm"):
         if not isinstance(v, str):
             raise bad("a string")
     elif name == "sliding_window":
@@ -221,6 +256,21 @@ def _check(c: ModelConfig) -> None:
                           f"{', '.join(ROUTERS)})")
     if c.qk_norm not in QK_NORMS:
         raise ConfigError(f"qk_norm must be one of {', '.join(QK_NORMS)}, found {c.qk_norm!r}")
+    if c.norm not in NORMS:
+        raise ConfigError(f"norm must be one of {', '.join(NORMS)}, found {c.norm!r}")
+    if c.norm_bias and c.norm != "layer_norm":
+        raise ConfigError(f"norm_bias needs norm 'layer_norm', found norm {c.norm!r}")
+    if c.logits_scaling == 0:
+        raise ConfigError("logits_scaling must not be 0 (the logits are divided by it)")
+    if c.attention_multiplier is not None and not (math.isfinite(c.attention_multiplier)
+                                                   and c.attention_multiplier > 0):
+        raise ConfigError(f"attention_multiplier must be a positive number or null, found "
+                          f"{c.attention_multiplier!r}")
+    if c.router == "sparsemixer" and c.num_experts_per_tok != 2:
+        raise ConfigError(f"router 'sparsemixer' routes to 2 experts, found "
+                          f"num_experts_per_tok {c.num_experts_per_tok}")
+    if c.router_jitter_noise < 0:
+        raise ConfigError(f"router_jitter_noise must be >= 0, found {c.router_jitter_noise!r}")
     if c.clip_qkv is not None and not (math.isfinite(c.clip_qkv) and c.clip_qkv > 0):
         raise ConfigError(f"clip_qkv must be a positive number or null, found {c.clip_qkv!r}")
     if c.sliding_window is not None and (not _is_int(c.sliding_window) or c.sliding_window < 1):

@@ -55,7 +55,8 @@ SINGLE_FILE = "model.safetensors"
 # safetensors dtype -> colibri dtype of the values (what "auto" keeps)
 _SOURCE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 _SMALL_KINDS = ("attn_norm", "ffn_norm", "norm", "attn.q_norm", "attn.k_norm",
-                "attn.bq", "attn.bk", "attn.bv")
+                "attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn_norm_bias", "ffn_norm_bias",
+                "norm_bias", "lm_head_bias")
 _GATE_KINDS = ("moe.router", "moe.shared_gate")
 
 
@@ -475,6 +476,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                 try:
                     for t in todo:
                         a = reader.get(t.ckpt.key, t.source.index)
+                        if t.source.transpose:       # DBRX's w2: the block is down^T
+                            a = np.ascontiguousarray(a.T)
                         _check_finite(a, t.name, t.ckpt.key)
                         data, raw = _encode(t, a)
                         try:

@@ -49,7 +49,7 @@ __all__ = [
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
-ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax")
+ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer")
 ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
 
 
@@ -145,18 +145,21 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
 
 def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
                norm_topk_prob: bool = False, noise_seed: int | None = None,
-               threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               threads: int | None = None, jitter_eps: float = 0.0
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Pick k experts per token and their weights from router logits.
 
     Parameters
     ----------
     logits : float32 (T, E); -inf and huge values are fine, NaN is a ValueError
     k : int, 1 <= k <= E
-    rule : "softmax_topk" or "topk_softmax"
+    rule : "softmax_topk", "topk_softmax" or "sparsemixer"
         "softmax_topk": p = softmax over all E (max-subtracted, f32); the k largest p
         (ties -> lower expert index); weights = p[ids], divided by their sum when
         `norm_topk_prob`. "topk_softmax": the k largest logits; weights = softmax over those
-        k (max taken over the k, so nothing underflows that need not).
+        k (max taken over the k, so nothing underflows that need not). "sparsemixer"
+        (PhiMoE, k = 2, no noise): see _reference.sparsemixer_ref; `jitter_eps` is the
+        config's router_jitter_noise.
     norm_topk_prob : bool, renormalise the k weights of "softmax_topk" to sum 1
     noise_seed : int or None
         If given, Gumbel(0, 1) noise is added to the logits before the selection
@@ -184,7 +187,7 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
         raise ValueError(f"noise_seed must be an int or None, found {noise_seed!r}")
     return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
                                None if noise_seed is None else int(noise_seed),
-                               resolve_threads(threads))
+                               resolve_threads(threads), float(jitter_eps))
 
 
 def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -458,16 +461,18 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
 
 
 def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = False,
-                  threads: int | None = None) -> Callable[[np.ndarray], tuple]:
+                  threads: int | None = None, jitter_eps: float = 0.0
+                  ) -> Callable[[np.ndarray], tuple]:
     """route_topk with its settings checked once (no noise).
 
     Returns p with p(logits float32 (T, E), C-contiguous) -> (ids int32 (T, K), weights
     float32 (T, K)), the same as route_topk(logits, k, rule=rule,
-    norm_topk_prob=norm_topk_prob, threads=threads).
+    norm_topk_prob=norm_topk_prob, threads=threads, jitter_eps=jitter_eps).
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an int, found {k!r}")
-    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads))
+    return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads),
+                                  float(jitter_eps))
 
 
 def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,

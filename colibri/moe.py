@@ -29,7 +29,8 @@ class MoE:
 
     router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
-    rule: the routing rule (config.ROUTERS); activations: of the experts and shared expert.
+    rule: the routing rule (config.ROUTERS), jitter_eps its parameter (sparsemixer);
+    activations: of the experts and shared expert.
     """
     router: WeightRef
     w_gate: WeightRef
@@ -42,13 +43,14 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
+    jitter_eps: float = 0.0        # the sparsemixer rule's router_jitter_noise
 
     def __post_init__(self):
         # the kernel calls with their weights and settings checked once (kernels.prepare_*)
         self._router = kernels.prepare_linear(self.router, threads=self.threads)
         self._route = kernels.prepare_route(self.top_k, rule=self.rule,
                                             norm_topk_prob=self.norm_topk_prob,
-                                            threads=self.threads)
+                                            threads=self.threads, jitter_eps=self.jitter_eps)
         self._experts = kernels.prepare_expert_ffn(self.w_gate, self.w_up, self.w_down,
                                                    threads=self.threads,
                                                    activations=self.activations)

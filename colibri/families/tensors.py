@@ -23,6 +23,10 @@ DIMS: dict[str, tuple[str, ...]] = {
     "lm_head": ("vocab_size", "hidden_size"),                             # (V, D)
     "attn_norm": ("hidden_size",),
     "ffn_norm": ("hidden_size",),
+    "attn_norm_bias": ("hidden_size",),                                   # LayerNorm biases
+    "ffn_norm_bias": ("hidden_size",),
+    "norm_bias": ("hidden_size",),
+    "lm_head_bias": ("vocab_size",),                                      # (V,)
     "attn.wq": ("num_attention_heads*head_dim", "hidden_size"),          # (H*Dh, D)
     "attn.wk": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
     "attn.wv": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
@@ -30,6 +34,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     "attn.bq": ("num_attention_heads*head_dim",),
     "attn.bk": ("num_key_value_heads*head_dim",),
     "attn.bv": ("num_key_value_heads*head_dim",),
+    "attn.bo": ("hidden_size",),
     "attn.q_norm/full": ("num_attention_heads*head_dim",),               # OLMoE
     "attn.k_norm/full": ("num_key_value_heads*head_dim",),
     "attn.q_norm/per_head": ("head_dim",),                               # Qwen3
@@ -49,11 +54,15 @@ DIMS: dict[str, tuple[str, ...]] = {
 
 
 def eval_dim(expr: str, cfg: ModelConfig) -> int:
-    """'num_attention_heads*head_dim' -> H*Dh of `cfg`."""
-    out = 1
-    for factor in expr.split("*"):
-        out *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
-    return out
+    """'num_attention_heads*head_dim' -> H*Dh of `cfg`; a sum of such products ('a*b+c',
+    a fused tensor's rows) -> their sum."""
+    total = 0
+    for term in expr.split("+"):
+        out = 1
+        for factor in term.split("*"):
+            out *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
+        total += out
+    return total
 
 
 @dataclass(frozen=True)
@@ -82,15 +91,21 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         add(p + "attn_norm", "attn_norm", layer=i)
+        if cfg.norm_bias:
+            add(p + "attn_norm_bias", "attn_norm_bias", layer=i)
         for w in ("wq", "wk", "wv", "wo"):
             add(p + "attn." + w, "attn." + w, layer=i)
         if cfg.attention_bias:
             for b in ("bq", "bk", "bv"):
                 add(p + "attn." + b, "attn." + b, layer=i)
+        if cfg.attention_out_bias:
+            add(p + "attn.bo", "attn.bo", layer=i)
         if cfg.qk_norm != "none":
             for n in ("q_norm", "k_norm"):
                 add(p + "attn." + n, "attn." + n, f"attn.{n}/{cfg.qk_norm}", layer=i)
         add(p + "ffn_norm", "ffn_norm", layer=i)
+        if cfg.norm_bias:
+            add(p + "ffn_norm_bias", "ffn_norm_bias", layer=i)
         if i in moe_layers:
             add(p + "moe.router", "moe.router", layer=i)
             for e in range(cfg.num_experts):
@@ -105,6 +120,10 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
             for w in EXPERT_PROJS:
                 add(p + "mlp." + w, "mlp." + w, layer=i)
     add("norm", "norm")
+    if cfg.norm_bias:
+        add("norm_bias", "norm_bias")
     if not cfg.tie_word_embeddings:
         add("lm_head", "lm_head")
+    if cfg.lm_head_bias:
+        add("lm_head_bias", "lm_head_bias")
     return out

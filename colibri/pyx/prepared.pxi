@@ -60,14 +60,17 @@ cdef class PreparedRoute:
     cdef Py_ssize_t k
     cdef int rule, threads
     cdef bint norm
+    cdef float thresh
 
-    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads):
+    def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads,
+                 double jitter_eps=0.0):
         _check_threads(threads)
         if rule not in RULES:
             raise ValueError(f"unknown routing rule {rule!r}; expected one of "
                              f"{', '.join(RULES)}")
         if k < 1:
             raise ValueError(f"k = {k} must be >= 1")
+        self.thresh = _sparsemixer_threshold(rule, k, jitter_eps)
         self.k, self.rule, self.norm, self.threads = k, RULES[rule], norm_topk_prob, threads
 
     def __call__(self, logits):
@@ -93,6 +96,7 @@ cdef class PreparedRoute:
         cdef RouteJob job
         job.logits, job.E, job.k = lp, E, k
         job.rule, job.norm, job.noisy, job.seed = self.rule, self.norm, False, 0
+        job.thresh = self.thresh
         job.p, job.key = scratch, scratch + T * E
         job.ids = <int32_t *>colibri_array_data(ids)
         job.w = <float *>colibri_array_data(wts)

@@ -1,6 +1,6 @@
 # colibri/pyx/routing.pxi: routing, logits (T, E) -> ids (T, K), weights (T, K).
 
-RULES = {"softmax_topk": 0, "topk_softmax": 1}
+RULES = {"softmax_topk": 0, "topk_softmax": 1, "sparsemixer": 2}
 
 
 cdef void _softmax(const float *v, Py_ssize_t n, float *p) noexcept nogil:
@@ -50,9 +50,37 @@ cdef void _select_topk(const float *key, Py_ssize_t E, Py_ssize_t k, int32_t *id
         ids[j] = <int32_t>e
 
 
+cdef void _route_sparsemixer(const float *l, Py_ssize_t E, float thresh, float *p,
+                             float *masked, int32_t *ids, float *w) noexcept nogil:
+    """PhiMoE's sparsemixer, inference form (transformers' sparsemixer with training=False),
+    top-2: e1 = argmax z (first of equal maxima); the experts j with (m - z_j) / max(|z_j|, m)
+    > thresh (= 2 * router_jitter_noise, m = z[e1]) masked to -inf; w1 = softmax(masked z)[e1].
+    Then e1 itself masked, e2 = argmax of the rest, m = z[e2], the same rule on the original
+    z; w2 = softmax over those at e2. All arithmetic in f32 as torch does it (the softmax's
+    sum in f64, as _softmax)."""
+    cdef Py_ssize_t e, j
+    cdef int32_t first = -1, best
+    cdef float m, a, f
+    for j in range(2):
+        best = -1
+        m = -INFINITY
+        for e in range(E):                           # argmax, e1 excluded the second time
+            if e != first and (best < 0 or l[e] > m):
+                m = l[e]
+                best = <int32_t>e
+        for e in range(E):                           # the relative-threshold mask
+            a = fabsf(l[e])
+            f = a if a > m else m
+            masked[e] = -INFINITY if (e == first or (m - l[e]) / f > thresh) else l[e]
+        _softmax(masked, E, p)
+        ids[j] = best
+        w[j] = p[best]
+        first = best
+
+
 cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bint norm,
-                       bint noisy, uint64_t seed, Py_ssize_t t, float *p, float *key,
-                       int32_t *ids, float *w) noexcept nogil:
+                       bint noisy, uint64_t seed, float thresh, Py_ssize_t t, float *p,
+                       float *key, int32_t *ids, float *w) noexcept nogil:
     """One token's routing (see kernels.route_topk); p, key: scratch of E floats."""
     cdef const float *sel
     cdef Py_ssize_t e, j, i
@@ -75,6 +103,8 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
                 s += w[j]
             for j in range(k):
                 w[j] = <float>(w[j] / s)
+    elif rule == 2:                                 # PhiMoE's sparsemixer (k = 2, no noise)
+        _route_sparsemixer(l, E, thresh, p, key, ids, w)
     else:                                           # top-k of the logits, softmax over the k
         sel = l
         if noisy:
@@ -103,6 +133,7 @@ ctypedef struct RouteJob:
     int rule
     bint norm, noisy
     uint64_t seed
+    float thresh
     float *p
     float *key
     int32_t *ids
@@ -111,12 +142,21 @@ ctypedef struct RouteJob:
 
 cdef void _route_task(void *ctx, Py_ssize_t t) noexcept nogil:
     cdef const RouteJob *j = <const RouteJob *>ctx
-    _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, t,
+    _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, j.thresh, t,
                  j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k)
 
 
+cdef float _sparsemixer_threshold(str rule, Py_ssize_t k, double jitter_eps) except? -1:
+    """2 * jitter_eps in f32 (the threshold torch compares against), checked for the rule."""
+    if rule == "sparsemixer" and k != 2:
+        raise ValueError(f"rule 'sparsemixer' routes to k = 2 experts, got k = {k}")
+    if not jitter_eps >= 0:
+        raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps!r}")
+    return <float>(2.0 * jitter_eps)
+
+
 def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_topk_prob,
-               noise_seed, int threads):
+               noise_seed, int threads, double jitter_eps=0.0):
     """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E)."""
     _check_threads(threads)
     cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1]
@@ -125,6 +165,9 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     cdef int rcode = RULES[rule]
     if E < 1 or not 1 <= k <= E:
         raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
+    cdef float thresh = _sparsemixer_threshold(rule, k, jitter_eps)
+    if rcode == 2 and noise_seed is not None:
+        raise ValueError("rule 'sparsemixer' takes no routing noise")
     arr = np.asarray(logits)
     if T and np.isnan(arr).any():
         bad = np.argwhere(np.isnan(arr))[0]
@@ -149,6 +192,7 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
             job.logits, job.E, job.k = &logits[0, 0], E, k
             job.rule, job.norm = rcode, norm_topk_prob
             job.noisy, job.seed, job.p, job.key = noisy, seed, p, key
+            job.thresh = thresh
             job.ids, job.w = &iv[0, 0], &wv[0, 0]
             colibri_pool_run(nth, _route_task, &job, T)
     finally:
