@@ -88,5 +88,10 @@ def test_format_within_bounds(ref, fmt):
     ref.check_format(fmt)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_format_path_is_exact(ref, fmt):
+    ref.check_same_weights(fmt)
+
+
 def test_routes_command(ref, capsys):
     ref.check_routes_command(capsys)
