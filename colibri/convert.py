@@ -18,6 +18,10 @@ Target dtype of each tensor:
   routing decisions are sensitive to error).
 - everything else: `quant` (q8/q4) when its role is in `quantize`, else `dtype`;
   dtype "auto" keeps the checkpoint's dtype (bf16 stays bf16, bit-exact).
+- a quantized tensor whose input dimension the group size does not divide falls back, per
+  tensor, to the nearest format that holds it (smaller groups of the same format, else
+  `dtype`), with one warning line listing them (llama.cpp's behaviour); the file's converter
+  metadata lists them under "fallback".
 Roles: experts (routed experts), shared (shared expert), attn (wq/wk/wv/wo), head (lm_head),
 dense (the mlp of dense layers). The embedding is never quantized.
 """
@@ -192,6 +196,7 @@ class Plan:
     router_dtype: str
     tokenizer: dict | None = None
     ignored: list[str] = field(default_factory=list)
+    fallback: dict[str, str] = field(default_factory=dict)   # tensor -> format it fell back to
 
     def specs(self) -> list:
         return [t.spec() for t in self.tensors]
@@ -212,6 +217,7 @@ class Plan:
                 "group_size": self.group_size,
                 "quantized": list(self.quantized),
                 "router_dtype": self.router_dtype,
+                **({"fallback": dict(self.fallback)} if self.fallback else {}),
             },
         }
 
@@ -273,28 +279,59 @@ def _auto_dtype(matched: list[tuple[CanonicalTensor, CheckpointTensor]]) -> str:
 
 
 def _pick_group_size(tensors: list[PlannedTensor], group_size: int | None) -> int:
-    """An explicit group size must suit every quantized tensor; the default is
-    DEFAULT_GROUP_SIZE, lowered (by multiples of 32) until it divides every input dimension."""
+    """The group size of the quantized tensors: an explicit one (a positive multiple of 32),
+    or DEFAULT_GROUP_SIZE lowered (by multiples of 32) until it divides every input dimension
+    that is a multiple of 32 (the others fall back, see _fall_back)."""
     quantized = [t for t in tensors if t.role is not None]
     if not quantized:
         return 0
-    block = 32
-    for t in quantized:
-        if t.canon.shape[-1] % block:
-            raise ColibriError(
-                f"tensor {t.name}: input dimension {t.canon.shape[-1]} is not a multiple of "
-                f"{block}, so it cannot be quantized; leave role {t.role!r} out of --quantize")
+    block = dtypes.BLOCK
     if group_size is not None:
-        for t in quantized:
-            try:
-                dtypes.check_group_size(t.canon.shape[-1], group_size, t.name)
-            except ValueError as e:
-                raise ColibriError(f"--group-size: {e}") from None
+        if isinstance(group_size, bool) or not isinstance(group_size, int) \
+                or group_size <= 0 or group_size % block:
+            raise ColibriError(f"--group-size: group_size {group_size!r} is not a positive "
+                               f"multiple of {block}")
         return group_size
     g = qmod.DEFAULT_GROUP_SIZE
-    while g > block and any(t.canon.shape[-1] % g for t in quantized):
+    while g > block and any(t.canon.shape[-1] % g for t in quantized
+                            if t.canon.shape[-1] % block == 0):
         g -= block
     return g
+
+
+def _fall_back(tensors: list[PlannedTensor], quant: str, group_size: int, base: str
+               ) -> dict[str, str]:
+    """Give each quantized tensor the group size, or, when its input dimension C cannot take
+    it, the nearest format that holds it (llama.cpp's per-tensor fallback): the same format
+    with the largest group size (a multiple of 32) dividing C when C is a multiple of 32,
+    else `base`, the format of the unquantized weights. Returns {name: format stored} of the
+    tensors that fell back, after one ConversionWarning line listing them."""
+    fallen: dict[str, str] = {}
+    for t in tensors:
+        if t.role is None:
+            continue
+        cols = t.canon.shape[-1]
+        if cols % group_size == 0:
+            t.group_size = group_size
+        elif cols % dtypes.BLOCK == 0:
+            t.group_size = max(g for g in range(dtypes.BLOCK, group_size, dtypes.BLOCK)
+                               if cols % g == 0)
+            fallen[t.name] = f"{t.dtype} group {t.group_size}"
+        else:
+            t.dtype, t.group_size = base, 0
+            fallen[t.name] = base
+    if fallen:
+        shown: dict[str, str] = {}
+        for t in tensors:                     # one entry for all experts of a layer's matrix
+            if t.name in fallen:
+                key = t.name if t.canon.expert is None else t.name.replace(
+                    f".experts.{t.canon.expert}.", ".experts.*.")
+                shown.setdefault(key, f"{key} ({t.canon.shape[-1]} columns) -> {fallen[t.name]}")
+        warnings.warn(
+            f"{len(fallen)} tensors cannot take {quant} with group size {group_size} (their "
+            f"input dimension is not a multiple of it) and are stored in the nearest format "
+            f"that holds them: {'; '.join(shown.values())}", ConversionWarning, stacklevel=3)
+    return fallen
 
 
 def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
@@ -349,12 +386,10 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         else:
             tensors.append(PlannedTensor(t, s, c, base))
     g = _pick_group_size(tensors, group_size)
-    for t in tensors:
-        if t.role is not None:
-            t.group_size = g
+    fallen = _fall_back(tensors, quant, g, base)
     quantized = sorted({t.role for t in tensors if t.role is not None}, key=ROLES.index)
     return Plan(src, family, hf_config, cfg, tensors, base, quant, g, quantized, gate,
-                ignored=ignorable)
+                ignored=ignorable, fallback=fallen)
 
 
 # --- streaming --------------------------------------------------------------------------------
