@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .errors import ColibriError
 
-__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS", "NORMS"]
+__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS", "NORMS", "EXPERT_ACTIVATIONS"]
 
 ROUTERS = (
     "softmax_topk",     # softmax over all E, then top-k [, renormalised]
@@ -26,6 +26,7 @@ ROUTERS = (
 )
 QK_NORMS = ("none", "full", "per_head")     # none | over the whole projection | per head
 NORMS = ("rms_norm", "layer_norm")          # the model's norms: RMSNorm | LayerNorm
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")   # silu(g) * u | GPT-OSS's clamped (u + 1) * g * sigmoid(a g)
 
 
 class ConfigError(ColibriError, ValueError):
@@ -70,6 +71,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0                 # both residual branches scaled by (muP)
     logits_scaling: float = 1.0                      # logits divided by (muP)
     router_jitter_noise: float = 0.0                 # sparsemixer's threshold is 2x this
+    router_bias: bool = False                        # router logits + a bias (E,)
+    expert_bias: bool = False                        # expert gate / up / down biases
+    expert_activation: str = "silu"                  # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702                      # swigluoai: g * sigmoid(alpha * g)
+    swiglu_limit: float = 7.0                        # swigluoai: g <= limit, |u| <= limit
+    attention_sinks: bool = False                    # a learned logit per head in each softmax
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     bos_token_id: int | tuple[int, ...] | None = None
@@ -163,7 +170,9 @@ class ModelConfig:
 # when they differ from the default (to_metadata).
 LATER_FIELDS = frozenset({
     "norm", "norm_bias", "attention_out_bias", "lm_head_bias", "attention_multiplier",
-    "embedding_multiplier", "residual_multiplier", "logits_scaling", "router_jitter_noise"})
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "router_jitter_noise",
+    "router_bias", "expert_bias", "expert_activation", "swiglu_alpha", "swiglu_limit",
+    "attention_sinks"})
 
 
 # --- field types and checks ------------------------------------------------------------------
@@ -173,9 +182,11 @@ _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
         "moe_intermediate_size", "max_position_embeddings")
 _COUNT = ("shared_expert_intermediate_size", "dense_intermediate_size")      # may be 0
 _BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings",
-         "norm_bias", "attention_out_bias", "lm_head_bias")
+         "norm_bias", "attention_out_bias", "lm_head_bias", "router_bias", "expert_bias",
+         "attention_sinks")
 _FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "embedding_multiplier",
-          "residual_multiplier", "logits_scaling", "router_jitter_noise")
+          "residual_multiplier", "logits_scaling", "router_jitter_noise", "swiglu_alpha",
+          "swiglu_limit")
 _OPTIONAL_FLOAT = ("clip_qkv", "attention_multiplier")          # a number or null
 _TOKEN = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -207,7 +218,7 @@ def _coerce(name: str, v: Any, source: str) -> Any:
         if isinstance(v, list) and all(_is_int(i) for i in v):
             return tuple(v)
         raise bad("an integer, a list of integers or null")
-    elif name in ("family", "router", "qk_norm", "norm"):
+    elif name in ("family", "router", "qk_norm", "norm", "expert_activation"):
         if not isinstance(v, str):
             raise bad("a string")
     elif name == "sliding_window":
@@ -260,6 +271,11 @@ def _check(c: ModelConfig) -> None:
         raise ConfigError(f"norm must be one of {', '.join(NORMS)}, found {c.norm!r}")
     if c.norm_bias and c.norm != "layer_norm":
         raise ConfigError(f"norm_bias needs norm 'layer_norm', found norm {c.norm!r}")
+    if c.expert_activation not in EXPERT_ACTIVATIONS:
+        raise ConfigError(f"expert_activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, "
+                          f"found {c.expert_activation!r}")
+    if c.swiglu_limit <= 0:
+        raise ConfigError(f"swiglu_limit must be positive, found {c.swiglu_limit!r}")
     if c.logits_scaling == 0:
         raise ConfigError("logits_scaling must not be 0 (the logits are divided by it)")
     if c.attention_multiplier is not None and not (math.isfinite(c.attention_multiplier)

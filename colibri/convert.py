@@ -60,7 +60,8 @@ SINGLE_FILE = "model.safetensors"
 _SOURCE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 _SMALL_KINDS = ("attn_norm", "ffn_norm", "norm", "attn.q_norm", "attn.k_norm",
                 "attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn_norm_bias", "ffn_norm_bias",
-                "norm_bias", "lm_head_bias")
+                "norm_bias", "lm_head_bias", "attn.sinks", "moe.router_bias", "moe.b_gate",
+                "moe.b_up", "moe.b_down")
 _GATE_KINDS = ("moe.router", "moe.shared_gate")
 
 
@@ -258,7 +259,7 @@ def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
         looked = ", ".join(repr(s.key) for s in sources)
         raise ColibriError(f"checkpoint has no tensor for {t.name} (looked for {looked})")
     c = ckpt[s.key]
-    want, dims = (s.shape, s.dims) if s.index else (t.shape, t.dims)
+    want, dims = (s.shape, s.dims) if s.shape is not None else (t.shape, t.dims)
     if c.shape != want:
         raise ColibriError(
             f"checkpoint tensor {s.key!r} has shape {c.shape}, but config.json implies "
@@ -511,6 +512,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                 try:
                     for t in todo:
                         a = reader.get(t.ckpt.key, t.source.index)
+                        if t.source.post:            # GPT-OSS: gate / up interleaved
+                            a = a[t.source.post]
                         if t.source.transpose:       # DBRX's w2: the block is down^T
                             a = np.ascontiguousarray(a.T)
                         _check_finite(a, t.name, t.ckpt.key)

@@ -37,7 +37,7 @@ from .errors import ColibriError
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
-from .moe import DenseMLP, MoE
+from .moe import BiasedExperts, DenseMLP, MoE
 from .norms import layer_norm, rms_norm
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
@@ -181,7 +181,8 @@ class Model:
             q_norm=vector(f, p + "attn.q_norm") if qk_norm else None,
             k_norm=vector(f, p + "attn.k_norm") if qk_norm else None,
             clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
-            threads=t, scale=c.attention_multiplier)
+            threads=t, scale=c.attention_multiplier,
+            sinks=vector(f, p + "attn.sinks") if c.attention_sinks else None)
         mlp = ("w_gate", "w_up", "w_down")
         if c.is_moe_layer(i):
             shared = gate = None
@@ -189,11 +190,18 @@ class Model:
                 shared = tuple(weight_ref(f, buf, f"{p}moe.shared.{n}") for n in mlp)
                 if c.shared_expert_gate:
                     gate = weight_ref(f, buf, p + "moe.shared_gate")
-            ffn = MoE(weight_ref(f, buf, router_name(i)),
-                      *(expert_ref(f, buf, i, n, c.num_experts) for n in mlp),
+            stacks = [expert_ref(f, buf, i, n, c.num_experts) for n in mlp]
+            biased = None
+            if c.expert_bias or c.expert_activation != "silu":
+                biases = ([vector(f, f"{p}moe.b_{n[2:]}") for n in mlp] if c.expert_bias
+                          else [None] * 3)
+                biased = BiasedExperts(*stacks, *biases, c.expert_activation, c.swiglu_alpha,
+                                       c.swiglu_limit, t, act)
+            ffn = MoE(weight_ref(f, buf, router_name(i)), *stacks,
                       top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, threads=t,
                       shared=shared, shared_gate=gate, rule=c.router, activations=act,
-                      jitter_eps=c.router_jitter_noise)
+                      jitter_eps=c.router_jitter_noise, biased_experts=biased,
+                      router_bias=vector(f, p + "moe.router_bias") if c.router_bias else None)
         else:
             ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}") for n in mlp), threads=t,
                            activations=act)

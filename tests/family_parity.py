@@ -209,8 +209,8 @@ class FamilyRef:
             value = m.file.to_float32(t.name)
             if src.transpose:
                 value = value.T
-            if src.index:
-                tensors[src.key][src.index] = value
+            if src.index or src.post:
+                tensors[src.key][src.index][src.post] = value      # views: writes through
             else:
                 tensors[src.key] = value.reshape(tensors[src.key].shape)
         out = self.dir / f"hf-{fmt}"

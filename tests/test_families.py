@@ -35,7 +35,8 @@ def checkpoint_shapes(folder) -> dict[str, tuple[int, ...]]:
 
 def test_registry_lists_the_families():
     # the four of hf_factory, and those with a parity file of their own (test_family_*.py)
-    assert set(FAMILY_NAMES) | {"granitemoe", "granitemoeshared", "dbrx", "phimoe"} <= set(FAMILIES)
+    assert set(FAMILY_NAMES) | {"granitemoe", "granitemoeshared", "dbrx", "phimoe",
+                                "gpt_oss"} <= set(FAMILIES)
     for name, fam in FAMILIES.items():
         assert fam.model_type == name
         assert get_family(name) is fam

@@ -8,11 +8,11 @@ checkpoint to tests/hf_factory.py.
 from __future__ import annotations
 
 from ..errors import ColibriError
-from . import dbrx, granitemoe, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
+from . import dbrx, gpt_oss, granitemoe, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
 from .base import Family
 from .tensors import canonical_tensors
 
-_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, dbrx, phimoe)
+_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, dbrx, phimoe, gpt_oss)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
 FAMILIES[granitemoe.SHARED_FAMILY.model_type] = granitemoe.SHARED_FAMILY

@@ -68,6 +68,7 @@ class Source:
     shape: tuple[int, ...] | None = None
     dims: tuple[str, ...] | None = None
     transpose: bool = False            # the indexed block is the canonical tensor transposed
+    post: tuple = ()                   # numpy index applied after reading (steps)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,25 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """A name-map entry: the canonical tensor is `stack[index]` of a checkpoint tensor, then
+    transposed if `transposed` (GPT-OSS's (E, D, 2I) gate_up with gate / up interleaved).
+
+    dims: the checkpoint tensor's shape as ModelConfig expressions; index: a numpy index
+    whose first entry may be "e" (the expert number, read through the checkpoint's slicing;
+    the rest is applied after reading, so steps are allowed)."""
+    key: str
+    dims: tuple[str, ...]
+    index: tuple = ()
+    transposed: bool = False
+
+    def source(self, t: CanonicalTensor, key: str, cfg: ModelConfig) -> Source:
+        read = (t.expert,) if self.index[:1] == ("e",) else ()
+        return Source(key, read, tuple(eval_dim(d, cfg) for d in self.dims), self.dims,
+                      self.transposed, tuple(self.index[len(read):]))
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: config.json → ModelConfig, and the checkpoint name of every canonical
     tensor.
@@ -134,11 +154,12 @@ class Family:
         if templates is None:
             raise ColibriError(f"family {self.model_type!r} has no checkpoint name for "
                                f"{t.name!r}")
-        if isinstance(templates, (str, Rows)):
+        if isinstance(templates, (str, Rows, Slice)):
             templates = (templates,)
         prefix = self.layer_prefix.format(i=t.layer) if t.layer is not None else ""
         subs = {"i": t.layer, "e": t.expert}
-        found = [tpl.source(t, prefix + tpl.key.format(**subs), cfg) if isinstance(tpl, Rows)
+        found = [tpl.source(t, prefix + tpl.key.format(**subs), cfg)
+                 if isinstance(tpl, (Rows, Slice))
                  else Source(prefix + tpl.format(**subs)) for tpl in templates]
         if t.expert is not None and self.fused_experts is not None:
             found.append(self._fused_source(t, prefix, cfg))

@@ -35,11 +35,16 @@ DIMS: dict[str, tuple[str, ...]] = {
     "attn.bk": ("num_key_value_heads*head_dim",),
     "attn.bv": ("num_key_value_heads*head_dim",),
     "attn.bo": ("hidden_size",),
+    "attn.sinks": ("num_attention_heads",),                              # (H,) GPT-OSS
     "attn.q_norm/full": ("num_attention_heads*head_dim",),               # OLMoE
     "attn.k_norm/full": ("num_key_value_heads*head_dim",),
     "attn.q_norm/per_head": ("head_dim",),                               # Qwen3
     "attn.k_norm/per_head": ("head_dim",),
     "moe.router": ("num_experts", "hidden_size"),                        # (E, D)
+    "moe.router_bias": ("num_experts",),                                  # (E,)
+    "moe.b_gate": ("num_experts", "moe_intermediate_size"),              # (E, I) expert biases
+    "moe.b_up": ("num_experts", "moe_intermediate_size"),
+    "moe.b_down": ("num_experts", "hidden_size"),                        # (E, D)
     "moe.experts.w_gate": ("moe_intermediate_size", "hidden_size"),      # (I, D)
     "moe.experts.w_up": ("moe_intermediate_size", "hidden_size"),        # (I, D)
     "moe.experts.w_down": ("hidden_size", "moe_intermediate_size"),      # (D, I)
@@ -100,6 +105,8 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
                 add(p + "attn." + b, "attn." + b, layer=i)
         if cfg.attention_out_bias:
             add(p + "attn.bo", "attn.bo", layer=i)
+        if cfg.attention_sinks:
+            add(p + "attn.sinks", "attn.sinks", layer=i)
         if cfg.qk_norm != "none":
             for n in ("q_norm", "k_norm"):
                 add(p + "attn." + n, "attn." + n, f"attn.{n}/{cfg.qk_norm}", layer=i)
@@ -108,6 +115,11 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
             add(p + "ffn_norm_bias", "ffn_norm_bias", layer=i)
         if i in moe_layers:
             add(p + "moe.router", "moe.router", layer=i)
+            if cfg.router_bias:
+                add(p + "moe.router_bias", "moe.router_bias", layer=i)
+            if cfg.expert_bias:
+                for b in ("b_gate", "b_up", "b_down"):
+                    add(p + "moe." + b, "moe." + b, layer=i)
             for e in range(cfg.num_experts):
                 for w in EXPERT_PROJS:
                     add(f"{p}moe.experts.{e}.{w}", "moe.experts." + w, layer=i, expert=e, proj=w)
