@@ -68,6 +68,15 @@ def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
         nib = np.concatenate([packed & 0x0F, packed >> 4], axis=2)    # (R, C/32, 32) in order
         q = nib.reshape(R, C).astype(np.float32) - 8.0
         scales = raw[:, C // 2:].copy().view("<f2").astype(np.float32)
+    elif w.dtype == "mxfp4":
+        # byte j: element 2j low nibble, 2j + 1 high; E2M1: sign bit 3, exponent bits 2..1,
+        # mantissa bit 0 (subnormal at exponent 0); block scale 2^(byte - 127)
+        packed = raw[:, :C // 2]
+        nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(R, C).astype(np.int64)
+        e, m = (nib >> 1) & 3, nib & 1
+        mag = np.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * 2.0 ** (e - 1))
+        q = np.where(nib & 8, -mag, mag).astype(np.float32)
+        scales = np.exp2(raw[:, C // 2:].astype(np.float64) - 127).astype(np.float32)
     else:
         raise ValueError(f"unknown weight dtype {w.dtype!r}")
     return (q.reshape(R, C // Q, Q) * scales[:, :, None]).reshape(R, C)
