@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__, dtypes
+from . import __version__, dtypes, mxfp4
 from . import quant as qmod
 from .config import ModelConfig
 from .errors import ColibriError
@@ -165,6 +165,7 @@ class PlannedTensor:
     dtype: str                      # colibri dtype written
     group_size: int = 0
     role: str | None = None         # quantization role, None for tensors no role covers
+    scales: CheckpointTensor | None = None    # MXFP4 sources: the E8M0 scales tensor
 
     @property
     def name(self) -> str:
@@ -173,6 +174,8 @@ class PlannedTensor:
     @property
     def source_nbytes(self) -> int:
         # the source (a whole checkpoint tensor or one expert's slice) has the canonical shape
+        if self.scales is not None:                          # MXFP4 codes and scales
+            return dtypes.tensor_nbytes("mxfp4", self.canon.shape, mxfp4.BLOCK)
         return math.prod(self.canon.shape) * (4 if self.ckpt.dtype == "F32" else 2)
 
     def spec(self):
@@ -249,8 +252,10 @@ def _parse_roles(quantize: Iterable[str] | str) -> tuple[str, ...]:
 
 
 def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
-           ckpt: Mapping[str, CheckpointTensor]) -> tuple[Source, CheckpointTensor]:
-    """The checkpoint tensor holding canonical tensor t, shape-checked against config.json."""
+           ckpt: Mapping[str, CheckpointTensor]
+           ) -> tuple[Source, CheckpointTensor, CheckpointTensor | None]:
+    """The checkpoint tensor holding canonical tensor t, shape-checked against config.json
+    (and the scales tensor of an MXFP4 source, else None)."""
     sources = family.sources(t, cfg)
     for s in sources:
         if s.key in ckpt:
@@ -264,11 +269,25 @@ def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
         raise ColibriError(
             f"checkpoint tensor {s.key!r} has shape {c.shape}, but config.json implies "
             f"{want} ({family.explain(dims, cfg)})")
+    if s.scales is not None:                          # MXFP4 blocks + scales, as they ship
+        if s.scales.key not in ckpt:
+            raise ColibriError(f"checkpoint has the MXFP4 blocks {s.key!r} but not their "
+                               f"scales {s.scales.key!r}")
+        sc = ckpt[s.scales.key]
+        if sc.shape != s.scales.shape:
+            raise ColibriError(
+                f"checkpoint tensor {sc.key!r} has shape {sc.shape}, but config.json implies "
+                f"{s.scales.shape} ({family.explain(s.scales.dims, cfg)})")
+        for x in (c, sc):
+            if x.dtype != "U8":
+                raise ColibriError(f"checkpoint tensor {x.key!r} has dtype {x.dtype}; MXFP4 "
+                                   f"blocks and scales are U8")
+        return s, c, sc
     if c.dtype not in _SOURCE_DTYPES:
         extra = " (FP8 checkpoints are not supported)" if c.dtype.startswith("F8") else ""
         raise ColibriError(f"checkpoint tensor {s.key!r} has dtype {c.dtype}, unsupported"
                            f"{extra}; supported: {', '.join(_SOURCE_DTYPES)}")
-    return s, c
+    return s, c, None
 
 
 def _auto_dtype(matched: list[tuple[CanonicalTensor, CheckpointTensor]]) -> str:
@@ -361,9 +380,11 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
 
     matched, used = [], set()
     for t in canonical_tensors(cfg):
-        s, c = _match(t, family, cfg, ckpt)
-        matched.append((t, s, c))
+        s, c, sc = _match(t, family, cfg, ckpt)
+        matched.append((t, s, c, sc))
         used.add(s.key)
+        if sc is not None:
+            used.add(sc.key)
     ignorable = [k for k in ckpt if k not in used and (
         k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings))]
     extra = sorted(set(ckpt) - used - set(ignorable))
@@ -373,12 +394,15 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
                            f"{family.model_type} model as config.json describes it: "
                            f"{', '.join(extra[:5])}{more}")
 
-    base = _auto_dtype([(t, c) for t, _, c in matched]) if dtype == "auto" else dtype
+    base = (_auto_dtype([(t, c) for t, _, c, sc in matched if sc is None])
+            if dtype == "auto" else dtype)
     gate = base if router_dtype == "auto" else router_dtype
     tensors = []
-    for t, s, c in matched:
+    for t, s, c, sc in matched:
         role = quant_role(t.kind)
-        if role is not None and role in roles:
+        if sc is not None:                            # MXFP4 as it ships: never requantized
+            tensors.append(PlannedTensor(t, s, c, "mxfp4", mxfp4.BLOCK, scales=sc))
+        elif role is not None and role in roles:
             tensors.append(PlannedTensor(t, s, c, quant, 0, role))
         elif t.kind in _SMALL_KINDS:
             tensors.append(PlannedTensor(t, s, c, "f32"))
@@ -451,6 +475,28 @@ def _encode(t: PlannedTensor, a: np.ndarray) -> tuple[np.ndarray, bool]:
     return a, False
 
 
+def _mxfp4_rows(src: Path, t: PlannedTensor, reader: _ShardReader) -> np.ndarray:
+    """The stored bytes of an MXFP4 tensor: its rows' code bytes (the checkpoint's blocks,
+    unchanged) then their E8M0 scales, uint8 1-D; a scale of 255 (NaN) is an error."""
+    s = t.source
+    blocks = reader.get(t.ckpt.key, s.index)
+    if t.scales.shard == t.ckpt.shard:
+        scales = reader.get(t.scales.key, s.scales.index)
+    else:
+        with _safe_open(src / t.scales.shard) as f:
+            sl = f.get_slice(t.scales.key)
+            scales = sl[s.scales.index] if s.scales.index else f.get_tensor(t.scales.key)
+    if s.post:                                   # gate / up interleaved rows
+        blocks, scales = blocks[s.post], scales[s.scales.post]
+    rows, cols = t.canon.shape
+    nan = np.flatnonzero(scales.reshape(-1) == 255)
+    if nan.size:
+        raise ColibriError(f"tensor {t.name} (checkpoint {t.scales.key!r}) has {nan.size} "
+                           f"E8M0 scales of 255 (NaN), first at flat index {nan[0]}")
+    codes = np.ascontiguousarray(blocks).reshape(rows, cols // 2)
+    return mxfp4.rows(codes, np.asarray(scales).reshape(rows, cols // 32)).reshape(-1)
+
+
 def _resolve_dst(p: Plan, dst: Path, force: bool) -> Path:
     src = p.src
     if dst.is_dir():
@@ -511,6 +557,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                 reader = _ShardReader(src / shard, budget=max(largest, 64 << 20))
                 try:
                     for t in todo:
+                        if t.scales is not None:
+                            writer.write(t.name, _mxfp4_rows(src, t, reader), raw=True)
+                            bar.update(t.source_nbytes)
+                            continue
                         a = reader.get(t.ckpt.key, t.source.index)
                         if t.source.post:            # GPT-OSS: gate / up interleaved
                             a = a[t.source.post]

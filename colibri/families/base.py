@@ -69,6 +69,7 @@ class Source:
     dims: tuple[str, ...] | None = None
     transpose: bool = False            # the indexed block is the canonical tensor transposed
     post: tuple = ()                   # numpy index applied after reading (steps)
+    scales: "Source | None" = None     # MXFP4: the blocks are `key`, the E8M0 scales here
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,31 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class MxSlice:
+    """A name-map entry: the canonical matrix (R, C) is stored in the checkpoint as MXFP4
+    (GPT-OSS's released experts) and is kept so: `blocks` (..., R', C/32, 16) and `scales`
+    (..., R', C/32) uint8, both indexed by `index` (as Slice: "e" first, then e.g. a row step
+    for gate / up interleaved); dims: the blocks' shape as ModelConfig expressions."""
+    blocks: str
+    scales: str
+    dims: tuple[str, ...]
+    index: tuple = ()
+
+    def source(self, t: CanonicalTensor, key: str, cfg: ModelConfig) -> Source:
+        read = (t.expert,) if self.index[:1] == ("e",) else ()
+        post = tuple(self.index[len(read):])
+        prefix = key[:len(key) - len(self.blocks)]
+        shape = tuple(eval_dim(d, cfg) for d in self.dims)
+        return Source(key, read, shape, self.dims, False, post,
+                      Source(prefix + self.scales, read, shape[:-1], self.dims[:-1], False,
+                             post))
+
+    @property
+    def key(self) -> str:
+        return self.blocks
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: config.json → ModelConfig, and the checkpoint name of every canonical
     tensor.
@@ -154,12 +180,12 @@ class Family:
         if templates is None:
             raise ColibriError(f"family {self.model_type!r} has no checkpoint name for "
                                f"{t.name!r}")
-        if isinstance(templates, (str, Rows, Slice)):
+        if isinstance(templates, (str, Rows, Slice, MxSlice)):
             templates = (templates,)
         prefix = self.layer_prefix.format(i=t.layer) if t.layer is not None else ""
         subs = {"i": t.layer, "e": t.expert}
         found = [tpl.source(t, prefix + tpl.key.format(**subs), cfg)
-                 if isinstance(tpl, (Rows, Slice))
+                 if isinstance(tpl, (Rows, Slice, MxSlice))
                  else Source(prefix + tpl.format(**subs)) for tpl in templates]
         if t.expert is not None and self.fused_experts is not None:
             found.append(self._fused_source(t, prefix, cfg))
@@ -185,7 +211,6 @@ class Family:
         for expr in dims:
             terms = [t.split("*") for t in expr.split("+")]
             names = "+".join("*".join(self.config_fields.get(f, f) for f in t) for t in terms)
-            values = "+".join("*".join(f if f.isdigit() else str(getattr(cfg, f)) for f in t)
-                              for t in terms)
+            values = "+".join("*".join(str(eval_dim(f, cfg)) for f in t) for t in terms)
             parts.append(f"{names}={values}")
         return ", ".join(parts)

@@ -8,21 +8,27 @@ up **interleaved** (even columns gate, odd up); gate clamped to <= swiglu_limit,
 [-limit, limit]; (up + 1) * gate * sigmoid(swiglu_alpha * gate); then x W_d + b_d. Attention:
 q/k/v/o biases, a learned sink logit per head (`self_attn.sinks`), `layer_types` alternating
 sliding (window `sliding_window`) and full attention; RMSNorm; RoPE with YaRN.
-Checkpoint layouts: transformers' save_pretrained writes the experts transposed, unquantized:
-`mlp.experts.gate_up_proj` (E, D, 2I), `gate_up_proj_bias` (E, 2I), `down_proj` (E, I, D),
-`down_proj_bias` (E, D); the converter de-interleaves and transposes them into the canonical
-(I, D) / (D, I) matrices. The released checkpoints' MXFP4 experts (`*_blocks`, `*_scales`)
-are not read yet (docs/families.md).
+Checkpoint layouts: the released checkpoints store the experts as MXFP4,
+`mlp.experts.gate_up_proj_blocks` (E, 2I, D/32, 16) + `_scales` (E, 2I, D/32) and
+`down_proj_blocks` (E, D, I/32, 16) + `_scales`: the converter keeps those bytes as they are
+(the "mxfp4" format, colibri/mxfp4.py), splitting gate / up by rows. transformers'
+save_pretrained writes them unquantized and transposed: `mlp.experts.gate_up_proj`
+(E, D, 2I), `down_proj` (E, I, D); those are de-interleaved and transposed into the canonical
+(I, D) / (D, I) matrices. Biases: `gate_up_proj_bias` (E, 2I, interleaved), `down_proj_bias`.
 """
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
-from .base import LLAMA_NAMES, Family, Slice
+from .base import LLAMA_NAMES, Family, MxSlice, Slice
 from .config_json import HFConfig, build, experts, get_bool, get_float, get_int
 
 _GATE_UP = ("num_experts", "hidden_size", "2*moe_intermediate_size")       # (E, D, 2I)
 _GATE_UP_BIAS = ("num_experts", "2*moe_intermediate_size")                 # (E, 2I)
 _EVEN, _ODD = slice(0, None, 2), slice(1, None, 2)
+# the released MXFP4 experts: blocks (E, R, C/32, 16) and scales (E, R, C/32), R the outputs
+_MX_GATE_UP = ("num_experts", "2*moe_intermediate_size", "hidden_size/32", "16")
+_MX_DOWN = ("num_experts", "hidden_size", "moe_intermediate_size/32", "16")
+_GU_BLOCKS, _GU_SCALES = "mlp.experts.gate_up_proj_blocks", "mlp.experts.gate_up_proj_scales"
 
 NAME_MAP = {
     **LLAMA_NAMES,
@@ -33,13 +39,18 @@ NAME_MAP = {
     "attn.sinks": "self_attn.sinks",
     "moe.router": "mlp.router.weight",
     "moe.router_bias": "mlp.router.bias",
-    "moe.experts.w_gate": Slice("mlp.experts.gate_up_proj", _GATE_UP,
-                                ("e", slice(None), _EVEN), transposed=True),
-    "moe.experts.w_up": Slice("mlp.experts.gate_up_proj", _GATE_UP,
-                              ("e", slice(None), _ODD), transposed=True),
-    "moe.experts.w_down": Slice("mlp.experts.down_proj",
-                                ("num_experts", "moe_intermediate_size", "hidden_size"),
-                                ("e",), transposed=True),
+    # MXFP4 as released (kept so), else the unquantized layout save_pretrained writes
+    "moe.experts.w_gate": (MxSlice(_GU_BLOCKS, _GU_SCALES, _MX_GATE_UP, ("e", _EVEN)),
+                           Slice("mlp.experts.gate_up_proj", _GATE_UP,
+                                 ("e", slice(None), _EVEN), transposed=True)),
+    "moe.experts.w_up": (MxSlice(_GU_BLOCKS, _GU_SCALES, _MX_GATE_UP, ("e", _ODD)),
+                         Slice("mlp.experts.gate_up_proj", _GATE_UP,
+                               ("e", slice(None), _ODD), transposed=True)),
+    "moe.experts.w_down": (MxSlice("mlp.experts.down_proj_blocks",
+                                   "mlp.experts.down_proj_scales", _MX_DOWN, ("e",)),
+                           Slice("mlp.experts.down_proj",
+                                 ("num_experts", "moe_intermediate_size", "hidden_size"),
+                                 ("e",), transposed=True)),
     "moe.b_gate": Slice("mlp.experts.gate_up_proj_bias", _GATE_UP_BIAS,
                         (slice(None), _EVEN)),
     "moe.b_up": Slice("mlp.experts.gate_up_proj_bias", _GATE_UP_BIAS, (slice(None), _ODD)),

@@ -60,14 +60,21 @@ DIMS: dict[str, tuple[str, ...]] = {
 
 def eval_dim(expr: str, cfg: ModelConfig) -> int:
     """'num_attention_heads*head_dim' -> H*Dh of `cfg`; a sum of such products ('a*b+c',
-    a fused tensor's rows) -> their sum."""
+    a fused tensor's rows) -> their sum; a factor 'field/n' is the field divided by n (MXFP4
+    blocks of 32)."""
     total = 0
     for term in expr.split("+"):
         out = 1
         for factor in term.split("*"):
-            out *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
+            out *= _factor(factor, cfg)
         total += out
     return total
+
+
+def _factor(factor: str, cfg: ModelConfig) -> int:
+    name, _, div = factor.partition("/")
+    value = int(name) if name.isdigit() else int(getattr(cfg, name))
+    return value // int(div) if div else value
 
 
 @dataclass(frozen=True)
