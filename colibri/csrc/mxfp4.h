@@ -43,76 +43,70 @@ static void colibri_dot_mxfp4_scalar(const uint8_t *row0, ptrdiff_t rs, ptrdiff_
 }
 
 #if COLIBRI_X86
-/* AVX2: a block's 16 code bytes as four vectors of 8 elements: 4 bytes broadcast, shifted
- * right by 0, 4, ..., 28 per lane, & 15 the nibble; its magnitude from an 8-entry table
- * (vpermps reads the low 3 bits), its sign bit (nibble bit 3) moved to bit 31. Per token:
- * p = w0 x0, fma(w1, x1), fma(w2, x2), fma(w3, x3); acc = fma(p, scale, acc); out = hsum. */
-COLIBRI_AVX2_INLINE __m256 colibri_fp4x8_avx2(const uint8_t *q, __m256 lut)
+/* AVX2: a block's 16 code bytes as 32 elements: the low and high nibbles interleaved back
+ * into element order (two unpacks), each nibble mapped by one pshufb to 2 * its FP4 value as
+ * an int8 (0, 1, 2, 3, 4, 6, 8, 12 and negated: exact), widened to four vectors of 8 floats.
+ * Per token: p = w0 x0, fma(w1, x1), fma(w2, x2), fma(w3, x3); acc = fma(p, scale / 2, acc);
+ * out = hsum. (2v x rounds as v x, times 2; p * (scale / 2) is the product with v exactly.) */
+COLIBRI_AVX2_INLINE void colibri_fp4x32_avx2(const uint8_t *q, __m256 w[4])
 {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    uint32_t w;
-    memcpy(&w, q, 4);
-    __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts),
-                                   _mm256_set1_epi32(15));
-    __m256 mag = _mm256_permutevar8x32_ps(lut, idx);
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
-    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));     /* 0..15 */
+    const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));     /* 16..31 */
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
 }
 
 COLIBRI_AVX2_INLINE void colibri_dot_mxfp4_avx2_body(const uint8_t *row, ptrdiff_t cols,
                                                      const float *x, ptrdiff_t xs, float *out,
                                                      ptrdiff_t os, const int NT)
 {
-    const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
     const uint8_t *scales = row + cols / 2;
-    __m256 acc[COLIBRI_MAX_NT];
+    __m256 acc[COLIBRI_MAX_NT], w[4];
     ptrdiff_t b;
     int t;
     for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (b = 0; b < cols / 32; b++) {
-        const uint8_t *q = row + 16 * b;
-        const __m256 w0 = colibri_fp4x8_avx2(q, lut), w1 = colibri_fp4x8_avx2(q + 4, lut);
-        const __m256 w2 = colibri_fp4x8_avx2(q + 8, lut), w3 = colibri_fp4x8_avx2(q + 12, lut);
-        const __m256 s = _mm256_set1_ps(colibri_e8m0_to_f32(scales[b]));
+        const __m256 s = _mm256_set1_ps(0.5f * colibri_e8m0_to_f32(scales[b]));
+        colibri_fp4x32_avx2(row + 16 * b, w);
         for (t = 0; t < NT; t++) {
             const float *xt = x + t * xs + 32 * b;
-            __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xt));
-            p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt + 8), p);
-            p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xt + 16), p);
-            p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xt + 24), p);
+            __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+            p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), p);
+            p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), p);
+            p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), p);
             acc[t] = _mm256_fmadd_ps(p, s, acc[t]);
         }
     }
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);
 }
 
-/* AVX-512: 8 code bytes as 16 elements: each byte doubled (unpack with itself), widened to
- * 32-bit lanes, shifted right by 0 / 4 alternately, & 15; the value (sign included) from the
- * 16-entry table by vpermps. Per token: p = w0 x0, fma(w1, x1); acc = fma(p, scale, acc). */
-COLIBRI_AVX512_INLINE __m512 colibri_fp4x16_avx512(const uint8_t *q, __m512 lut)
-{
-    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    __m128i b = _mm_loadl_epi64((const __m128i *)q);
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-    idx = _mm512_and_si512(_mm512_srlv_epi32(idx, shifts), _mm512_set1_epi32(15));
-    return _mm512_permutexvar_ps(idx, lut);
-}
-
+/* AVX-512: the AVX2 decode to 2 * FP4 as int8 (unpacks + pshufb), each 16 widened to one
+ * vector. Per token: p = w0 x0, fma(w1, x1); acc = fma(p, scale / 2, acc). */
 COLIBRI_AVX512_INLINE void colibri_dot_mxfp4_avx512_body(const uint8_t *row, ptrdiff_t cols,
                                                          const float *x, ptrdiff_t xs,
                                                          float *out, ptrdiff_t os, const int NT)
 {
-    const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m = _mm_set1_epi8(0x0F);
     const uint8_t *scales = row + cols / 2;
     __m512 acc[COLIBRI_MAX_NT];
     ptrdiff_t b;
     int t;
     for (t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (b = 0; b < cols / 32; b++) {
-        const uint8_t *q = row + 16 * b;
-        const __m512 w0 = colibri_fp4x16_avx512(q, lut), w1 = colibri_fp4x16_avx512(q + 8, lut);
-        const __m512 s = _mm512_set1_ps(colibri_e8m0_to_f32(scales[b]));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(row + 16 * b));
+        const __m128i lo = _mm_and_si128(q, m), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi))));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi))));
+        const __m512 s = _mm512_set1_ps(0.5f * colibri_e8m0_to_f32(scales[b]));
         for (t = 0; t < NT; t++) {
             const float *xt = x + t * xs + 32 * b;
             __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xt));
