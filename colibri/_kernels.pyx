@@ -64,7 +64,7 @@ Sections, in colibri/pyx/, included in this order:
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
-from libc.math cimport INFINITY, expf
+from libc.math cimport INFINITY, expf, fabsf
 
 from math import gcd
 

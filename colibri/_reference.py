@@ -27,7 +27,8 @@ if TYPE_CHECKING:                                   # no runtime import: weights
     from .weights import WeightRef
 
 __all__ = [
-    "dequantize_ref", "linear_ref", "route_topk_ref", "route_group_ref", "gumbel_ref",
+    "dequantize_ref", "linear_ref", "route_topk_ref", "route_group_ref", "sparsemixer_ref",
+    "gumbel_ref",
     "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
     "linear_iact_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
@@ -68,6 +69,15 @@ def dequantize_ref(w: "WeightRef", expert: int = 0) -> np.ndarray:
         nib = np.concatenate([packed & 0x0F, packed >> 4], axis=2)    # (R, C/32, 32) in order
         q = nib.reshape(R, C).astype(np.float32) - 8.0
         scales = raw[:, C // 2:].copy().view("<f2").astype(np.float32)
+    elif w.dtype == "mxfp4":
+        # byte j: element 2j low nibble, 2j + 1 high; E2M1: sign bit 3, exponent bits 2..1,
+        # mantissa bit 0 (subnormal at exponent 0); block scale 2^(byte - 127)
+        packed = raw[:, :C // 2]
+        nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(R, C).astype(np.int64)
+        e, m = (nib >> 1) & 3, nib & 1
+        mag = np.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * 2.0 ** (e - 1))
+        q = np.where(nib & 8, -mag, mag).astype(np.float32)
+        scales = np.exp2(raw[:, C // 2:].astype(np.float64) - 127).astype(np.float32)
     else:
         raise ValueError(f"unknown weight dtype {w.dtype!r}")
     return (q.reshape(R, C // Q, Q) * scales[:, :, None]).reshape(R, C)
@@ -252,15 +262,40 @@ def _top(key: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-key.astype(np.float64), kind="stable")[:k]
 
 
+def sparsemixer_ref(z: np.ndarray, jitter_eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """PhiMoE's sparsemixer at inference (transformers' sparsemixer, training=False), one
+    token: logits z float32 (E,) -> (experts int (2,), weights float32 (2,)), in choice order.
+
+    e1 = argmax z; every j with (z[e1] - z_j) / max(|z_j|, z[e1]) > 2 * jitter_eps is masked
+    out and w1 = softmax(z over the rest)[e1]. Then e1 is masked too, e2 = argmax of the rest,
+    the same mask with z[e2] in place of z[e1] (denominators from the original z) and
+    w2 = softmax over the survivors at e2. f32 arithmetic, as torch.
+    """
+    z = np.asarray(z, dtype=np.float32)
+    thresh = np.float32(2.0 * jitter_eps)
+    scores, ids, ws = z.copy(), [], []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for _ in range(2):
+            e = int(np.argmax(scores))
+            m = scores[e]
+            masked = np.where((m - z) / np.maximum(np.abs(z), m) > thresh, -np.inf, scores)
+            ids.append(e)
+            ws.append(_softmax_f32(masked.astype(np.float32))[e])
+            scores = scores.copy()
+            scores[e] = -np.inf
+    return np.array(ids), np.array(ws, dtype=np.float32)
+
+
 def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
                    norm_topk_prob: bool = False, noise_seed: int | None = None,
-                   bias: np.ndarray | None = None, n_group: int = 1, topk_group: int = 1
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   bias: np.ndarray | None = None, n_group: int = 1, topk_group: int = 1,
+                   jitter_eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Router weights: logits float32 (T, E) -> ids int32 (T, K), weights float32 (T, K).
 
     "softmax_topk": p = softmax over all E; top-k by p (ties -> lower expert index);
         weights = p[ids], divided by their sum when norm_topk_prob.
     "topk_softmax": top-k by logit; weights = softmax over the k chosen logits.
+    "sparsemixer": PhiMoE's top-2 (sparsemixer_ref), k = 2, jitter_eps its threshold / 2.
     noise_seed: the top-k selects on logits + gumbel_ref(seed) instead (sampling-time routing);
         the weights come from the un-noised logits.
     "softmax_group_topk" / "sigmoid_group_topk": route_group_ref (n_group, topk_group, bias).
@@ -271,7 +306,7 @@ def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
     if rule in ("softmax_group_topk", "sigmoid_group_topk"):
         return route_group_ref(logits, k, rule=rule, norm_topk_prob=norm_topk_prob,
                                bias=bias, n_group=n_group, topk_group=topk_group)
-    if rule not in ("softmax_topk", "topk_softmax"):
+    if rule not in ("softmax_topk", "topk_softmax", "sparsemixer"):
         raise ValueError(f"unknown routing rule {rule!r}")
     noise = gumbel_ref(noise_seed, T, E) if noise_seed is not None else None
     ids = np.empty((T, k), dtype=np.int32)
@@ -284,6 +319,8 @@ def route_topk_ref(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
             w = p[sel]
             if norm_topk_prob:
                 w = (w / w.sum(dtype=np.float64)).astype(np.float32)
+        elif rule == "sparsemixer":
+            sel, w = sparsemixer_ref(l, jitter_eps)
         else:
             sel = _top(l if noise is None else l + noise[t], k)
             w = _softmax_f32(l[sel])

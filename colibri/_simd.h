@@ -82,6 +82,7 @@
 #include "csrc/avx2_int.h"
 #include "csrc/avx512.h"
 #include "csrc/vnni.h"
+#include "csrc/mxfp4.h"
 #include "csrc/dispatch.h"
 #include "csrc/gemm.h"
 

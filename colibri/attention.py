@@ -63,12 +63,15 @@ def build_mask(valid: np.ndarray, n_new: int, window: int | None = None) -> np.n
     return allowed[None] & valid[:, None, :]
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
+           sinks: np.ndarray | None = None) -> np.ndarray:
     """Scaled dot-product attention with GQA.
 
     q (B, H, S, Dh), k (B, Hkv, L, Dh), v (B, Hkv, L, Dv) float32 (Dv = Dh but for MLA),
     mask bool (B, S, L) -> float32 (B, S, H*Dv).
     A query row with no visible key (left padding) gets zeros instead of NaN.
+    sinks: float32 (H,) or None; a head's sink is one more logit in its softmax whose value
+    row is zero (GPT-OSS): it takes probability mass without adding to the output.
     """
     B, H, S, Dq = q.shape
     Hkv, L, Dh = k.shape[1], k.shape[2], v.shape[3]
@@ -79,15 +82,20 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale:
     vv = v[:, :, None]                                                        # (B, Hkv, 1, L, Dh)
     chunk = max(1, _SCORE_BYTES // max(1, B * H * L * 4))
     s32 = np.float32(scale)
+    sink = None if sinks is None else sinks.astype(np.float32).reshape(1, Hkv, G, 1, 1)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         scores = np.matmul(qg[:, :, :, s0:s1], kt) * s32                      # (B, Hkv, G, s, L)
         m = mask[:, None, None, s0:s1]                                        # (B, 1, 1, s, L)
         scores = np.where(m, scores, np.float32(-np.inf))
         top = scores.max(axis=-1, keepdims=True)
+        if sink is not None:
+            top = np.maximum(top, sink)
         top = np.where(np.isfinite(top), top, np.float32(0.0))
         p = np.exp(scores - top)
         denom = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink - top)
         p /= np.where(denom > 0, denom, np.float32(1.0))
         np.matmul(p, vv, out=out[:, :, :, s0:s1])
     # (B, Hkv, G, S, Dh) -> (B, S, H*Dh), head order h = kv_head * G + g as in repeat_kv
@@ -158,6 +166,8 @@ class Attention:
     window: int | None = None                  # sliding window (slots), None = full attention
     wqkv: Projection | None = None
     threads: int = 1                           # of the compiled attention in decode
+    scale: float | None = None                 # of q . k; None: head_dim^-0.5
+    sinks: np.ndarray | None = None            # float32 (H,): attention sinks (GPT-OSS)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -167,7 +177,9 @@ class Attention:
             raise ValueError(f"qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
         if self.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
             raise ValueError(f"qk_norm {self.qk_norm!r} needs q_norm and k_norm weights")
-        self.scale = self.head_dim ** -0.5
+        if self.scale is None:
+            self.scale = self.head_dim ** -0.5
+        self._scale32 = np.float32(self.scale)      # the decode step's (the same value)
 
     def project_qkv(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x float32 (B, S, D) -> q (B, H, S, Dh), k, v (B, Hkv, S, Dh), before RoPE."""
@@ -208,7 +220,7 @@ class Attention:
         k = apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v)                                   # (B, Hkv, L, Dh)
-        o = attend(q, k, v, mask, self.scale)                                 # (B, S, H*Dh)
+        o = attend(q, k, v, mask, self.scale, self.sinks)                     # (B, S, H*Dh)
         return self.wo(o.reshape(B * S, -1)).reshape(B, S, -1)
 
     # -- several sequences, each through its own cache ------------------------------------------
@@ -239,11 +251,13 @@ class Attention:
                 out = o[a].reshape(H, Dh)
                 _attend_cached(qk[:H], cache.k[layer], cache.v[layer], qk[H:], vh,
                                slot, start, scale, out, self.threads)
+                if self.sinks is not None:
+                    self._sink_rescale(qk[:H], out, cache.k[layer][0, :, start:slot + 1])
                 continue
             qs = apply_rope(q[:, :, a:b], seg.cos, seg.sin)
             ks = apply_rope(k[:, :, a:b], seg.cos, seg.sin)
             kk, vv = cache.write(layer, ks, v[:, :, a:b])                     # (1, Hkv, L, Dh)
-            o[a:b] = attend(qs, kk, vv, seg.mask(self.window), self.scale)[0]
+            o[a:b] = attend(qs, kk, vv, seg.mask(self.window), self.scale, self.sinks)[0]
         return self.wo(o)
 
     # -- one token of one sequence -------------------------------------------------------------
@@ -279,6 +293,22 @@ class Attention:
         slot = cache.length                               # the new token's; L = slot + 1
         start = slot + 1 - self.window if self.window and slot >= self.window else 0
         _attend_cached(s.q_heads, cache.k[layer], cache.v[layer], s.k_heads, s.v_heads,
-                       slot, start, s.scale, s.att_heads, self.threads)
+                       slot, start, self._scale32, s.att_heads, self.threads)
+        if self.sinks is not None:
+            self._sink_rescale(s.q_heads, s.att_heads, cache.k[layer][0, :, start:slot + 1])
         self.wo(s.att_row, s.o)
         return s.o
+
+    def _sink_rescale(self, q_heads: np.ndarray, att_heads: np.ndarray, keys: np.ndarray
+                      ) -> None:
+        """The decode step's sinks: the compiled attention's heads att_heads (H, Dh) are
+        softmax(a) @ V; with a sink logit z the softmax over [a, z] gives
+        out * 1 / (1 + exp(z - logsumexp(a))), exactly; rescaled in place. q_heads (H, Dh)
+        after RoPE; keys (Hkv, L, Dh): the visible slots."""
+        H, Hkv = self.n_heads, self.n_kv_heads
+        q = q_heads.reshape(Hkv, H // Hkv, -1)                                 # (Hkv, G, Dh)
+        a = np.matmul(q, keys.transpose(0, 2, 1)) * self._scale32             # (Hkv, G, L)
+        top = a.max(axis=-1)
+        lse = top + np.log(np.exp(a - top[..., None]).sum(axis=-1))           # (Hkv, G)
+        factor = np.float32(1.0) / (np.float32(1.0) + np.exp(self.sinks.reshape(Hkv, -1) - lse))
+        att_heads *= factor.reshape(H, 1)

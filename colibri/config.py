@@ -17,14 +17,18 @@ from typing import Any, Mapping
 
 from .errors import ColibriError
 
-__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS"]
+__all__ = ["ModelConfig", "ConfigError", "ROUTERS", "QK_NORMS", "NORMS", "EXPERT_ACTIVATIONS"]
 
 ROUTERS = (
     "softmax_topk",     # softmax over all E, then top-k [, renormalised]
+    "topk_softmax",     # top-k of the logits, then softmax over the k (Granite-MoE, GPT-OSS)
+    "sparsemixer",      # PhiMoE's top-2 sparsemixer (inference form), router_jitter_noise
     "softmax_group_topk",   # DeepSeek-V2 group_limited_greedy: softmax, best groups, top-k
     "sigmoid_group_topk",   # DeepSeek-V3, GLM-4-MoE: sigmoid + correction bias, groups, top-k
 )
 QK_NORMS = ("none", "full", "per_head")     # none | over the whole projection | per head
+NORMS = ("rms_norm", "layer_norm")          # the model's norms: RMSNorm | LayerNorm
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")   # silu(g) * u | GPT-OSS's clamped (u + 1) * g * sigmoid(a g)
 
 
 class ConfigError(ColibriError, ValueError):
@@ -62,7 +66,22 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = field(default=None, hash=False)
     partial_rotary_factor: float = 1.0
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6                       # eps of every norm (RMSNorm or LayerNorm)
+    norm: str = "rms_norm"                           # one of NORMS
+    norm_bias: bool = False                          # LayerNorm biases (attn/ffn/final norms)
+    attention_out_bias: bool = False                 # o_proj bias
+    lm_head_bias: bool = False                       # head bias
+    attention_multiplier: float | None = None        # softmax scale; None: head_dim^-0.5
+    embedding_multiplier: float = 1.0                # embedding rows scaled by (muP)
+    residual_multiplier: float = 1.0                 # both residual branches scaled by (muP)
+    logits_scaling: float = 1.0                      # logits divided by (muP)
+    router_jitter_noise: float = 0.0                 # sparsemixer's threshold is 2x this
+    router_bias: bool = False                        # router logits + a bias (E,)
+    expert_bias: bool = False                        # expert gate / up / down biases
+    expert_activation: str = "silu"                  # one of EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702                      # swigluoai: g * sigmoid(alpha * g)
+    swiglu_limit: float = 7.0                        # swigluoai: g <= limit, |u| <= limit
+    attention_sinks: bool = False                    # a learned logit per head in each softmax
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     bos_token_id: int | tuple[int, ...] | None = None
@@ -110,6 +129,13 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         """MLA: Dn + Dr, the per-head query/key width (the softmax scale's dimension)."""
         return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q . k before the softmax."""
+        if self.attention_multiplier is None:
+            return self.head_dim ** -0.5
+        return self.attention_multiplier
 
     @property
     def kv_group(self) -> int:
@@ -161,9 +187,13 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Fields added after the first four families (the DeepSeek / GLM-4-MoE rules): stored only
-# when they differ from the default (to_metadata).
+# Fields added after the first four families (the Granite-MoE, DBRX, PhiMoE, GPT-OSS,
+# DeepSeek and GLM-4-MoE rules): stored only when they differ from the default (to_metadata).
 LATER_FIELDS = frozenset({
+    "norm", "norm_bias", "attention_out_bias", "lm_head_bias", "attention_multiplier",
+    "embedding_multiplier", "residual_multiplier", "logits_scaling", "router_jitter_noise",
+    "router_bias", "expert_bias", "expert_activation", "swiglu_alpha", "swiglu_limit",
+    "attention_sinks",
     "n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
     "qk_nope_head_dim", "v_head_dim"})
 
@@ -176,8 +206,13 @@ _INT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
 _COUNT = ("shared_expert_intermediate_size", "dense_intermediate_size",      # may be 0
           "n_group", "topk_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
           "v_head_dim")
-_BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings")
-_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "routed_scaling_factor")
+_BOOL = ("norm_topk_prob", "shared_expert_gate", "attention_bias", "tie_word_embeddings",
+         "norm_bias", "attention_out_bias", "lm_head_bias", "router_bias", "expert_bias",
+         "attention_sinks")
+_FLOAT = ("rope_theta", "partial_rotary_factor", "rms_norm_eps", "embedding_multiplier",
+          "residual_multiplier", "logits_scaling", "router_jitter_noise", "swiglu_alpha",
+          "swiglu_limit", "routed_scaling_factor")
+_OPTIONAL_FLOAT = ("clip_qkv", "attention_multiplier")          # a number or null
 _TOKEN = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -196,8 +231,8 @@ def _coerce(name: str, v: Any, source: str) -> Any:
     elif name in _BOOL:
         if not isinstance(v, bool):
             raise bad("true or false")
-    elif name in _FLOAT or name == "clip_qkv":
-        if v is None and name == "clip_qkv":
+    elif name in _FLOAT or name in _OPTIONAL_FLOAT:
+        if v is None and name in _OPTIONAL_FLOAT:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad("a number")
@@ -208,7 +243,7 @@ def _coerce(name: str, v: Any, source: str) -> Any:
         if isinstance(v, list) and all(_is_int(i) for i in v):
             return tuple(v)
         raise bad("an integer, a list of integers or null")
-    elif name in ("family", "router", "qk_norm"):
+    elif name in ("family", "router", "qk_norm", "norm", "expert_activation"):
         if not isinstance(v, str):
             raise bad("a string")
     elif name == "sliding_window":
@@ -259,6 +294,26 @@ def _check(c: ModelConfig) -> None:
     _check_mla(c)
     if c.qk_norm not in QK_NORMS:
         raise ConfigError(f"qk_norm must be one of {', '.join(QK_NORMS)}, found {c.qk_norm!r}")
+    if c.norm not in NORMS:
+        raise ConfigError(f"norm must be one of {', '.join(NORMS)}, found {c.norm!r}")
+    if c.norm_bias and c.norm != "layer_norm":
+        raise ConfigError(f"norm_bias needs norm 'layer_norm', found norm {c.norm!r}")
+    if c.expert_activation not in EXPERT_ACTIVATIONS:
+        raise ConfigError(f"expert_activation must be one of {', '.join(EXPERT_ACTIVATIONS)}, "
+                          f"found {c.expert_activation!r}")
+    if c.swiglu_limit <= 0:
+        raise ConfigError(f"swiglu_limit must be positive, found {c.swiglu_limit!r}")
+    if c.logits_scaling == 0:
+        raise ConfigError("logits_scaling must not be 0 (the logits are divided by it)")
+    if c.attention_multiplier is not None and not (math.isfinite(c.attention_multiplier)
+                                                   and c.attention_multiplier > 0):
+        raise ConfigError(f"attention_multiplier must be a positive number or null, found "
+                          f"{c.attention_multiplier!r}")
+    if c.router == "sparsemixer" and c.num_experts_per_tok != 2:
+        raise ConfigError(f"router 'sparsemixer' routes to 2 experts, found "
+                          f"num_experts_per_tok {c.num_experts_per_tok}")
+    if c.router_jitter_noise < 0:
+        raise ConfigError(f"router_jitter_noise must be >= 0, found {c.router_jitter_noise!r}")
     if c.clip_qkv is not None and not (math.isfinite(c.clip_qkv) and c.clip_qkv > 0):
         raise ConfigError(f"clip_qkv must be a positive number or null, found {c.clip_qkv!r}")
     if c.sliding_window is not None and (not _is_int(c.sliding_window) or c.sliding_window < 1):

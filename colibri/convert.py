@@ -18,6 +18,10 @@ Target dtype of each tensor:
   routing decisions are sensitive to error).
 - everything else: `quant` (q8/q4) when its role is in `quantize`, else `dtype`;
   dtype "auto" keeps the checkpoint's dtype (bf16 stays bf16, bit-exact).
+- a quantized tensor whose input dimension the group size does not divide falls back, per
+  tensor, to the nearest format that holds it (smaller groups of the same format, else
+  `dtype`), with one warning line listing them (llama.cpp's behaviour); the file's converter
+  metadata lists them under "fallback".
 Roles: experts (routed experts), shared (shared expert), attn (wq/wk/wv/wo and MLA's
 projections), head (lm_head), dense (the mlp of dense layers). The embedding is never
 quantized.
@@ -25,7 +29,8 @@ quantized.
 FP8 checkpoints (DeepSeek-V3's release: float8_e4m3fn weights, each with a float32
 `<key>_scale_inv` per block of config.json's quantization_config.weight_block_size, 128 x 128)
 are dequantized on reading, value * scale_inv of its block, then stored as above; "auto"
-stores them as bf16 (the checkpoint's other tensors' dtype).
+stores them as bf16 (the checkpoint's other tensors' dtype). GPT-OSS's MXFP4 experts are
+stored as they ship (format mxfp4).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__, dtypes
+from . import __version__, dtypes, mxfp4
 from . import quant as qmod
 from .config import ModelConfig
 from .errors import ColibriError
@@ -66,7 +71,9 @@ _ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2, FP8: 1}
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
 _SMALL_KINDS = ("attn_norm", "ffn_norm", "norm", "attn.q_norm", "attn.k_norm",
-                "attn.bq", "attn.bk", "attn.bv", "attn.q_a_norm", "attn.kv_a_norm",
+                "attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn_norm_bias", "ffn_norm_bias",
+                "norm_bias", "lm_head_bias", "attn.sinks", "moe.router_bias", "moe.b_gate",
+                "moe.b_up", "moe.b_down", "attn.q_a_norm", "attn.kv_a_norm",
                 "moe.correction_bias")
 _ATTN_KINDS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
                "attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b")
@@ -175,6 +182,7 @@ class PlannedTensor:
     role: str | None = None         # quantization role, None for tensors no role covers
     fp8_scale: CheckpointTensor | None = None    # the block scales of an FP8 tensor
     fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
+    scales: CheckpointTensor | None = None    # MXFP4 sources: the E8M0 scales tensor
 
     @property
     def name(self) -> str:
@@ -183,6 +191,8 @@ class PlannedTensor:
     @property
     def source_nbytes(self) -> int:
         # the source (a whole checkpoint tensor or one expert's slice) has the canonical shape
+        if self.scales is not None:                          # MXFP4 codes and scales
+            return dtypes.tensor_nbytes("mxfp4", self.canon.shape, mxfp4.BLOCK)
         return math.prod(self.canon.shape) * _ITEM_BYTES[self.ckpt.dtype]
 
     def spec(self):
@@ -207,6 +217,7 @@ class Plan:
     router_dtype: str
     tokenizer: dict | None = None
     ignored: list[str] = field(default_factory=list)
+    fallback: dict[str, str] = field(default_factory=dict)   # tensor -> format it fell back to
 
     def specs(self) -> list:
         return [t.spec() for t in self.tensors]
@@ -227,6 +238,7 @@ class Plan:
                 "group_size": self.group_size,
                 "quantized": list(self.quantized),
                 "router_dtype": self.router_dtype,
+                **({"fallback": dict(self.fallback)} if self.fallback else {}),
             },
         }
 
@@ -257,8 +269,10 @@ def _parse_roles(quantize: Iterable[str] | str) -> tuple[str, ...]:
 
 
 def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
-           ckpt: Mapping[str, CheckpointTensor]) -> tuple[Source, CheckpointTensor]:
-    """The checkpoint tensor holding canonical tensor t, shape-checked against config.json."""
+           ckpt: Mapping[str, CheckpointTensor]
+           ) -> tuple[Source, CheckpointTensor, CheckpointTensor | None]:
+    """The checkpoint tensor holding canonical tensor t, shape-checked against config.json
+    (and the scales tensor of an MXFP4 source, else None)."""
     sources = family.sources(t, cfg)
     for s in sources:
         if s.key in ckpt:
@@ -267,11 +281,25 @@ def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
         looked = ", ".join(repr(s.key) for s in sources)
         raise ColibriError(f"checkpoint has no tensor for {t.name} (looked for {looked})")
     c = ckpt[s.key]
-    want, dims = (s.shape, s.dims) if s.index else (t.shape, t.dims)
+    want, dims = (s.shape, s.dims) if s.shape is not None else (t.shape, t.dims)
     if c.shape != want:
         raise ColibriError(
             f"checkpoint tensor {s.key!r} has shape {c.shape}, but config.json implies "
             f"{want} ({family.explain(dims, cfg)})")
+    if s.scales is not None:                          # MXFP4 blocks + scales, as they ship
+        if s.scales.key not in ckpt:
+            raise ColibriError(f"checkpoint has the MXFP4 blocks {s.key!r} but not their "
+                               f"scales {s.scales.key!r}")
+        sc = ckpt[s.scales.key]
+        if sc.shape != s.scales.shape:
+            raise ColibriError(
+                f"checkpoint tensor {sc.key!r} has shape {sc.shape}, but config.json implies "
+                f"{s.scales.shape} ({family.explain(s.scales.dims, cfg)})")
+        for x in (c, sc):
+            if x.dtype != "U8":
+                raise ColibriError(f"checkpoint tensor {x.key!r} has dtype {x.dtype}; MXFP4 "
+                                   f"blocks and scales are U8")
+        return s, c, sc
     if c.dtype not in _SOURCE_DTYPES and not (c.dtype == FP8 and s.key + SCALE_SUFFIX in ckpt):
         extra = (f" without its block scales {s.key + SCALE_SUFFIX!r}" if c.dtype == FP8
                  else " (FP8 checkpoints: F8_E4M3 with block scales)"
@@ -279,7 +307,7 @@ def _match(t: CanonicalTensor, family: Family, cfg: ModelConfig,
         raise ColibriError(f"checkpoint tensor {s.key!r} has dtype {c.dtype}, unsupported"
                            f"{extra}; supported: {', '.join(_SOURCE_DTYPES)}, {FP8} with "
                            f"*{SCALE_SUFFIX}")
-    return s, c
+    return s, c, None
 
 
 def fp8_block(hf_config: Mapping[str, Any]) -> tuple[int, int]:
@@ -319,28 +347,59 @@ def _auto_dtype(matched: list[tuple[CanonicalTensor, CheckpointTensor]]) -> str:
 
 
 def _pick_group_size(tensors: list[PlannedTensor], group_size: int | None) -> int:
-    """An explicit group size must suit every quantized tensor; the default is
-    DEFAULT_GROUP_SIZE, lowered (by multiples of 32) until it divides every input dimension."""
+    """The group size of the quantized tensors: an explicit one (a positive multiple of 32),
+    or DEFAULT_GROUP_SIZE lowered (by multiples of 32) until it divides every input dimension
+    that is a multiple of 32 (the others fall back, see _fall_back)."""
     quantized = [t for t in tensors if t.role is not None]
     if not quantized:
         return 0
-    block = 32
-    for t in quantized:
-        if t.canon.shape[-1] % block:
-            raise ColibriError(
-                f"tensor {t.name}: input dimension {t.canon.shape[-1]} is not a multiple of "
-                f"{block}, so it cannot be quantized; leave role {t.role!r} out of --quantize")
+    block = dtypes.BLOCK
     if group_size is not None:
-        for t in quantized:
-            try:
-                dtypes.check_group_size(t.canon.shape[-1], group_size, t.name)
-            except ValueError as e:
-                raise ColibriError(f"--group-size: {e}") from None
+        if isinstance(group_size, bool) or not isinstance(group_size, int) \
+                or group_size <= 0 or group_size % block:
+            raise ColibriError(f"--group-size: group_size {group_size!r} is not a positive "
+                               f"multiple of {block}")
         return group_size
     g = qmod.DEFAULT_GROUP_SIZE
-    while g > block and any(t.canon.shape[-1] % g for t in quantized):
+    while g > block and any(t.canon.shape[-1] % g for t in quantized
+                            if t.canon.shape[-1] % block == 0):
         g -= block
     return g
+
+
+def _fall_back(tensors: list[PlannedTensor], quant: str, group_size: int, base: str
+               ) -> dict[str, str]:
+    """Give each quantized tensor the group size, or, when its input dimension C cannot take
+    it, the nearest format that holds it (llama.cpp's per-tensor fallback): the same format
+    with the largest group size (a multiple of 32) dividing C when C is a multiple of 32,
+    else `base`, the format of the unquantized weights. Returns {name: format stored} of the
+    tensors that fell back, after one ConversionWarning line listing them."""
+    fallen: dict[str, str] = {}
+    for t in tensors:
+        if t.role is None:
+            continue
+        cols = t.canon.shape[-1]
+        if cols % group_size == 0:
+            t.group_size = group_size
+        elif cols % dtypes.BLOCK == 0:
+            t.group_size = max(g for g in range(dtypes.BLOCK, group_size, dtypes.BLOCK)
+                               if cols % g == 0)
+            fallen[t.name] = f"{t.dtype} group {t.group_size}"
+        else:
+            t.dtype, t.group_size = base, 0
+            fallen[t.name] = base
+    if fallen:
+        shown: dict[str, str] = {}
+        for t in tensors:                     # one entry for all experts of a layer's matrix
+            if t.name in fallen:
+                key = t.name if t.canon.expert is None else t.name.replace(
+                    f".experts.{t.canon.expert}.", ".experts.*.")
+                shown.setdefault(key, f"{key} ({t.canon.shape[-1]} columns) -> {fallen[t.name]}")
+        warnings.warn(
+            f"{len(fallen)} tensors cannot take {quant} with group size {group_size} (their "
+            f"input dimension is not a multiple of it) and are stored in the nearest format "
+            f"that holds them: {'; '.join(shown.values())}", ConversionWarning, stacklevel=3)
+    return fallen
 
 
 def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
@@ -370,13 +429,15 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
     matched, used, fp8_scales = [], set(), {}
     block = None
     for t in canonical_tensors(cfg):
-        s, c = _match(t, family, cfg, ckpt)
-        matched.append((t, s, c))
+        s, c, sc = _match(t, family, cfg, ckpt)
+        matched.append((t, s, c, sc))
         used.add(s.key)
         if c.dtype == FP8:
             block = block or fp8_block(hf_config)
             fp8_scales[t.name] = _fp8_scale(s, c, ckpt, block)
             used.add(fp8_scales[t.name].key)
+        if sc is not None:
+            used.add(sc.key)
     ignorable = [k for k in ckpt if k not in used and (
         k.endswith(IGNORABLE_SUFFIXES) or (k == "lm_head.weight" and cfg.tie_word_embeddings)
         or (family.ignores is not None and family.ignores(k, cfg)))]
@@ -387,12 +448,15 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
                            f"{family.model_type} model as config.json describes it: "
                            f"{', '.join(extra[:5])}{more}")
 
-    base = _auto_dtype([(t, c) for t, _, c in matched]) if dtype == "auto" else dtype
+    base = (_auto_dtype([(t, c) for t, _, c, sc in matched if sc is None])
+            if dtype == "auto" else dtype)
     gate = base if router_dtype == "auto" else router_dtype
     tensors = []
-    for t, s, c in matched:
+    for t, s, c, sc in matched:
         role = quant_role(t.kind)
-        if role is not None and role in roles:
+        if sc is not None:                            # MXFP4 as it ships: never requantized
+            tensors.append(PlannedTensor(t, s, c, "mxfp4", mxfp4.BLOCK, scales=sc))
+        elif role is not None and role in roles:
             tensors.append(PlannedTensor(t, s, c, quant, 0, role))
         elif t.kind in _SMALL_KINDS:
             tensors.append(PlannedTensor(t, s, c, "f32"))
@@ -404,12 +468,10 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
         t.fp8_scale = fp8_scales.get(t.name)
         t.fp8_block = block or DEFAULT_FP8_BLOCK
     g = _pick_group_size(tensors, group_size)
-    for t in tensors:
-        if t.role is not None:
-            t.group_size = g
+    fallen = _fall_back(tensors, quant, g, base)
     quantized = sorted({t.role for t in tensors if t.role is not None}, key=ROLES.index)
     return Plan(src, family, hf_config, cfg, tensors, base, quant, g, quantized, gate,
-                ignored=ignorable)
+                ignored=ignorable, fallback=fallen)
 
 
 # --- streaming --------------------------------------------------------------------------------
@@ -497,6 +559,28 @@ def _encode(t: PlannedTensor, a: np.ndarray) -> tuple[np.ndarray, bool]:
     return a, False
 
 
+def _mxfp4_rows(src: Path, t: PlannedTensor, reader: _ShardReader) -> np.ndarray:
+    """The stored bytes of an MXFP4 tensor: its rows' code bytes (the checkpoint's blocks,
+    unchanged) then their E8M0 scales, uint8 1-D; a scale of 255 (NaN) is an error."""
+    s = t.source
+    blocks = reader.get(t.ckpt.key, s.index)
+    if t.scales.shard == t.ckpt.shard:
+        scales = reader.get(t.scales.key, s.scales.index)
+    else:
+        with _safe_open(src / t.scales.shard) as f:
+            sl = f.get_slice(t.scales.key)
+            scales = sl[s.scales.index] if s.scales.index else f.get_tensor(t.scales.key)
+    if s.post:                                   # gate / up interleaved rows
+        blocks, scales = blocks[s.post], scales[s.scales.post]
+    rows, cols = t.canon.shape
+    nan = np.flatnonzero(scales.reshape(-1) == 255)
+    if nan.size:
+        raise ColibriError(f"tensor {t.name} (checkpoint {t.scales.key!r}) has {nan.size} "
+                           f"E8M0 scales of 255 (NaN), first at flat index {nan[0]}")
+    codes = np.ascontiguousarray(blocks).reshape(rows, cols // 2)
+    return mxfp4.rows(codes, np.asarray(scales).reshape(rows, cols // 32)).reshape(-1)
+
+
 def _resolve_dst(p: Plan, dst: Path, force: bool) -> Path:
     src = p.src
     if dst.is_dir():
@@ -557,7 +641,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                 reader = _ShardReader(src / shard, budget=max(largest, 64 << 20))
                 try:
                     for t in todo:
+                        if t.scales is not None:
+                            writer.write(t.name, _mxfp4_rows(src, t, reader), raw=True)
+                            bar.update(t.source_nbytes)
+                            continue
                         a = _read(reader, src, t)
+                        if t.source.post:            # GPT-OSS: gate / up interleaved
+                            a = a[t.source.post]
+                        if t.source.transpose:       # DBRX's w2: the block is down^T
+                            a = np.ascontiguousarray(a.T)
                         if p.family.transform is not None:
                             a = p.family.transform(t.canon, p.config, p.hf_config, a)
                         _check_finite(a, t.name, t.ckpt.key)

@@ -5,6 +5,7 @@ A stored row of C elements takes
 
     plain (f32, f16, bf16, i32):  C * bits / 8 bytes
     quantized (q8, q4):           C * bits / 8 code bytes + (C / group_size) f16 scales
+    mxfp4:                        C / 2 FP4 code bytes + C / 32 E8M0 scale bytes (group 32)
 
 The on-disk code of a format is also the kernels' format code (`COLIBRI_F32` .. `COLIBRI_Q4`
 in csrc/types.h); i32 is stored but never multiplied.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["DType", "DTYPES", "DTYPE_NAMES", "QUANTIZED", "MATMUL", "BLOCK", "dtype",
-           "row_stride", "by_code", "check_group_size", "tensor_nbytes"]
+           "row_stride", "by_code", "check_group_size", "check_format_group", "tensor_nbytes"]
 
 BLOCK = 32          # quantization group sizes are positive multiples of this
 
@@ -32,6 +33,8 @@ class DType:
     quantized: bool
     matmul: bool               # the kernels multiply by it
     storage: np.dtype | None
+    scale_bytes: int = 2       # per group (quantized formats): f16, or E8M0 for mxfp4
+    fixed_group: int = 0       # the only group size the format has (mxfp4: 32), 0: any
 
 
 DTYPES: dict[str, DType] = {d.name: d for d in (
@@ -41,6 +44,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("q8", 3, 8, True, True, None),
     DType("q4", 4, 4, True, True, None),
     DType("i32", 5, 32, False, False, np.dtype("<i4")),
+    DType("mxfp4", 6, 4, True, True, None, scale_bytes=1, fixed_group=32),
 )}
 DTYPE_NAMES: tuple[str, ...] = tuple(sorted(DTYPES, key=lambda n: DTYPES[n].code))  # by code
 QUANTIZED: tuple[str, ...] = tuple(n for n in DTYPE_NAMES if DTYPES[n].quantized)
@@ -77,6 +81,15 @@ def check_group_size(cols: int, group_size: int, name: str) -> None:
                          f"{cols} columns (the input dimension)")
 
 
+def check_format_group(name: str, group_size: int, tensor: str) -> None:
+    """ValueError naming `tensor` when format `name` has a fixed group size (mxfp4: 32) and
+    group_size is another."""
+    fixed = dtype(name).fixed_group
+    if fixed and group_size != fixed:
+        raise ValueError(f"tensor {tensor!r}: {name} has group size {fixed}, found "
+                         f"{group_size}")
+
+
 def row_stride(name: str, cols: int, group_size: int = 0) -> int:
     """Bytes of one stored row of `cols` elements of format `name` (see the module docstring).
 
@@ -88,7 +101,8 @@ def row_stride(name: str, cols: int, group_size: int = 0) -> int:
         return cols * d.bits // 8
     g = int(group_size)
     check_group_size(cols, g, f"<{cols} columns>")
-    return cols * d.bits // 8 + (cols // g) * 2
+    check_format_group(name, g, f"<{cols} columns>")
+    return cols * d.bits // 8 + (cols // g) * d.scale_bytes
 
 
 def tensor_nbytes(name: str, shape: tuple[int, ...], group_size: int = 0) -> int:

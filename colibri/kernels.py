@@ -49,8 +49,8 @@ __all__ = [
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
-ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "softmax_group_topk",
-                                  "sigmoid_group_topk")
+ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
+                                  "softmax_group_topk", "sigmoid_group_topk")
 ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
 
 
@@ -147,18 +147,20 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
 def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
                norm_topk_prob: bool = False, noise_seed: int | None = None,
                threads: int | None = None, bias: np.ndarray | None = None, n_group: int = 1,
-               topk_group: int = 1) -> tuple[np.ndarray, np.ndarray]:
+               topk_group: int = 1, jitter_eps: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Pick k experts per token and their weights from router logits.
 
     Parameters
     ----------
     logits : float32 (T, E); -inf and huge values are fine, NaN is a ValueError
     k : int, 1 <= k <= E
-    rule : "softmax_topk" or "topk_softmax"
+    rule : "softmax_topk", "topk_softmax" or "sparsemixer"
         "softmax_topk": p = softmax over all E (max-subtracted, f32); the k largest p
         (ties -> lower expert index); weights = p[ids], divided by their sum when
         `norm_topk_prob`. "topk_softmax": the k largest logits; weights = softmax over those
-        k (max taken over the k, so nothing underflows that need not).
+        k (max taken over the k, so nothing underflows that need not). "sparsemixer"
+        (PhiMoE, k = 2, no noise): see _reference.sparsemixer_ref; `jitter_eps` is the
+        config's router_jitter_noise.
         The group rules (DeepSeek) split the E experts into n_group groups of E / n_group
         consecutive experts, keep the topk_group best groups (ties -> lower group) and take
         the top k of their experts:
@@ -200,7 +202,8 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
     b = None if bias is None else _f32("bias", bias, (1,))
     return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
                                None if noise_seed is None else int(noise_seed),
-                               resolve_threads(threads), b, int(n_group), int(topk_group))
+                               resolve_threads(threads), b, int(n_group), int(topk_group),
+                               float(jitter_eps))
 
 
 def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -475,19 +478,20 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
 
 def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = False,
                   threads: int | None = None, bias: np.ndarray | None = None,
-                  n_group: int = 1, topk_group: int = 1) -> Callable[[np.ndarray], tuple]:
+                  n_group: int = 1, topk_group: int = 1, jitter_eps: float = 0.0
+                  ) -> Callable[[np.ndarray], tuple]:
     """route_topk with its settings checked once (no noise).
 
     Returns p with p(logits float32 (T, E), C-contiguous) -> (ids int32 (T, K), weights
     float32 (T, K)), the same as route_topk(logits, k, rule=rule,
     norm_topk_prob=norm_topk_prob, threads=threads, bias=bias, n_group=n_group,
-    topk_group=topk_group).
+    topk_group=topk_group, jitter_eps=jitter_eps).
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an int, found {k!r}")
     b = None if bias is None else _rows_f32("bias", bias, (1,))
     return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads),
-                                  b, int(n_group), int(topk_group))
+                                  b, int(n_group), int(topk_group), float(jitter_eps))
 
 
 def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,

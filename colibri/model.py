@@ -42,8 +42,8 @@ from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .mla import MLA, softmax_scale
-from .moe import DenseMLP, MoE
-from .norms import rms_norm
+from .moe import BiasedExperts, DenseMLP, MoE
+from .norms import layer_norm, rms_norm
 from .ragged import forward_ragged
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
@@ -73,6 +73,8 @@ class _Layer:
     attn: Attention | MLA
     ffn_norm: np.ndarray
     ffn: MoE | DenseMLP
+    attn_norm_bias: np.ndarray | None = None       # LayerNorm biases (config.norm_bias)
+    ffn_norm_bias: np.ndarray | None = None
 
 
 class _Linear:
@@ -162,8 +164,18 @@ class Model:
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
         head = "tok_embeddings" if c.tie_word_embeddings or "lm_head" not in f else "lm_head"
         self.head = weight_ref(f, self._buf, head)                                   # (V, D)
-        self._head = kernels.prepare_linear(self.head, threads=t, activations=self.activations)
+        self.head_bias = vector(f, "lm_head_bias") if c.lm_head_bias else None       # (V,)
+        self._head = kernels.prepare_linear(self.head, self.head_bias, threads=t,
+                                            activations=self.activations)
         self.final_norm = vector(f, "norm")
+        self.final_norm_bias = vector(f, "norm_bias") if c.norm_bias else None
+        # the rules some families add (each None / False when the model does not use it)
+        self._layer_norm = c.norm == "layer_norm"
+        f32 = np.float32
+        self._embedding_mult = (f32(c.embedding_multiplier) if c.embedding_multiplier != 1
+                                else None)
+        self._residual_mult = f32(c.residual_multiplier) if c.residual_multiplier != 1 else None
+        self._logits_div = f32(c.logits_scaling) if c.logits_scaling != 1 else None
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
 
     def _cache_geometry(self) -> tuple[int, int, int, int]:
@@ -218,18 +230,42 @@ class Model:
                 shared = tuple(weight_ref(f, buf, f"{p}moe.shared.{n}") for n in mlp)
                 if c.shared_expert_gate:
                     gate = weight_ref(f, buf, p + "moe.shared_gate")
-            bias = (vector(f, p + "moe.correction_bias") if c.router == "sigmoid_group_topk"
-                    else None)
-            ffn = MoE(weight_ref(f, buf, router_name(i)),
-                      *(expert_ref(f, buf, i, n, c.num_experts) for n in mlp),
+            stacks = [expert_ref(f, buf, i, n, c.num_experts) for n in mlp]
+            biased = None
+            if c.expert_bias or c.expert_activation != "silu":
+                biases = ([vector(f, f"{p}moe.b_{n[2:]}") for n in mlp] if c.expert_bias
+                          else [None] * 3)
+                biased = BiasedExperts(*stacks, *biases, c.expert_activation, c.swiglu_alpha,
+                                       c.swiglu_limit, t, act)
+            correction = (vector(f, p + "moe.correction_bias")
+                          if c.router == "sigmoid_group_topk" else None)
+            ffn = MoE(weight_ref(f, buf, router_name(i)), *stacks,
                       top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, threads=t,
                       shared=shared, shared_gate=gate, rule=c.router, activations=act,
-                      correction_bias=bias, n_group=c.n_group, topk_group=c.topk_group,
+                      jitter_eps=c.router_jitter_noise, biased_experts=biased,
+                      router_bias=vector(f, p + "moe.router_bias") if c.router_bias else None,
+                      correction_bias=correction, n_group=c.n_group, topk_group=c.topk_group,
                       routed_scaling_factor=c.routed_scaling_factor)
         else:
             ffn = DenseMLP(*(weight_ref(f, buf, f"{p}mlp.{n}") for n in mlp), threads=t,
                            activations=act)
-        return _Layer(vector(f, p + "attn_norm"), attn, vector(f, p + "ffn_norm"), ffn)
+        biases = ((vector(f, p + "attn_norm_bias"), vector(f, p + "ffn_norm_bias"))
+                  if c.norm_bias else (None, None))
+        return _Layer(vector(f, p + "attn_norm"), attn, vector(f, p + "ffn_norm"), ffn, *biases)
+
+    # -- the norms and multipliers some families add -------------------------------------------
+    def _norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+              eps: float) -> np.ndarray:
+        """The model's norm (config.norm) of x float32 (..., D), a new array."""
+        if self._layer_norm:
+            return layer_norm(x, weight, bias, eps)
+        return rms_norm(x, weight, eps)
+
+    def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
+        """logits / logits_scaling in place (Granite's muP), when the model has one."""
+        if self._logits_div is not None:
+            np.true_divide(logits, self._logits_div, out=logits)
+        return logits
 
     def _attention(self, i: int, proj) -> Attention:
         """Layer i's attention (colibri/attention.py); proj(name, bias) -> _Linear."""
@@ -243,7 +279,8 @@ class Model:
             q_norm=vector(f, p + "attn.q_norm") if qk_norm else None,
             k_norm=vector(f, p + "attn.k_norm") if qk_norm else None,
             clip_qkv=c.clip_qkv, window=c.layer_window(i), wqkv=_fused_linear((wq, wk, wv), t),
-            threads=t)
+            threads=t, scale=c.attention_multiplier,
+            sinks=vector(f, p + "attn.sinks") if c.attention_sinks else None)
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -453,12 +490,24 @@ class Model:
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
         tm, eps, h = self.timings, state.eps, state.h          # eps: float32
         xa, xf = state.xa, state.xf
+        ln, rm = self._layer_norm, self._residual_mult
+        if self._embedding_mult is not None:
+            np.multiply(h, self._embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)
         for i, layer in enumerate(self.layers):
-            _norm_rows(h, layer.attn_norm, eps, xa)
-            np.add(h, layer.attn.decode(xa, cos, sin, cache, i, state), out=h)
-            _norm_rows(h, layer.ffn_norm, eps, xf)
+            if ln:
+                layer_norm(h, layer.attn_norm, layer.attn_norm_bias, eps, out=xa)
+            else:
+                _norm_rows(h, layer.attn_norm, eps, xa)
+            o = layer.attn.decode(xa, cos, sin, cache, i, state)
+            if rm is not None:
+                np.multiply(o, rm, out=o)
+            np.add(h, o, out=h)
+            if ln:
+                layer_norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, out=xf)
+            else:
+                _norm_rows(h, layer.ffn_norm, eps, xf)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
                 y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
@@ -466,11 +515,17 @@ class Model:
                     trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
             else:
                 y = layer.ffn(xf, tm)
+            if rm is not None:
+                np.multiply(y, rm, out=y)
             np.add(h, y, out=h)
             t0 = time.perf_counter()
         logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        _norm_rows(h, self.final_norm, eps, xa)
+        if ln:
+            layer_norm(h, self.final_norm, self.final_norm_bias, eps, out=xa)
+        else:
+            _norm_rows(h, self.final_norm, eps, xa)
         self._head(xa, logits)
+        self._scale_logits(logits)
         tm.add("head", t0)
         cache.commit_one(position)
         return logits
@@ -510,6 +565,9 @@ class Model:
         B, S = valid.shape
         D, eps = self.config.hidden_size, self.config.rms_norm_eps
         h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
+        if self._embedding_mult is not None:
+            h *= self._embedding_mult
+        rm = self._residual_mult
         # keys visible to the new tokens: the cache's slots, then the new ones
         all_valid = valid if cache is None else np.concatenate(
             [cache.valid[:, :cache.length], valid], axis=1)                  # (B, L)
@@ -520,9 +578,10 @@ class Model:
             w = layer.attn.window
             if w not in masks:
                 masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
-            a = rms_norm(h, layer.attn_norm, eps)
-            h = h + layer.attn(a, cos, sin, masks[w], cache, i)
-            x = rms_norm(h, layer.ffn_norm, eps).reshape(B * S, D)                # (T, D)
+            a = self._norm(h, layer.attn_norm, layer.attn_norm_bias, eps)
+            o = layer.attn(a, cos, sin, masks[w], cache, i)
+            h = h + (o if rm is None else o * rm)
+            x = self._norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps).reshape(B * S, D)  # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
                 y, ids, wts, gate = layer.ffn(x, tm)
@@ -530,15 +589,17 @@ class Model:
                     trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
             else:
                 y = layer.ffn(x, tm)
-            h = h + y.reshape(B, S, D)
+            h = h + (y if rm is None else y * rm).reshape(B, S, D)
             t0 = time.perf_counter()
         if last_only:
             h = h[:, -1:]
-        h = rms_norm(h, self.final_norm, eps)
+        h = self._norm(h, self.final_norm, self.final_norm_bias, eps)
         n = h.shape[1]
         logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
-                                threads=self.threads, activations=self.activations
+                                self.head_bias, threads=self.threads,
+                                activations=self.activations
                                 ).reshape(B, n, self.config.vocab_size)
+        self._scale_logits(logits)
         tm.add("head", t0)
         if cache is not None:
             cache.commit(valid, pos)

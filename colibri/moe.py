@@ -9,6 +9,10 @@
     y            += sigmoid(x @ g) * shared(x)         (Qwen2-MoE's shared expert; DeepSeek's
                                                         and GLM's are ungated: + shared(x))
 
+GPT-OSS's experts (biases on every projection, the clamped swigluoai activation) and its
+router bias take BiasedExperts instead of the fused kernel: the same row kernels
+(kernels.linear on one expert of the stack), one chosen expert at a time.
+
 The kernels read the weights in place from the mapped file (WeightRef); an expert no token
 chose is never touched. Every kernel call gets the model's thread count.
 
@@ -26,7 +30,63 @@ from . import kernels
 from .runtime import Timings
 from .weights import WeightRef
 
-__all__ = ["MoE", "DenseMLP"]
+__all__ = ["MoE", "DenseMLP", "BiasedExperts", "swigluoai"]
+
+
+def swigluoai(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """GPT-OSS's expert activation, float32 as transformers: g clamped to <= limit, u to
+    [-limit, limit]; (u + 1) * g * sigmoid(alpha * g). g, u (N, I) -> (N, I)."""
+    g = np.minimum(g, np.float32(limit))
+    u = np.clip(u, np.float32(-limit), np.float32(limit))
+    glu = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(g * np.float32(alpha)))))
+    return (u + np.float32(1.0)) * glu
+
+
+@dataclass
+class BiasedExperts:
+    """Routed experts with biases and / or the swigluoai activation: `p(x, ids, weights,
+    out)` as the prepared fused kernel (x (T, D), ids int32 (T, K), weights (T, K), out
+    (T, D) float32), expert e computing down(act(gate(x) + b_gate[e], up(x) + b_up[e])) +
+    b_down[e]. w_*: WeightRef stacks (E, I, D), (E, I, D), (E, D, I); b_*: float32 (E, I),
+    (E, I), (E, D) or None; activation one of config.EXPERT_ACTIVATIONS."""
+    w_gate: WeightRef
+    w_up: WeightRef
+    w_down: WeightRef
+    b_gate: np.ndarray | None
+    b_up: np.ndarray | None
+    b_down: np.ndarray | None
+    activation: str
+    alpha: float
+    limit: float
+    threads: int
+    activations: str = "f32"
+
+    def _linear(self, x: np.ndarray, w: WeightRef, b: np.ndarray | None, e: int) -> np.ndarray:
+        return kernels.linear(x, w, None if b is None else b[e], expert=e,
+                              threads=self.threads, activations=self.activations)
+
+    def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                 out: np.ndarray) -> np.ndarray:
+        K = ids.shape[1]
+        slots = ids.reshape(-1)
+        order = np.argsort(slots, kind="stable")                  # (token, k) slots by expert
+        experts, starts = np.unique(slots[order], return_index=True)
+        acc = np.zeros(out.shape, dtype=np.float32)
+        for e, group in zip(experts.tolist(), np.split(order, starts[1:])):
+            tokens = group // K
+            xs = np.ascontiguousarray(x[tokens])
+            g = self._linear(xs, self.w_gate, self.b_gate, e)
+            u = self._linear(xs, self.w_up, self.b_up, e)
+            if self.activation == "swigluoai":
+                h = swigluoai(g, u, self.alpha, self.limit)
+            else:
+                h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
+            y = self._linear(np.ascontiguousarray(h, dtype=np.float32), self.w_down,
+                             self.b_down, e)
+            y *= weights.reshape(-1)[group][:, None]
+            np.add.at(acc, tokens, y)
+        out[...] = acc
+        return out
 
 @dataclass
 class MoE:
@@ -34,7 +94,8 @@ class MoE:
 
     router: (E, D); experts: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     shared: (gate (Is, D), up (Is, D), down (D, Is)) or None; shared_gate: (1, D) or None.
-    rule: the routing rule (config.ROUTERS); activations: of the experts and shared expert.
+    rule: the routing rule (config.ROUTERS), jitter_eps its parameter (sparsemixer);
+    activations: of the experts and shared expert.
     correction_bias: float32 (E,), the choice bias of "sigmoid_group_topk"; n_group /
     topk_group: the group rules' groups; routed_scaling_factor: multiplies the weights.
     """
@@ -49,6 +110,9 @@ class MoE:
     shared_gate: WeightRef | None = None
     rule: str = "softmax_topk"
     activations: str = "f32"       # of the experts (the router always sees f32 activations)
+    jitter_eps: float = 0.0        # the sparsemixer rule's router_jitter_noise
+    router_bias: np.ndarray | None = None     # float32 (E,), added to the router logits
+    biased_experts: BiasedExperts | None = None   # instead of the fused expert kernel
     correction_bias: np.ndarray | None = None
     n_group: int = 1
     topk_group: int = 1
@@ -60,15 +124,17 @@ class MoE:
 
     def __post_init__(self):
         # the kernel calls with their weights and settings checked once (kernels.prepare_*)
-        self._router = kernels.prepare_linear(self.router, threads=self.threads)
+        self._router = kernels.prepare_linear(self.router, self.router_bias,
+                                              threads=self.threads)
         self._route = kernels.prepare_route(self.top_k, rule=self.rule,
                                             norm_topk_prob=self.norm_topk_prob,
-                                            threads=self.threads, bias=self.correction_bias,
+                                            threads=self.threads, jitter_eps=self.jitter_eps,
+                                            bias=self.correction_bias,
                                             n_group=self.n_group, topk_group=self.topk_group)
         self._scale = np.float32(self.routed_scaling_factor)
-        self._experts = kernels.prepare_expert_ffn(self.w_gate, self.w_up, self.w_down,
-                                                   threads=self.threads,
-                                                   activations=self.activations)
+        self._experts = self.biased_experts or kernels.prepare_expert_ffn(
+            self.w_gate, self.w_up, self.w_down, threads=self.threads,
+            activations=self.activations)
 
     def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:

@@ -44,6 +44,7 @@ from typing import Iterator
 import numpy as np
 
 from . import dtypes
+from . import mxfp4 as _mxfp4
 
 # Chosen by measurement (docs/quantization.md, scripts/measure_quant_error.py): on heavy-tailed
 # and outlier-column weights, G64 -> G32 buys 7-10 dB of q4 SNR per extra bit (> 6.02 dB/bit).
@@ -363,6 +364,8 @@ def split_rows(rows: np.ndarray, dtype: str, cols: int, group_size: int
         raise ValueError("split_rows: the last axis of the rows must be contiguous")
     qbytes = int(cols) * dtypes.DTYPES[dtype].bits // 8
     qdata = rows[..., :qbytes]
+    if dtype == "mxfp4":                            # E8M0 scale bytes
+        return qdata, rows[..., qbytes:]
     scales = rows[..., qbytes:].view(_F16)
     return qdata, scales
 
@@ -378,6 +381,10 @@ def encode(w: np.ndarray, dtype: str, group_size: int = 0, *, name: str | None =
     """
     dtypes.dtype(dtype)                             # ValueError naming the known ones
     w = np.asarray(w)
+    if dtype == "mxfp4":
+        dtypes.check_format_group(dtype, group_size, _label(name))
+        codes, scales = _mxfp4.quantize(w.reshape(-1, w.shape[-1]))
+        return _mxfp4.rows(codes, scales).reshape(-1)
     if dtype in dtypes.QUANTIZED:
         # Quantize straight into the row buffer: the output is the only full-size array.
         w2 = _prepare(w, group_size, f"encode {dtype}", name)
@@ -429,6 +436,8 @@ def decode(raw: np.ndarray, dtype: str, shape: tuple[int, ...], group_size: int 
         cols = shape[-1]
         rows = raw.reshape(-1, dtypes.row_stride(dtype, cols, group_size))
         qd, sc = split_rows(rows, dtype, cols, group_size)
+        if dtype == "mxfp4":
+            return _mxfp4.dequantize(qd, sc).reshape(shape)
         deq = dequantize_q8 if dtype == "q8" else dequantize_q4
         return deq(qd, sc, group_size).reshape(shape)
     a = raw.view(dtypes.DTYPES[dtype].storage).reshape(shape)

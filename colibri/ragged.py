@@ -23,6 +23,7 @@ from . import kernels
 from .attention import Segment
 from .kv_cache import KVCache
 from .moe import MoE
+from .norms import layer_norm
 from .runtime import blas_on_one_thread
 
 __all__ = ["forward_ragged", "check_segments"]
@@ -63,6 +64,15 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         cache.check_room(a.size)
         out.append((cache, a.astype(np.int64, copy=False)))
     return out
+
+
+def _norm(model, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps, out
+          ) -> None:
+    """The model's norm of rows x float32 (T, D) into out, as its decode step does it."""
+    if model._layer_norm:
+        layer_norm(x, weight, bias, eps, out=out)
+    else:
+        _norm_rows(x, weight, eps, out)
 
 
 def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]:
@@ -110,14 +120,18 @@ def _run(model, checked, return_routing: bool):
     T, D = ids.size, c.hidden_size
     eps = np.float32(c.rms_norm_eps)
     h = np.ascontiguousarray(model.embed(ids[None])[0], dtype=np.float32)        # (T, D)
+    if model._embedding_mult is not None:                                    # Granite's muP
+        h *= model._embedding_mult
+    rm = model._residual_mult
     xa = np.empty((T, D), dtype=np.float32)
     xf = np.empty((T, D), dtype=np.float32)
     routing = []                                              # per MoE layer: ids (T, K)
     t0 = tm.add("embed", t0)
     for i, layer in enumerate(model.layers):
-        _norm_rows(h, layer.attn_norm, eps, xa)
-        h += layer.attn.forward_segments(xa, segs, i)
-        _norm_rows(h, layer.ffn_norm, eps, xf)
+        _norm(model, h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        o = layer.attn.forward_segments(xa, segs, i)
+        h += o if rm is None else o * rm
+        _norm(model, h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
         t0 = tm.add("attention", t0)
         if isinstance(layer.ffn, MoE):
             y, chosen, _, _ = layer.ffn(xf, tm)
@@ -125,13 +139,14 @@ def _run(model, checked, return_routing: bool):
                 routing.append(chosen)
         else:
             y = layer.ffn(xf, tm)
-        h += y
+        h += y if rm is None else y * rm
         t0 = time.perf_counter()
     last = np.array([s.start + s.n - 1 for s in segs])                             # (N,)
     hl = np.ascontiguousarray(h[last])                                            # (N, D)
-    _norm_rows(hl, model.final_norm, eps, hl)
+    _norm(model, hl, model.final_norm, model.final_norm_bias, eps, hl)
     logits = np.empty((len(segs), c.vocab_size), dtype=np.float32)
     model._head(hl, logits)
+    model._scale_logits(logits)
     tm.add("head", t0)
     for s in segs:
         if s.decode:

@@ -2,8 +2,12 @@
 
 The maths follows transformers: inv_freq = 1 / theta^(2i/Dr) over the Dr = head_dim *
 partial_rotary_factor rotary dims, rescaled by the rope_scaling rule (default, linear,
-llama3, yarn); cos/sin = cos/sin(position * inv_freq) [* yarn's attention factor], computed
-in float32; the "half split" rotation (rotate_half) of the first Dr dims of each head.
+llama3, yarn, longrope); cos/sin = cos/sin(position * inv_freq) [* yarn's or longrope's
+attention factor], computed in float32; the "half split" rotation (rotate_half) of the first
+Dr dims of each head. LongRoPE (Phi-3 / PhiMoE, "su" in old configs) has two tables: the
+short factors while the call's longest sequence (max position + 1) is within
+original_max_position_embeddings, the long factors beyond, each with its own scale
+(short_mscale / long_mscale when the config gives them, else the attention factor).
 The decode step rotates with the compiled twin of apply_rope (kernels.rope_rows_into:
 NumPy's float32 operations, the same bits) on the tables of cos_sin_one.
 """
@@ -33,7 +37,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
     computes them.
 
     Supported `scaling` types (the "rope_type"/"type" field of rope_scaling / rope_parameters):
-    default, linear, llama3, yarn. Others raise NotImplementedError naming the type.
+    default, linear, llama3, yarn, longrope (its short table; Rope keeps the long one).
+    Others raise NotImplementedError naming the type.
     """
     dim = int(head_dim * partial_rotary_factor)
     if dim % 2 or dim <= 0:
@@ -60,8 +65,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(pos_freqs, dim, float(theta), scaling, max_position_embeddings)
+    if kind in ("longrope", "su"):
+        short, _, scale, _, _ = longrope_tables(pos_freqs, scaling, max_position_embeddings)
+        return short, scale
     raise NotImplementedError(
-        f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+        f"RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+        f"yarn, longrope)")
+
+
+def longrope_tables(pos_freqs: np.ndarray, p: Mapping[str, Any],
+                    max_position_embeddings: int | None
+                    ) -> tuple[np.ndarray, np.ndarray, float, float, int]:
+    """LongRoPE (transformers' _compute_longrope_parameters; PhiMoE's short/long mscale):
+    (short inv_freq, long inv_freq float32 (Dr/2,), short scale, long scale, original
+    context). inv_freq = 1 / (factor_i * theta^(2i/Dr)) with the short or long factors."""
+    missing = [k for k in ("short_factor", "long_factor", "original_max_position_embeddings")
+               if p.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_scaling of type longrope lacks {', '.join(missing)}")
+    original = int(p["original_max_position_embeddings"])
+    half = pos_freqs.shape[0]
+    tables = []
+    for name in ("short_factor", "long_factor"):
+        ext = np.asarray(p[name], dtype=np.float32)
+        if ext.shape != (half,):
+            raise ValueError(f"rope_scaling {name} must list {half} numbers (rotary dims / 2), "
+                             f"found {ext.shape[0] if ext.ndim == 1 else ext.shape}")
+        tables.append((np.float32(1.0) / (ext * pos_freqs)).astype(np.float32))
+    factor = p.get("factor")
+    if factor is None:
+        factor = (max_position_embeddings or original) / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1 + math.log(factor) / math.log(original)))
+    short = float(p.get("short_mscale", attention_factor))
+    long = float(p.get("long_mscale", attention_factor))
+    return tables[0], tables[1], short, long, original
 
 
 def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, base: float, p: Mapping[str, Any],
@@ -113,6 +153,21 @@ class Rope:
         self.inv_freq, self.attention_factor = rope_inv_freq(
             head_dim, theta, scaling, partial_rotary_factor, max_position_embeddings)
         self.rot_dim = 2 * self.inv_freq.shape[0]                            # Dr
+        # LongRoPE: the long table and its scale, used when the sequence exceeds `_original`
+        self._long = None
+        if _rope_type(scaling) in ("longrope", "su"):
+            dim = self.rot_dim
+            exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+            pos_freqs = np.power(np.float32(theta), exponents, dtype=np.float32)
+            _, long_inv, _, long_scale, self._original = longrope_tables(
+                pos_freqs, scaling, max_position_embeddings)
+            self._long = (long_inv, long_scale)
+
+    def _table(self, seq_len: int) -> tuple[np.ndarray, float]:
+        """inv_freq and cos/sin scale for a call whose longest sequence is seq_len tokens."""
+        if self._long is not None and seq_len > self._original:
+            return self._long
+        return self.inv_freq, self.attention_factor
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "Rope":
@@ -126,20 +181,22 @@ class Rope:
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions int (B, S) -> cos, sin float32 (B, 1, S, Dr/2) (broadcast over heads)."""
-        freqs = positions.astype(np.float32)[..., None] * self.inv_freq        # (B, S, Dr/2)
+        inv_freq, factor = self._table(int(positions.max()) + 1 if positions.size else 0)
+        freqs = positions.astype(np.float32)[..., None] * inv_freq             # (B, S, Dr/2)
         cos, sin = np.cos(freqs), np.sin(freqs)
-        if self.attention_factor != 1.0:
-            cos = cos * np.float32(self.attention_factor)
-            sin = sin * np.float32(self.attention_factor)
+        if factor != 1.0:
+            cos = cos * np.float32(factor)
+            sin = sin * np.float32(factor)
         return cos[:, None], sin[:, None]
 
     def cos_sin_one(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin float32 (Dr/2,) of one position: cos_sin's values (the same operations)."""
-        freqs = np.float32(position) * self.inv_freq                           # (Dr/2,)
+        inv_freq, factor = self._table(position + 1)
+        freqs = np.float32(position) * inv_freq                                # (Dr/2,)
         cos, sin = np.cos(freqs), np.sin(freqs)
-        if self.attention_factor != 1.0:
-            cos = cos * np.float32(self.attention_factor)
-            sin = sin * np.float32(self.attention_factor)
+        if factor != 1.0:
+            cos = cos * np.float32(factor)
+            sin = sin * np.float32(factor)
         return cos, sin
 
 

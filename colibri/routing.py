@@ -60,7 +60,8 @@ def trace_layer(trace: RoutingTrace, i: int, moe: MoE, x: np.ndarray, ids: np.nd
         trace.shared_gate.append(gate.reshape(B, S))
     # the router matmul again, outside the timed stages: same kernel, same input, so the
     # same logits the routing above was computed from
-    trace.logits.append(kernels.linear(x, moe.router, threads=threads).reshape(B, S, -1))
+    trace.logits.append(kernels.linear(x, moe.router, moe.router_bias, threads=threads
+                                       ).reshape(B, S, -1))
 
 
 def drop_batch(trace: RoutingTrace) -> None:

@@ -13,14 +13,14 @@ from colibri import dtypes as D, quant as Q
 
 
 @pytest.mark.parametrize("dtype,bits", [("f32", 32), ("f16", 16), ("bf16", 16), ("q8", 8),
-                                        ("q4", 4), ("i32", 32)])
+                                        ("q4", 4), ("i32", 32), ("mxfp4", 4)])
 def test_bits_and_codes(dtype, bits):
     assert D.dtype(dtype).bits == bits
     assert D.by_code(D.dtype(dtype).code).name == dtype
     assert {n: d.code for n, d in D.DTYPES.items()} == {
-        "f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "i32": 5}
-    assert D.DTYPE_NAMES == ("f32", "f16", "bf16", "q8", "q4", "i32")
-    assert D.QUANTIZED == ("q8", "q4")
+        "f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "i32": 5, "mxfp4": 6}
+    assert D.DTYPE_NAMES == ("f32", "f16", "bf16", "q8", "q4", "i32", "mxfp4")
+    assert D.QUANTIZED == ("q8", "q4", "mxfp4")
 
 
 @pytest.mark.parametrize("cols,g", [(32, 32), (4096, 32), (4096, 64), (14336, 128), (96, 96)])

@@ -156,7 +156,7 @@ EXPERT0 = "layers.0.moe.experts.0.w_gate"
 
 
 @pytest.mark.parametrize("target, field, value, fragment", [
-    (DENSE, "dtype", 6, "unknown dtype code 6"),
+    (DENSE, "dtype", 7, "unknown dtype code 7"),
     (DENSE, "dtype", 255, "unknown dtype code 255"),
     (DENSE, "dtype", CODES["f16"], "nbytes"),
     (DENSE, "dtype", CODES["q8"], "group_size 0"),

@@ -44,3 +44,29 @@ def test_rms_norm_in_place_and_compiled_rows_are_bit_identical(n):
         for r in range(3):                           # the decode step's compiled row norm
             rms_norm_rows_into(x[r:r + 1], w, np.float32(eps), out)
             np.testing.assert_array_equal(out[0], want[r])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_norm_matches_torch(bias):
+    """norms.layer_norm against torch.nn.LayerNorm (DBRX: no bias; PhiMoE: with bias), in
+    place and into a row buffer as the decode step calls it."""
+    from colibri.norms import layer_norm
+    rng = np.random.default_rng(7)
+    x = (rng.normal(size=(3, 5, 96)) * 4 + 2).astype(np.float32)
+    w = rng.normal(size=96).astype(np.float32)
+    b = rng.normal(size=96).astype(np.float32) if bias else None
+    ref = torch.nn.LayerNorm(96, eps=1e-5, bias=bias)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(w))
+        if bias:
+            ref.bias.copy_(torch.from_numpy(b))
+        want = ref(torch.from_numpy(x)).numpy()
+    got = layer_norm(x, w, b, 1e-5)
+    assert got.dtype == np.float32
+    _close(got, want, 1e-6)
+    y = x.copy()
+    assert layer_norm(y, w, b, 1e-5, out=y) is y
+    np.testing.assert_array_equal(y, got)
+    row = np.empty((1, 96), np.float32)
+    layer_norm(x[1, 2:3], w, b, np.float32(1e-5), out=row)
+    np.testing.assert_array_equal(row[0], got[1, 2])

@@ -42,8 +42,18 @@ def test_rope_inv_freq_matches_transformers(params):
 
 
 def test_rope_unknown_type_is_named():
-    with pytest.raises(NotImplementedError, match="longrope"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="'dynamic'"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_longrope_needs_its_fields():
+    with pytest.raises(ValueError, match="short_factor"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "longrope", "factor": 2.0,
+                                    "original_max_position_embeddings": 8})
+    with pytest.raises(ValueError, match="must list 8 numbers"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "longrope", "short_factor": [1.0] * 7,
+                                    "long_factor": [1.0] * 8,
+                                    "original_max_position_embeddings": 8})
 
 
 def _config(**fields) -> ModelConfig:

@@ -58,14 +58,15 @@ static colibri_dot_fn colibri_dot_for(int isa, int fmt)
 {
     static const colibri_dot_fn scalar[COLIBRI_N_FMT] = {
         colibri_dot_f32_scalar, colibri_dot_f16_scalar, colibri_dot_bf16_scalar,
-        colibri_dot_q8_scalar, colibri_dot_q4_scalar};
+        colibri_dot_q8_scalar, colibri_dot_q4_scalar, [COLIBRI_MXFP4] = colibri_dot_mxfp4_scalar};
 #if COLIBRI_X86
     static const colibri_dot_fn avx2[COLIBRI_N_FMT] = {
         colibri_dot_f32_avx2, colibri_dot_f16_avx2, colibri_dot_bf16_avx2,
-        colibri_dot_q8_avx2, colibri_dot_q4_avx2};
+        colibri_dot_q8_avx2, colibri_dot_q4_avx2, [COLIBRI_MXFP4] = colibri_dot_mxfp4_avx2};
     static const colibri_dot_fn avx512[COLIBRI_N_FMT] = {
         colibri_dot_f32_avx512, colibri_dot_f16_avx512, colibri_dot_bf16_avx512,
-        colibri_dot_q8_avx512, colibri_dot_q4_avx512};
+        colibri_dot_q8_avx512, colibri_dot_q4_avx512,
+        [COLIBRI_MXFP4] = colibri_dot_mxfp4_avx512};
 #endif
     if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
     isa = colibri_isa_base(isa);

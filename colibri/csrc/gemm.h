@@ -56,6 +56,9 @@ typedef void (*colibri_gemm_fn)(const uint8_t *row0, ptrdiff_t row_stride, int n
 static inline float colibri_weight_elem(int fmt, const uint8_t *row, ptrdiff_t cols,
                                         ptrdiff_t group, ptrdiff_t c)
 {
+    if (fmt == COLIBRI_MXFP4)
+        return colibri_fp4_value(colibri_mxfp4_nibble(row, c))
+               * colibri_e8m0_to_f32(row[cols / 2 + c / 32]);
     if (fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4) {
         const uint8_t *scales = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
         float s = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (c / group)));
@@ -153,6 +156,8 @@ COLIBRI_DEF_GEMM(colibri_gemm_q8_scalar, COLIBRI_Q8, static, colibri_panel_scala
                  colibri_mk_scalar, colibri_hsum8_scalar)
 COLIBRI_DEF_GEMM(colibri_gemm_q4_scalar, COLIBRI_Q4, static, colibri_panel_scalar,
                  colibri_mk_scalar, colibri_hsum8_scalar)
+COLIBRI_DEF_GEMM(colibri_gemm_mxfp4_scalar, COLIBRI_MXFP4, static, colibri_panel_scalar,
+                 colibri_mk_scalar, colibri_hsum8_scalar)
 
 #if COLIBRI_X86
 /* AVX2 bodies. Decode: per 32 columns of a quantized row, the codes as four vectors
@@ -208,6 +213,9 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
                     _mm256_store_ps(out + 24, _mm256_mul_ps(w[3], sv));
                 }
             }
+        } else if (fmt == COLIBRI_MXFP4) {       /* decoded once per panel, element by element */
+            for (c = 0; c < kc8; c++)
+                out[c] = colibri_weight_elem(fmt, row, cols, group, c0 + c);
         } else {
             for (c = 0; c < kc8; c += 8)
                 _mm256_store_ps(out + c, colibri_load8_avx2(fmt, row, c0 + c));
@@ -310,6 +318,7 @@ COLIBRI_DEF_GEMM_AVX2(colibri_gemm_f16_avx2, COLIBRI_F16)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_bf16_avx2, COLIBRI_BF16)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_q8_avx2, COLIBRI_Q8)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_q4_avx2, COLIBRI_Q4)
+COLIBRI_DEF_GEMM_AVX2(colibri_gemm_mxfp4_avx2, COLIBRI_MXFP4)
 #endif /* COLIBRI_X86 */
 
 /* The GEMM panel kernel of (isa, fmt); NULL for an unknown pair or a path not compiled in.
@@ -318,11 +327,12 @@ static colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
 {
     static const colibri_gemm_fn scalar[COLIBRI_N_FMT] = {
         colibri_gemm_f32_scalar, colibri_gemm_f16_scalar, colibri_gemm_bf16_scalar,
-        colibri_gemm_q8_scalar, colibri_gemm_q4_scalar};
+        colibri_gemm_q8_scalar, colibri_gemm_q4_scalar,
+        [COLIBRI_MXFP4] = colibri_gemm_mxfp4_scalar};
 #if COLIBRI_X86
     static const colibri_gemm_fn avx2[COLIBRI_N_FMT] = {
         colibri_gemm_f32_avx2, colibri_gemm_f16_avx2, colibri_gemm_bf16_avx2,
-        colibri_gemm_q8_avx2, colibri_gemm_q4_avx2};
+        colibri_gemm_q8_avx2, colibri_gemm_q4_avx2, [COLIBRI_MXFP4] = colibri_gemm_mxfp4_avx2};
 #endif
     if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
     isa = colibri_isa_base(isa);

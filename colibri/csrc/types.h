@@ -55,7 +55,7 @@ static inline int colibri_isa_base(int isa)
 /* Same codes as the file's dtype field (docs/format.md §3) and colibri/dtypes.py (the extension
  * checks them at import). */
 enum { COLIBRI_F32 = 0, COLIBRI_F16 = 1, COLIBRI_BF16 = 2, COLIBRI_Q8 = 3, COLIBRI_Q4 = 4,
-       COLIBRI_N_FMT = 5 };
+       COLIBRI_MXFP4 = 6, COLIBRI_N_FMT = 7 };      /* 5 is i32: stored, never multiplied */
 
 #define COLIBRI_MAX_NT 4   /* tokens per weight-row pass (the kernels accept 1..4) */
 
@@ -158,6 +158,28 @@ static inline float colibri_plain_elem(int fmt, const uint8_t *row, ptrdiff_t c)
     return colibri_bf16_to_f32(colibri_ld_u16(row + 2 * c));
 }
 
+/* MXFP4 (csrc/mxfp4.h): nibble of element c (byte c / 2, low nibble first), the FP4 E2M1
+ * value of a nibble (bit 3 the sign), and an E8M0 scale byte as 2^(s - 127) (s = 255, NaN in
+ * the OCP spec, is refused by the converter; 0 is 2^-127, a subnormal). */
+static inline int colibri_mxfp4_nibble(const uint8_t *row, ptrdiff_t c)
+{
+    return (row[c >> 1] >> (4 * (c & 1))) & 0x0F;
+}
+
+static inline float colibri_fp4_value(int nibble)
+{
+    static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    return nibble & 8 ? -mag[nibble & 7] : mag[nibble & 7];
+}
+
+static inline float colibri_e8m0_to_f32(uint8_t s)
+{
+    uint32_t bits = s ? (uint32_t)s << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Nibble of q4 element c (0..15), from the Q4_0 block order. */
 static inline int colibri_q4_nibble(const uint8_t *row, ptrdiff_t c)
 {
@@ -174,6 +196,7 @@ static inline ptrdiff_t colibri_row_bytes(int fmt, ptrdiff_t cols, ptrdiff_t gro
     case COLIBRI_F16: case COLIBRI_BF16: return 2 * cols;
     case COLIBRI_Q8: return cols + 2 * (cols / group);
     case COLIBRI_Q4: return cols / 2 + 2 * (cols / group);
+    case COLIBRI_MXFP4: return cols / 2 + cols / 32;
     default: return 0;
     }
 }
@@ -191,6 +214,10 @@ static inline void colibri_decode_row(int fmt, const uint8_t *row, ptrdiff_t col
                                         : (float)(colibri_q4_nibble(row, c) - 8);
             out[c] = q * s;
         }
+    } else if (fmt == COLIBRI_MXFP4) {
+        for (c = 0; c < cols; c++)
+            out[c] = colibri_fp4_value(colibri_mxfp4_nibble(row, c))
+                     * colibri_e8m0_to_f32(row[cols / 2 + c / 32]);
     } else {
         for (c = 0; c < cols; c++) out[c] = colibri_plain_elem(fmt, row, c);
     }

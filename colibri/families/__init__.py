@@ -8,13 +8,16 @@ checkpoint to tests/hf_factory.py.
 from __future__ import annotations
 
 from ..errors import ColibriError
-from . import deepseek_v2, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import (dbrx, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, mixtral, olmoe,
+               phimoe, qwen2_moe, qwen3_moe)
 from .base import Family
 from .tensors import canonical_tensors
 
-_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, glm4_moe)
+_MODULES = (mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, dbrx, phimoe, gpt_oss,
+            deepseek_v2, deepseek_v3, glm4_moe)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in _MODULES}
+FAMILIES[granitemoe.SHARED_FAMILY.model_type] = granitemoe.SHARED_FAMILY
 
 
 def get_family(model_type: str | None) -> Family:

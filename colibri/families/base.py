@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from ..config import ModelConfig
 from ..errors import ColibriError
 from .config_json import HFConfig
-from .tensors import CanonicalTensor, canonical_tensors
+from .tensors import CanonicalTensor, canonical_tensors, eval_dim
 
 # Checkpoint names the families share (per-layer keys relative to "model.layers.{i}."); each
 # family's NAME_MAP is these plus its own, so a family module shows only what is its own.
@@ -67,6 +67,85 @@ class Source:
     index: tuple = ()
     shape: tuple[int, ...] | None = None
     dims: tuple[str, ...] | None = None
+    transpose: bool = False            # the indexed block is the canonical tensor transposed
+    post: tuple = ()                   # numpy index applied after reading (steps)
+    scales: "Source | None" = None     # MXFP4: the blocks are `key`, the E8M0 scales here
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A name-map entry: the canonical tensor is one block of rows of a fused 2-D checkpoint
+    tensor (Granite's shared input_linear, DBRX's Wqkv and expert stacks).
+
+    key: the checkpoint key template (as a name-map string). blocks: the row count of each
+    block, top to bottom, as ModelConfig expressions; part: the tensor's block, an int or "e"
+    for the expert's own (the blocks then repeat once per expert, expert 0 first).
+    transposed: the block holds the tensor's transpose (DBRX's w2: (I, D) for a (D, I) down).
+    """
+    key: str
+    blocks: tuple[str, ...]
+    part: int | str = 0
+    transposed: bool = False
+
+    def source(self, t: CanonicalTensor, key: str, cfg: ModelConfig) -> Source:
+        blocks = self.blocks
+        if self.part == "e":
+            part = t.expert * len(blocks)
+            blocks = blocks * cfg.num_experts
+        else:
+            part = self.part
+        sizes = [eval_dim(b, cfg) for b in blocks]
+        start = sum(sizes[:part])
+        cols = t.dims[0] if self.transposed else t.dims[-1]
+        # the whole tensor's rows as one expression: "num_experts*x" or "a+b+c" unrolled
+        rows = (f"num_experts*{self.blocks[0]}" if self.part == "e" and len(self.blocks) == 1
+                else "+".join(self.blocks))
+        return Source(key, (slice(start, start + sizes[part]),),
+                      (sum(sizes), eval_dim(cols, cfg)), (rows, cols), self.transposed)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A name-map entry: the canonical tensor is `stack[index]` of a checkpoint tensor, then
+    transposed if `transposed` (GPT-OSS's (E, D, 2I) gate_up with gate / up interleaved).
+
+    dims: the checkpoint tensor's shape as ModelConfig expressions; index: a numpy index
+    whose first entry may be "e" (the expert number, read through the checkpoint's slicing;
+    the rest is applied after reading, so steps are allowed)."""
+    key: str
+    dims: tuple[str, ...]
+    index: tuple = ()
+    transposed: bool = False
+
+    def source(self, t: CanonicalTensor, key: str, cfg: ModelConfig) -> Source:
+        read = (t.expert,) if self.index[:1] == ("e",) else ()
+        return Source(key, read, tuple(eval_dim(d, cfg) for d in self.dims), self.dims,
+                      self.transposed, tuple(self.index[len(read):]))
+
+
+@dataclass(frozen=True)
+class MxSlice:
+    """A name-map entry: the canonical matrix (R, C) is stored in the checkpoint as MXFP4
+    (GPT-OSS's released experts) and is kept so: `blocks` (..., R', C/32, 16) and `scales`
+    (..., R', C/32) uint8, both indexed by `index` (as Slice: "e" first, then e.g. a row step
+    for gate / up interleaved); dims: the blocks' shape as ModelConfig expressions."""
+    blocks: str
+    scales: str
+    dims: tuple[str, ...]
+    index: tuple = ()
+
+    def source(self, t: CanonicalTensor, key: str, cfg: ModelConfig) -> Source:
+        read = (t.expert,) if self.index[:1] == ("e",) else ()
+        post = tuple(self.index[len(read):])
+        prefix = key[:len(key) - len(self.blocks)]
+        shape = tuple(eval_dim(d, cfg) for d in self.dims)
+        return Source(key, read, shape, self.dims, False, post,
+                      Source(prefix + self.scales, read, shape[:-1], self.dims[:-1], False,
+                             post))
+
+    @property
+    def key(self) -> str:
+        return self.blocks
 
 
 @dataclass(frozen=True)
@@ -90,7 +169,7 @@ class Family:
     """
     model_type: str
     model_config: Callable[[HFConfig], ModelConfig]
-    name_map: Mapping[str, str | tuple[str, ...]]
+    name_map: Mapping[str, str | Rows | tuple[str | Rows, ...]]
     fused_experts: tuple[str, str] | None = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     layer_prefix: str = LAYER_PREFIX
     config_fields: Mapping[str, str] = field(default_factory=dict)
@@ -108,11 +187,13 @@ class Family:
         if templates is None:
             raise ColibriError(f"family {self.model_type!r} has no checkpoint name for "
                                f"{t.name!r}")
-        if isinstance(templates, str):
+        if isinstance(templates, (str, Rows, Slice, MxSlice)):
             templates = (templates,)
         prefix = self.layer_prefix.format(i=t.layer) if t.layer is not None else ""
         subs = {"i": t.layer, "e": t.expert}
-        found = [Source(prefix + tpl.format(**subs)) for tpl in templates]
+        found = [tpl.source(t, prefix + tpl.key.format(**subs), cfg)
+                 if isinstance(tpl, (Rows, Slice, MxSlice))
+                 else Source(prefix + tpl.format(**subs)) for tpl in templates]
         if t.expert is not None and self.fused_experts is not None:
             found.append(self._fused_source(t, prefix, cfg))
         return tuple(found)
@@ -137,7 +218,6 @@ class Family:
         for expr in dims:
             terms = [t.split("*") for t in expr.split("+")]
             names = "+".join("*".join(self.config_fields.get(f, f) for f in t) for t in terms)
-            values = "+".join("*".join(f if f.isdigit() else str(getattr(cfg, f)) for f in t)
-                              for t in terms)
+            values = "+".join("*".join(str(eval_dim(f, cfg)) for f in t) for t in terms)
             parts.append(f"{names}={values}")
         return ", ".join(parts)

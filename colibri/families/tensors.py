@@ -23,6 +23,10 @@ DIMS: dict[str, tuple[str, ...]] = {
     "lm_head": ("vocab_size", "hidden_size"),                             # (V, D)
     "attn_norm": ("hidden_size",),
     "ffn_norm": ("hidden_size",),
+    "attn_norm_bias": ("hidden_size",),                                   # LayerNorm biases
+    "ffn_norm_bias": ("hidden_size",),
+    "norm_bias": ("hidden_size",),
+    "lm_head_bias": ("vocab_size",),                                      # (V,)
     "attn.wq": ("num_attention_heads*head_dim", "hidden_size"),          # (H*Dh, D)
     "attn.wk": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
     "attn.wv": ("num_key_value_heads*head_dim", "hidden_size"),          # (Hkv*Dh, D)
@@ -30,6 +34,8 @@ DIMS: dict[str, tuple[str, ...]] = {
     "attn.bq": ("num_attention_heads*head_dim",),
     "attn.bk": ("num_key_value_heads*head_dim",),
     "attn.bv": ("num_key_value_heads*head_dim",),
+    "attn.bo": ("hidden_size",),
+    "attn.sinks": ("num_attention_heads",),                              # (H,) GPT-OSS
     "attn.q_norm/full": ("num_attention_heads*head_dim",),               # OLMoE
     "attn.k_norm/full": ("num_key_value_heads*head_dim",),
     "attn.q_norm/per_head": ("head_dim",),                               # Qwen3
@@ -46,6 +52,10 @@ DIMS: dict[str, tuple[str, ...]] = {
     "attn.wo/mla": ("hidden_size", "num_attention_heads*v_head_dim"),   # (D, H*Dv)
     "moe.router": ("num_experts", "hidden_size"),                        # (E, D)
     "moe.correction_bias": ("num_experts",),                             # sigmoid_group_topk
+    "moe.router_bias": ("num_experts",),                                  # (E,)
+    "moe.b_gate": ("num_experts", "moe_intermediate_size"),              # (E, I) expert biases
+    "moe.b_up": ("num_experts", "moe_intermediate_size"),
+    "moe.b_down": ("num_experts", "hidden_size"),                        # (E, D)
     "moe.experts.w_gate": ("moe_intermediate_size", "hidden_size"),      # (I, D)
     "moe.experts.w_up": ("moe_intermediate_size", "hidden_size"),        # (I, D)
     "moe.experts.w_down": ("hidden_size", "moe_intermediate_size"),      # (D, I)
@@ -60,14 +70,22 @@ DIMS: dict[str, tuple[str, ...]] = {
 
 
 def eval_dim(expr: str, cfg: ModelConfig) -> int:
-    """'num_attention_heads*head_dim' -> H*Dh of `cfg`; a sum of such products with '+'."""
-    out = 0
+    """'num_attention_heads*head_dim' -> H*Dh of `cfg`; a sum of such products ('a*b+c',
+    a fused tensor's rows) -> their sum; a factor 'field/n' is the field divided by n (MXFP4
+    blocks of 32)."""
+    total = 0
     for term in expr.split("+"):
-        prod = 1
+        out = 1
         for factor in term.split("*"):
-            prod *= int(factor) if factor.isdigit() else int(getattr(cfg, factor))
-        out += prod
-    return out
+            out *= _factor(factor, cfg)
+        total += out
+    return total
+
+
+def _factor(factor: str, cfg: ModelConfig) -> int:
+    name, _, div = factor.partition("/")
+    value = int(name) if name.isdigit() else int(getattr(cfg, name))
+    return value // int(div) if div else value
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,8 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         add(p + "attn_norm", "attn_norm", layer=i)
+        if cfg.norm_bias:
+            add(p + "attn_norm_bias", "attn_norm_bias", layer=i)
         if cfg.is_mla:
             _mla_tensors(add, p, i, cfg)
         for w in () if cfg.is_mla else ("wq", "wk", "wv", "wo"):
@@ -103,14 +123,25 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
         if cfg.attention_bias:
             for b in ("bq", "bk", "bv"):
                 add(p + "attn." + b, "attn." + b, layer=i)
+        if cfg.attention_out_bias:
+            add(p + "attn.bo", "attn.bo", layer=i)
+        if cfg.attention_sinks:
+            add(p + "attn.sinks", "attn.sinks", layer=i)
         if cfg.qk_norm != "none":
             for n in ("q_norm", "k_norm"):
                 add(p + "attn." + n, "attn." + n, f"attn.{n}/{cfg.qk_norm}", layer=i)
         add(p + "ffn_norm", "ffn_norm", layer=i)
+        if cfg.norm_bias:
+            add(p + "ffn_norm_bias", "ffn_norm_bias", layer=i)
         if i in moe_layers:
             add(p + "moe.router", "moe.router", layer=i)
             if cfg.router == "sigmoid_group_topk":
                 add(p + "moe.correction_bias", "moe.correction_bias", layer=i)
+            if cfg.router_bias:
+                add(p + "moe.router_bias", "moe.router_bias", layer=i)
+            if cfg.expert_bias:
+                for b in ("b_gate", "b_up", "b_down"):
+                    add(p + "moe." + b, "moe." + b, layer=i)
             for e in range(cfg.num_experts):
                 for w in EXPERT_PROJS:
                     add(f"{p}moe.experts.{e}.{w}", "moe.experts." + w, layer=i, expert=e, proj=w)
@@ -123,8 +154,12 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
             for w in EXPERT_PROJS:
                 add(p + "mlp." + w, "mlp." + w, layer=i)
     add("norm", "norm")
+    if cfg.norm_bias:
+        add("norm_bias", "norm_bias")
     if not cfg.tie_word_embeddings:
         add("lm_head", "lm_head")
+    if cfg.lm_head_bias:
+        add("lm_head_bias", "lm_head_bias")
     return out
 
 

@@ -26,6 +26,8 @@ from .spec import (
 # Per on-disk code: bits per element and whether the format is quantized (vector lookups).
 _BITS = np.array([DTYPES[n].bits for n in DTYPE_NAMES], np.uint64)
 _QUANTIZED = np.array([DTYPES[n].quantized for n in DTYPE_NAMES])
+_SCALE_BYTES = np.array([DTYPES[n].scale_bytes for n in DTYPE_NAMES], np.uint64)   # per group
+_FIXED_GROUP = np.array([DTYPES[n].fixed_group for n in DTYPE_NAMES], np.int64)    # mxfp4: 32
 
 
 def fail(path: str, problem: str) -> NoReturn:
@@ -227,7 +229,8 @@ def check_records(path: str, t: np.ndarray, names: list[str], h: dict) -> np.nda
     quantized = _QUANTIZED[code]
     # uint64 throughout: uint64 % int64 would go through float64 and round.
     g_u = np.maximum(t["group_size"], 1).astype(np.uint64)
-    bad_gs = quantized & ((gs <= 0) | (gs % BLOCK != 0) | (cols % g_u != 0))
+    bad_gs = quantized & ((gs <= 0) | (gs % BLOCK != 0) | (cols % g_u != 0)
+                          | ((_FIXED_GROUP[code] != 0) & (gs != _FIXED_GROUP[code])))
     f(bad_gs, lambda i: f"group_size {gs[i]} invalid for {DTYPE_NAMES[code[i]]} "
                         f"with {cols[i]} columns (need a positive multiple of {BLOCK} "
                         f"that divides the columns)")
@@ -278,7 +281,8 @@ def _check_nbytes(path: str, t: np.ndarray, names: list[str], cols: np.ndarray,
     dims = np.where(shape == 0, 1, shape)            # (N, 4) unused dims count as 1
     lead = dims.astype(np.float64).prod(axis=1) / cols.astype(np.float64)
     per_col = bits.astype(np.float64) / 8.0
-    est = lead * cols.astype(np.float64) * (per_col + np.where(quantized, 2.0 / gs, 0.0))
+    sb = _SCALE_BYTES[code]
+    est = lead * cols.astype(np.float64) * (per_col + np.where(quantized, sb / gs, 0.0))
     huge = est > 2.0 * size + 4096.0
     if huge.any():
         i = int(np.argmax(huge))
@@ -288,7 +292,7 @@ def _check_nbytes(path: str, t: np.ndarray, names: list[str], cols: np.ndarray,
     with np.errstate(over="ignore"):
         lead_u = dims.prod(axis=1) // cols
         g = np.maximum(t["group_size"], 1).astype(np.uint64)
-        row = np.where(quantized, cols * bits // np.uint64(8) + cols // g * np.uint64(2),
+        row = np.where(quantized, cols * bits // np.uint64(8) + cols // g * sb.astype(np.uint64),
                        cols * (bits // np.uint64(8)))
         want = lead_u * row
     bad = want != nb

@@ -19,7 +19,7 @@ from typing import Iterable, NoReturn
 
 import numpy as np
 
-from .. import dtypes, quant
+from .. import dtypes, mxfp4, quant
 from ..config import ConfigError, ModelConfig
 from ..dtypes import DTYPE_NAMES
 from ..errors import ColibriError, ColibriFormatError
@@ -102,6 +102,8 @@ class QuantizedTensor:
         """float32 copy in the logical shape."""
         if self.dtype == "q8":
             return quant.dequantize_q8(self.data.view(np.int8), self.scales, self.group_size)
+        if self.dtype == "mxfp4":                   # scales: the E8M0 bytes
+            return mxfp4.dequantize(self.data, self.scales)
         return quant.dequantize_q4(self.data, self.scales, self.group_size)
 
     def __repr__(self) -> str:

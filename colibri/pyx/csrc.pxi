@@ -14,6 +14,7 @@ cdef extern from "_simd.h" nogil:
         COLIBRI_BF16
         COLIBRI_Q8
         COLIBRI_Q4
+        COLIBRI_MXFP4
         COLIBRI_MAX_NT
         COLIBRI_INT8_NT
     ctypedef void (*colibri_dot_fn)(const uint8_t *row0, Py_ssize_t row_stride,

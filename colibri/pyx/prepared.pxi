@@ -62,15 +62,17 @@ cdef class PreparedRoute:
     cdef int rule, threads
     cdef bint norm
     cdef object bias
+    cdef float thresh
 
     def __init__(self, Py_ssize_t k, str rule, bint norm_topk_prob, int threads, bias=None,
-                 Py_ssize_t n_group=1, Py_ssize_t topk_group=1):
+                 Py_ssize_t n_group=1, Py_ssize_t topk_group=1, double jitter_eps=0.0):
         _check_threads(threads)
         if rule not in RULES:
             raise ValueError(f"unknown routing rule {rule!r}; expected one of "
                              f"{', '.join(RULES)}")
         if k < 1:
             raise ValueError(f"k = {k} must be >= 1")
+        self.thresh = _sparsemixer_threshold(rule, k, jitter_eps)
         self.k, self.rule, self.norm, self.threads = k, RULES[rule], norm_topk_prob, threads
         self.bias, self.n_group, self.topk_group = bias, n_group, topk_group
 
@@ -88,7 +90,7 @@ cdef class PreparedRoute:
         if bad >= 0:
             raise ValueError(f"logits contain NaN (first at token {bad // E}, expert "
                              f"{bad % E})")
-        return _route_run(lp, T, E, k, self.rule, self.norm, False, 0, bias_view,
+        return _route_run(lp, T, E, k, self.rule, self.norm, False, 0, self.thresh, bias_view,
                           self.n_group, self.topk_group, self.threads)
 
 

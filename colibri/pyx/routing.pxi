@@ -1,10 +1,10 @@
 # colibri/pyx/routing.pxi: routing, logits (T, E) -> ids (T, K), weights (T, K).
 
-cdef enum:                  # the group rules' codes (2 is left to the rules added beside them)
+cdef enum:                  # the group rules' codes (2 is sparsemixer)
     SOFTMAX_GROUP = 3
     SIGMOID_GROUP = 4
 
-RULES = {"softmax_topk": 0, "topk_softmax": 1,
+RULES = {"softmax_topk": 0, "topk_softmax": 1, "sparsemixer": 2,
          "softmax_group_topk": SOFTMAX_GROUP, "sigmoid_group_topk": SIGMOID_GROUP}
 # the rules that choose groups of experts first (DeepSeek): they take n_group / topk_group,
 # the sigmoid one a correction bias (E,); no noise
@@ -18,6 +18,7 @@ ctypedef struct RouteJob:
     int rule
     bint norm, noisy
     uint64_t seed
+    float thresh                # sparsemixer: 2 * router_jitter_noise
     float *p
     float *key
     int32_t *ids
@@ -151,9 +152,37 @@ cdef void _route_sigmoid_group(const float *l, Py_ssize_t E, Py_ssize_t k, Py_ss
             w[j] = w[j] / s
 
 
+cdef void _route_sparsemixer(const float *l, Py_ssize_t E, float thresh, float *p,
+                             float *masked, int32_t *ids, float *w) noexcept nogil:
+    """PhiMoE's sparsemixer, inference form (transformers' sparsemixer with training=False),
+    top-2: e1 = argmax z (first of equal maxima); the experts j with (m - z_j) / max(|z_j|, m)
+    > thresh (= 2 * router_jitter_noise, m = z[e1]) masked to -inf; w1 = softmax(masked z)[e1].
+    Then e1 itself masked, e2 = argmax of the rest, m = z[e2], the same rule on the original
+    z; w2 = softmax over those at e2. All arithmetic in f32 as torch does it (the softmax's
+    sum in f64, as _softmax)."""
+    cdef Py_ssize_t e, j
+    cdef int32_t first = -1, best
+    cdef float m, a, f
+    for j in range(2):
+        best = -1
+        m = -INFINITY
+        for e in range(E):                           # argmax, e1 excluded the second time
+            if e != first and (best < 0 or l[e] > m):
+                m = l[e]
+                best = <int32_t>e
+        for e in range(E):                           # the relative-threshold mask
+            a = fabsf(l[e])
+            f = a if a > m else m
+            masked[e] = -INFINITY if (e == first or (m - l[e]) / f > thresh) else l[e]
+        _softmax(masked, E, p)
+        ids[j] = best
+        w[j] = p[best]
+        first = best
+
+
 cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bint norm,
-                       bint noisy, uint64_t seed, Py_ssize_t t, float *p, float *key,
-                       int32_t *ids, float *w, const RouteJob *job,
+                       bint noisy, uint64_t seed, float thresh, Py_ssize_t t, float *p,
+                       float *key, int32_t *ids, float *w, const RouteJob *job,
                        float *gscore, int32_t *gids) noexcept nogil:
     """One token's routing (see kernels.route_topk); p, key, gscore: scratch of E floats,
     gids of E int32; job: the group rules' settings."""
@@ -184,6 +213,8 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
                 s += w[j]
             for j in range(k):
                 w[j] = <float>(w[j] / s)
+    elif rule == 2:                                 # PhiMoE's sparsemixer (k = 2, no noise)
+        _route_sparsemixer(l, E, thresh, p, key, ids, w)
     else:                                           # top-k of the logits, softmax over the k
         sel = l
         if noisy:
@@ -209,8 +240,8 @@ cdef void _route_token(const float *l, Py_ssize_t E, Py_ssize_t k, int rule, bin
 
 cdef void _route_task(void *ctx, Py_ssize_t t) noexcept nogil:
     cdef const RouteJob *j = <const RouteJob *>ctx
-    _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, t,
-                 j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k, j,
+    _route_token(j.logits + t * j.E, j.E, j.k, j.rule, j.norm, j.noisy, j.seed, j.thresh,
+                 t, j.p + t * j.E, j.key + t * j.E, j.ids + t * j.k, j.w + t * j.k, j,
                  j.gscore + t * j.E, j.gids + t * j.E)
 
 
@@ -246,7 +277,7 @@ cdef object _group_settings(int rcode, Py_ssize_t E, Py_ssize_t k, bias, Py_ssiz
 
 
 cdef object _route_run(const float *lp, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k, int rcode,
-                       bint norm, bint noisy, uint64_t seed, object bias_view,
+                       bint norm, bint noisy, uint64_t seed, float thresh, object bias_view,
                        Py_ssize_t n_group, Py_ssize_t topk_group, int threads):
     """The routing of T tokens on the pool: (ids int32 (T, K), weights float32 (T, K))."""
     cdef const float[::1] bv
@@ -267,6 +298,7 @@ cdef object _route_run(const float *lp, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k
     cdef RouteJob job
     job.logits, job.E, job.k = lp, E, k
     job.rule, job.norm, job.noisy, job.seed = rcode, norm, noisy, seed
+    job.thresh = thresh
     job.p, job.key = scratch, scratch + T * E
     job.ids = <int32_t *>colibri_array_data(ids)
     job.w = <float *>colibri_array_data(wts)
@@ -285,11 +317,21 @@ cdef object _route_run(const float *lp, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k
     return ids, wts
 
 
+cdef float _sparsemixer_threshold(str rule, Py_ssize_t k, double jitter_eps) except? -1:
+    """2 * jitter_eps in f32 (the threshold torch compares against), checked for the rule."""
+    if rule == "sparsemixer" and k != 2:
+        raise ValueError(f"rule 'sparsemixer' routes to k = 2 experts, got k = {k}")
+    if not jitter_eps >= 0:
+        raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps!r}")
+    return <float>(2.0 * jitter_eps)
+
+
 def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_topk_prob,
                noise_seed, int threads, bias=None, Py_ssize_t n_group=1,
-               Py_ssize_t topk_group=1):
+               Py_ssize_t topk_group=1, double jitter_eps=0.0):
     """ids int32 (T, K), weights float32 (T, K) from logits float32 (T, E); the group rules
-    take n_group, topk_group and (sigmoid_group_topk) bias float32 (E,)."""
+    take n_group, topk_group and (sigmoid_group_topk) bias float32 (E,), sparsemixer
+    jitter_eps."""
     _check_threads(threads)
     cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1]
     if rule not in RULES:
@@ -298,8 +340,9 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     if E < 1 or not 1 <= k <= E:
         raise ValueError(f"k = {k} must be in 1..E, with E = {E} experts")
     bias_view = _group_settings(rcode, E, k, bias, n_group, topk_group)
+    cdef float thresh = _sparsemixer_threshold(rule, k, jitter_eps)
     cdef bint noisy = noise_seed is not None
-    if noisy and _grouped(rcode):
+    if noisy and (_grouped(rcode) or rcode == 2):
         raise ValueError(f"routing rule {rule!r} takes no noise_seed")
     arr = np.asarray(logits)
     if T and np.isnan(arr).any():
@@ -308,5 +351,6 @@ def route_topk(const float[:, ::1] logits, Py_ssize_t k, str rule, bint norm_top
     cdef uint64_t seed = (int(noise_seed) & 0xFFFFFFFFFFFFFFFF) if noisy else 0
     if T == 0:
         return np.empty((0, k), dtype=np.int32), np.empty((0, k), dtype=np.float32)
-    return _route_run(&logits[0, 0], T, E, k, rcode, norm_topk_prob, noisy, seed, bias_view,
+    return _route_run(&logits[0, 0], T, E, k, rcode, norm_topk_prob, noisy, seed, thresh,
+                      bias_view,
                       n_group, topk_group, threads)

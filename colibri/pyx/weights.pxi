@@ -11,12 +11,14 @@ cdef enum:
 # whose codes are the C enum's (csrc/types.h): checked once, here.
 FORMATS = {name: DTYPES[name].code for name in MATMUL}
 _C_FORMATS = {"f32": COLIBRI_F32, "f16": COLIBRI_F16, "bf16": COLIBRI_BF16,
-              "q8": COLIBRI_Q8, "q4": COLIBRI_Q4}
+              "q8": COLIBRI_Q8, "q4": COLIBRI_Q4, "mxfp4": COLIBRI_MXFP4}
 if FORMATS != _C_FORMATS:
     raise ImportError(f"colibri.dtypes formats {FORMATS} differ from the kernels' format codes "
                       f"{_C_FORMATS} (csrc/types.h)")
 # What _row_bytes needs per format, read once (it runs on every checked call).
 cdef dict _BITS = {name: DTYPES[name].bits for name in FORMATS}
+cdef dict _SCALE_BYTES = {name: DTYPES[name].scale_bytes for name in FORMATS}
+cdef dict _FIXED_GROUP = {name: DTYPES[name].fixed_group for name in FORMATS}
 cdef frozenset _QUANTIZED = frozenset(QUANTIZED) & frozenset(FORMATS)
 
 
@@ -48,7 +50,7 @@ def set_isa(int code):
 
 ctypedef struct Wmat:
     const uint8_t *base        # row 0 of expert 0
-    int fmt                    # COLIBRI_F32 .. COLIBRI_Q4
+    int fmt                    # COLIBRI_F32 .. COLIBRI_Q4, COLIBRI_MXFP4
     Py_ssize_t rows, cols      # R, C of one matrix
     Py_ssize_t group           # G (quantized), 0 otherwise
     Py_ssize_t row_stride, expert_stride, n_experts
@@ -66,7 +68,7 @@ ctypedef struct Wmat:
 cdef inline object _row_bytes(str dtype, cols, group):
     """Bytes of one row's payload: dtypes.row_stride, whose checks _checked has made."""
     n = cols * _BITS[dtype] // 8
-    return n + 2 * (cols // group) if dtype in _QUANTIZED else n
+    return n + _SCALE_BYTES[dtype] * (cols // group) if dtype in _QUANTIZED else n
 
 
 def _int_field(w, str field, str name):
@@ -109,6 +111,9 @@ def _checked(w, str name):
         if group <= 0 or group % BLOCK or cols % group:
             raise ValueError(f"{name}: group_size {group} must be a positive multiple of {BLOCK} "
                              f"dividing cols {cols} ({dtype})")
+        if _FIXED_GROUP[dtype] and group != _FIXED_GROUP[dtype]:
+            raise ValueError(f"{name}: group_size {group} must be {_FIXED_GROUP[dtype]} for "
+                             f"{dtype}")
     else:
         group = 0
     rb = _row_bytes(dtype, cols, group)
