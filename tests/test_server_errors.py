@@ -190,3 +190,21 @@ def test_non_streaming_client_that_leaves_frees_the_slot(small, slow):
     conn.close()                                                  # gone before the answer
     wait_for(lambda: slow()["slots_busy"] == 0, timeout=5, what="the slot to be freed")
     assert slow()["tokens_out"] - out0 < 10
+
+
+def test_text_that_cannot_be_encoded_is_a_400_not_a_500(small):
+    url, _ = small
+    for path, body in (("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}'),
+                       ("/v1/completions", b'{"prompt": "x", "\\udc00": 1}'),
+                       ("/v1/completions", b'{"prompt": "x", "model": "\\ud800"}')):
+        status, _, payload = request(url, "POST", path, body, auth())
+        assert 400 <= status < 500, (body, status, payload)
+        error_of(payload)
+
+
+def test_more_choices_than_slots_and_queue_is_a_400(small):
+    url, _ = small
+    status, _, body = request(url, "POST", "/v1/completions",
+                              {"prompt": ["a", "b"], "n": 2, "max_tokens": 1}, auth())
+    assert status == 400 and error_of(body)["code"] == "too_many_choices"
+    assert "4 choices" in body["error"]["message"]
