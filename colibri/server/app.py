@@ -171,20 +171,29 @@ class _Route:
             if chat:
                 for c in states:
                     yield sse(chat_chunk(env, c, None, include_usage))
-            async for i, ev in gen.events():
-                c = states[i]
-                offset = c.chars
-                c.add(ev)
-                if ev.finish_reason == "error":
-                    yield sse(error_body(500, "The engine failed while generating; the error "
-                                              "is logged.", code="engine_error"))
+            failed = False
+            async for batch in gen.batches():
+                out = []
+                for i, ev in batch:
+                    c = states[i]
+                    offset = c.chars
+                    c.add(ev)
+                    if ev.finish_reason == "error":
+                        out.append(sse(error_body(500, "The engine failed while generating; "
+                                                       "the error is logged.",
+                                                  code="engine_error")))
+                        failed = True
+                        break
+                    if ev.token >= 0:
+                        self.metrics.rate.add()
+                    elif not ev.text and ev.finish_reason is None:
+                        continue
+                    out.append(sse(chat_chunk(env, c, ev, include_usage) if chat else
+                                   completion_chunk(env, c, ev, offset, include_usage)))
+                if out:
+                    yield b"".join(out)
+                if failed:
                     break
-                if ev.token >= 0:
-                    self.metrics.rate.add()
-                elif not ev.text and ev.finish_reason is None:
-                    continue
-                yield sse(chat_chunk(env, c, ev, include_usage) if chat else
-                          completion_chunk(env, c, ev, offset, include_usage))
             if include_usage:
                 usage = usage_body(prompt_tokens, gen.completion_tokens)
                 yield sse(usage_chunk(env, "chat.completion.chunk" if chat else
