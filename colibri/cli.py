@@ -19,7 +19,8 @@ from . import __version__
 from .errors import ColibriError
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "cache-sim")
+COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "serve",
+            "cache-sim")
 
 
 class Parser(argparse.ArgumentParser):
