@@ -53,6 +53,7 @@ from .families import Family, canonical_tensors, get_family
 from .families.base import IGNORABLE_SUFFIXES, Source
 from .families.tensors import CanonicalTensor
 from .format import ColibriWriter, TensorSpec
+from .gguf_import import convert_gguf, is_gguf
 
 DTYPES = ("auto", "f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")
@@ -416,7 +417,8 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
                            f"{', '.join(DTYPES)}")
     roles = _parse_roles(quantize) if quant != "none" else ()
     if not src.is_dir():
-        raise ColibriError(f"{src}: not a folder (expected a Hugging Face model folder)")
+        raise ColibriError(f"{src}: not a folder (expected a Hugging Face model folder or a "
+                           f"GGUF file)")
     if not (src / "config.json").is_file():
         raise ColibriError(f"{src}: no config.json (expected a Hugging Face model folder)")
     hf_config = read_json(src / "config.json", "config.json")
@@ -602,7 +604,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
             quantize: Iterable[str] | str = DEFAULT_QUANTIZE, router_dtype: str = "f32",
             meta: Mapping[str, str] | None = None, force: bool = False,
             checksums: bool = True, progress: bool = True) -> Path:
-    """Convert the Hugging Face model folder `src` into the .colibri file `dst`; return its path.
+    """Convert the Hugging Face model folder (or llama.cpp GGUF file) `src` into the .colibri
+    file `dst`; return its path.
 
     dtype: "auto" (the checkpoint's dtype) | "f32" | "f16" | "bf16" for unquantized weights.
     quant: "none" | "q8" | "q4" for the tensors whose role is in `quantize` (roles: experts,
@@ -614,9 +617,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
     meta: free-form user metadata, string -> string.
     force: overwrite an existing dst. dst may be a folder: <src name>.colibri inside it.
     Raises ColibriError (with names and numbers) on anything wrong with src, dst or the options.
+
+    A GGUF file (gguf_import.convert_gguf): its Q8_0 / Q4_0 / MXFP4 / float tensors are kept
+    as they are; `quant` (q8 / q4), else `dtype` (f32 / f16 / bf16), else the nearest format
+    ("auto") holds the tensors of other GGUF types; group_size, quantize and router_dtype do
+    not apply.
     """
 
     src, dst = Path(src), Path(dst)
+    if is_gguf(src):
+        return convert_gguf(src, dst, quant=quant if quant != "none" else dtype, meta=meta,
+                            force=force, checksums=checksums, progress=progress)
     user = _check_meta(meta)
     p = plan(src, dtype=dtype, quant=quant, group_size=group_size, quantize=quantize,
              router_dtype=router_dtype)
