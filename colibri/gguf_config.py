@@ -24,6 +24,8 @@ from .errors import ColibriError
 ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                  "olmoe": "olmoe", "deepseek2": "deepseek_v2"}
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2          # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                   "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
 
 class GGUFMeta:
@@ -190,11 +192,22 @@ def tokenizer_files(path: str | os.PathLike, meta: GGUFMeta) -> dict[str, str] |
                       f"converted model can be used with token ids only", ConversionWarning,
                       stacklevel=3)
         return None
+    # transformers' GGUF tokenizer conversion, fed from this reader (its own file reader
+    # would import torch): the metadata keys it maps, then its builder for the vocabulary type
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer, get_gguf_tokenizer)
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    groups = {group: {name: meta.get(f"tokenizer.{key}") for key, name in renames.items()
+                      if f"tokenizer.{key}" in meta.fields}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tok, tok_config = groups["tokenizer"], groups["tokenizer_config"]
+    if tok.get("tokenizer_type") == "llama":       # llama.cpp adds BOS to sentencepiece
+        tok_config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tok["tokens"]):
+            tok_config[name] = tok["tokens"][token_id]
     try:
-        arch, tok, tok_config = get_gguf_tokenizer(os.fspath(path))
-        backend, _ = convert_gguf_tokenizer(arch, tok)
+        backend, _ = convert_gguf_tokenizer(meta.arch, tok)
     except Exception as e:                       # noqa: BLE001 - transformers' own errors
         raise ColibriError(f"{path}: cannot build the tokenizer from the GGUF metadata "
                            f"(tokenizer.ggml.model {meta.get('tokenizer.ggml.model')!r}): "

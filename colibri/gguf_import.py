@@ -309,8 +309,9 @@ def _values(g, expert: int | None) -> np.ndarray:
     """Float32 values of GGUF tensor g (of one expert), (R, C), dequantized by gguf."""
     from gguf import quants
     a = _rows(g, expert)
-    if g.tensor_type.name == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
+    if g.tensor_type.name == "BF16":                 # the reader gives BF16 as bytes
+        bits = np.ascontiguousarray(a).view("<u2")
+        return (bits.astype(np.uint32) << 16).view(np.float32)
     if g.tensor_type.name in ("F32", "F16"):
         return a.astype(np.float32)
     return quants.dequantize(a, g.tensor_type)

@@ -3,12 +3,13 @@ hf_factory.py, for the GGUF import tests.
 
     path, ref = write_gguf(hf_dir, tmp_path / "m.gguf", qtype="Q8_0")
 
-Written with gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them (checked against
-its source, version 0.3.16 of the llama-cpp-python sdist; scripts/check_gguf_llamacpp.py runs the
-real converter): the metadata keys of set_gguf_parameters, the tensor names of gguf's
+Written with gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them (its source in
+the llama-cpp-python 0.3.36 sdist; scripts/check_gguf_llamacpp.py runs the real converter and
+checks these files against its output, tensor bytes and metadata): the metadata keys of set_gguf_parameters, the tensor names of gguf's
 tensor name map, experts stacked per layer, llama's q / k rows permuted for interleaved RoPE,
 DeepSeek's kv_b split into k_b (transposed) and v_b, the tokenizer through gguf.SpecialVocab,
-and the converter's type rule: 1-D tensors, norms and routers F32, the rest `qtype`
+and the converter's type rule: 1-D tensors, norms, routers and the shared-expert gate F32,
+the rest `qtype`
 (gguf.quants.quantize; F16 where a row does not split into blocks).
 
 `ref` is the Hugging Face state dict holding what the GGUF holds, in Hugging Face layout: each
@@ -63,6 +64,10 @@ def _metadata(w: gguf.GGUFWriter, family: str, hf: dict) -> None:
         w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-5 if family == "olmoe" else hf["rms_norm_eps"])
     w.add_expert_used_count(hf["num_experts_per_tok"])
+    if hf.get("n_group") is not None:
+        w.add_expert_group_count(hf["n_group"])
+    if hf.get("topk_group") is not None:
+        w.add_expert_group_used_count(hf["topk_group"])
     if hf.get("head_dim") is not None and family != "deepseek_v2":
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
@@ -97,18 +102,22 @@ def _metadata(w: gguf.GGUFWriter, family: str, hf: dict) -> None:
         w.add_rope_dimension_count(hf["qk_rope_head_dim"])
 
 
-def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
-    """convert_hf_to_gguf's _set_vocab_gpt2 for the test tokenizer (byte-level BPE)."""
+def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+    """convert_hf_to_gguf's _set_vocab_gpt2 for the test tokenizer (byte-level BPE, which
+    scripts/check_gguf_llamacpp.py reports to the converter as "gpt-2"); ids the tokenizer
+    does not use up to vocab_size are "[PAD{i}]" tokens of type UNUSED."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     added = {a["content"]: a for a in tok["added_tokens"]}
     vocab.update({a["content"]: a["id"] for a in tok["added_tokens"]})
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    types = [gguf.TokenType.CONTROL if t in added and added[t]["special"]
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED if i not in by_id
+             else gguf.TokenType.CONTROL if t in added and added[t]["special"]
              else gguf.TokenType.USER_DEFINED if t in added else gguf.TokenType.NORMAL
-             for t in tokens]
+             for i, t in enumerate(tokens)]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
     w.add_token_types(types)
     gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)     # ids, merges, template
@@ -167,13 +176,13 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: str = "F32",
     w = gguf.GGUFWriter(out, ARCH[family])
     _metadata(w, family, hf)
     if tokenizer:
-        _tokenizer(w, hf_dir)
+        _tokenizer(w, hf_dir, hf["vocab_size"])
     ref: dict[str, np.ndarray] = {}
     kv_parts: dict[str, dict[str, np.ndarray]] = {}
     for keys, a, name, undo in _tensors(family, hf, sd):
         if name is None:
             raise ValueError(f"no GGUF name for {keys[0]}")
-        router = name.endswith("ffn_gate_inp.weight")
+        router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         want = T.F32 if (a.ndim <= 1 or name.endswith("_norm.weight") or router
                          or not name.endswith(".weight")) else T[qtype]
         data, values, stored = _roundtrip(a, want)
