@@ -10,7 +10,8 @@ copied into colibri. Per family and output type (f32, q8_0, bf16: the
 converter's own; Q4_0 and K-quants need llama-quantize, a built binary):
 1. a tiny random checkpoint of tests/hf_factory.py (with the overrides of
    tests/gguf_factory.GGUF_OVERRIDES; config.json also gets the top-level `rope_theta` /
-   `num_experts` that hub configs have and the converter reads);
+   `num_experts`, and for DeepSeek-V3 `scoring_func: sigmoid`, that hub configs have and the
+   converter reads);
 2. SRC/convert_hf_to_gguf.py in a subprocess, with SRC/gguf-py first on sys.path and one
    in-memory patch: the test tokenizer's pre-tokenizer hash is unknown to it, so an unknown
    hash is reported as "gpt-2" (the test tokenizer is byte-level BPE with the GPT-2 split;
@@ -37,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 _PATCH = """
 import runpy, sys
 src, hf, out, outtype = sys.argv[1:5]
@@ -65,6 +66,8 @@ def hub_style(hf_dir: Path) -> None:
         cfg.setdefault("rope_theta", theta)
     if cfg.get("num_local_experts") and cfg["model_type"] != "mixtral":
         cfg.setdefault("num_experts", cfg["num_local_experts"])
+    if cfg["model_type"] == "deepseek_v3":        # transformers 5 leaves these out
+        cfg.update(scoring_func="sigmoid", topk_method="noaux_tc")
     path.write_text(json.dumps(cfg, indent=2))
 
 

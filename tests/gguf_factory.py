@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-        "olmoe": "olmoe", "deepseek_v2": "deepseek2"}
+        "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # the overrides that make a tiny checkpoint one llama.cpp's format describes fully: it stores
 # no clip_qkv for OLMoE, no group routing for DeepSeek-V2, and its qwen2moe tensor list has no
 # dense-layer FFN (Qwen1.5-MoE has none)
@@ -58,7 +58,8 @@ def _metadata(w: gguf.GGUFWriter, family: str, hf: dict) -> None:
     w.add_embedding_length(hf["hidden_size"])
     w.add_feed_forward_length(hf["intermediate_size"])
     w.add_head_count(hf["num_attention_heads"])
-    w.add_head_count_kv(1 if family == "deepseek_v2" else hf["num_key_value_heads"])
+    mla = family.startswith("deepseek")
+    w.add_head_count_kv(1 if mla else hf["num_key_value_heads"])
     theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
     if theta is not None:
         w.add_rope_freq_base(theta)
@@ -68,7 +69,7 @@ def _metadata(w: gguf.GGUFWriter, family: str, hf: dict) -> None:
         w.add_expert_group_count(hf["n_group"])
     if hf.get("topk_group") is not None:
         w.add_expert_group_used_count(hf["topk_group"])
-    if hf.get("head_dim") is not None and family != "deepseek_v2":
+    if hf.get("head_dim") is not None and not mla:
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
     if family == "mixtral":
@@ -98,7 +99,9 @@ def _metadata(w: gguf.GGUFWriter, family: str, hf: dict) -> None:
         w.add_expert_shared_count(hf["n_shared_experts"])
         w.add_expert_weights_scale(hf["routed_scaling_factor"])
         w.add_expert_weights_norm(bool(hf.get("norm_topk_prob", False)))
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID
+                                 if hf.get("scoring_func", "softmax") == "sigmoid"
+                                 or family == "deepseek_v3" else gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_rope_dimension_count(hf["qk_rope_head_dim"])
 
 
@@ -130,6 +133,7 @@ def _tensors(family: str, hf: dict, sd: dict[str, np.ndarray]):
     names = gguf.get_tensor_name_map(arch, hf["num_hidden_layers"])
     E = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
     done = set()
+    mla = family.startswith("deepseek")
     for key, a in sd.items():
         if key in done:
             continue
@@ -149,7 +153,7 @@ def _tensors(family: str, hf: dict, sd: dict[str, np.ndarray]):
             yield [key], permute(a, heads), names.get_name(key, (".weight",)), \
                 lambda v, h=heads: permute_back(v, h)
             continue
-        if family == "deepseek_v2" and key.endswith("kv_b_proj.weight"):
+        if mla and key.endswith("kv_b_proj.weight"):
             H, dn, dv = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
             kv = a.reshape(H, dn + dv, a.shape[-1])
             kb, vb = np.ascontiguousarray(kv[:, :dn].transpose(0, 2, 1)), kv[:, dn:]
@@ -157,7 +161,8 @@ def _tensors(family: str, hf: dict, sd: dict[str, np.ndarray]):
             yield [key, "v_b"], np.ascontiguousarray(vb), \
                 names.get_name(key.replace("kv_b", "v_b"), (".weight",)), None
             continue
-        yield [key], a, names.get_name(key, (".weight", ".bias")), None
+        gname = key.replace("e_score_correction_bias", "e_score_correction.bias")  # as llama.cpp
+        yield [key], a, names.get_name(gname, (".weight", ".bias")), None
 
 
 def permute_back(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -33,7 +33,7 @@ from gguf_factory import GGUF_OVERRIDES, permute, write_gguf
 from hf_factory import make_hf_checkpoint
 from test_model import F32_TOL, _rel_err
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 QTYPES = ("F32", "BF16", "Q8_0", "Q4_0")
 SAMPLE = "Hello world! The hummingbird is small, fast and frugal.\n def f(n): return n"
 IDS = np.array([[5, 17, 99, 3, 250, 41, 7, 120, 64, 11, 200, 33]])
