@@ -74,8 +74,9 @@ def _rope_scaling(meta: GGUFMeta) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
+        original = meta.arch_get("rope.scaling.original_context_length")
         out = {"rope_type": "yarn", "factor": factor,
-               "original_max_position_embeddings": meta.arch_get("rope.scaling.original_context_length")}
+               "original_max_position_embeddings": original}
         log_mul = meta.arch_get("rope.scaling.yarn_log_multiplier")
         if log_mul is not None:            # llama.cpp stores 0.1 * mscale_all_dim (DeepSeek)
             out["mscale"] = out["mscale_all_dim"] = float(log_mul) / 0.1

@@ -57,7 +57,8 @@ TENSOR_KINDS: dict[str, tuple[str, str]] = {
     "moe.router": ("FFN_GATE_INP", "weight"), "moe.correction_bias": ("FFN_EXP_PROBS_B", "bias"),
     "moe.experts.w_gate": ("FFN_GATE_EXP", "weight"), "moe.experts.w_up": ("FFN_UP_EXP", "weight"),
     "moe.experts.w_down": ("FFN_DOWN_EXP", "weight"),
-    "moe.shared.w_gate": ("FFN_GATE_SHEXP", "weight"), "moe.shared.w_up": ("FFN_UP_SHEXP", "weight"),
+    "moe.shared.w_gate": ("FFN_GATE_SHEXP", "weight"),
+    "moe.shared.w_up": ("FFN_UP_SHEXP", "weight"),
     "moe.shared.w_down": ("FFN_DOWN_SHEXP", "weight"),
     "moe.shared_gate": ("FFN_GATE_INP_SHEXP", "weight"),
     "mlp.w_gate": ("FFN_GATE", "weight"), "mlp.w_up": ("FFN_UP", "weight"),
@@ -415,8 +416,8 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     finally:
         bar.close()
     if p.errors:
-        lines = "; ".join(f"{k}: max {mx:.3g}, mean {mean / n:.3g} relative ({n} tensors)"
-                          for k, (mx, mean, n) in p.errors.items())
+        lines = "; ".join(f"{k}: max|err|/max|w| {mx:.3g}, mean ||err||/||w|| {mean / n:.3g} "
+                          f"({n} tensors)" for k, (mx, mean, n) in p.errors.items())
         warnings.warn(f"requantized (no colibri format holds these GGUF types exactly): "
                       f"{lines}", ConversionWarning, stacklevel=2)
     return dst

@@ -1,7 +1,8 @@
 """GGUF import against llama.cpp's own converter: tiny checkpoints -> convert_hf_to_gguf.py ->
 colibri convert -> logits against transformers on the GGUF's weights.
 
-    python scripts/check_gguf_llamacpp.py --llama-src SRC [--families mixtral,olmoe] [--outtype q8_0]
+    python scripts/check_gguf_llamacpp.py --llama-src SRC [--families mixtral,olmoe]
+        [--outtype f32,q8_0,bf16]
 
 SRC is the llama.cpp tree of the llama-cpp-python sdist, 0.3.36 or later (the converter split
 into a `conversion` package; `pip download --no-deps --no-binary llama-cpp-python

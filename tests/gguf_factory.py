@@ -5,11 +5,11 @@ hf_factory.py, for the GGUF import tests.
 
 Written with gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them (its source in
 the llama-cpp-python 0.3.36 sdist; scripts/check_gguf_llamacpp.py runs the real converter and
-checks these files against its output, tensor bytes and metadata): the metadata keys of set_gguf_parameters, the tensor names of gguf's
-tensor name map, experts stacked per layer, llama's q / k rows permuted for interleaved RoPE,
-DeepSeek's kv_b split into k_b (transposed) and v_b, the tokenizer through gguf.SpecialVocab,
-and the converter's type rule: 1-D tensors, norms, routers and the shared-expert gate F32,
-the rest `qtype`
+checks these files against its output, tensor bytes and metadata): the metadata keys of
+set_gguf_parameters, the tensor names of gguf's tensor name map, experts stacked per layer,
+llama's q / k rows permuted for interleaved RoPE, DeepSeek's kv_b split into k_b (transposed)
+and v_b, the tokenizer through gguf.SpecialVocab, and the converter's type rule: 1-D
+tensors, norms, routers and the shared-expert gate F32, the rest `qtype`
 (gguf.quants.quantize; F16 where a row does not split into blocks).
 
 `ref` is the Hugging Face state dict holding what the GGUF holds, in Hugging Face layout: each

@@ -199,7 +199,10 @@ def _rewrite(src, dst, arch=None, retype=None):
         new = retype(t.name, t) if retype else None
         data, qtype = new if new else (np.asarray(t.data), t.tensor_type)
         w.add_tensor(t.name, data, raw_dtype=qtype)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return dst
 
 

@@ -1,4 +1,5 @@
-"""colibri convert SRC DST: a Hugging Face model folder -> one .colibri file."""
+"""colibri convert SRC DST: a Hugging Face model folder or a llama.cpp GGUF file -> one
+.colibri file."""
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,15 @@ from ..quant import DEFAULT_GROUP_SIZE
 
 def register(subparsers, parents=()) -> None:
     p = subparsers.add_parser(
-        "convert", parents=list(parents), help="convert a Hugging Face checkpoint folder",
+        "convert", parents=list(parents),
+        help="convert a Hugging Face checkpoint folder or a GGUF file",
         description="Convert a local Hugging Face model folder (config.json, safetensors, "
-                    "tokenizer files) into one .colibri file. Routers, norms and biases stay "
-                    "f32; --quant applies to the --quantize roles only.")
-    p.add_argument("src", metavar="SRC", help="Hugging Face model folder")
+                    "tokenizer files) or a llama.cpp GGUF file into one .colibri file. "
+                    "Routers, norms and biases stay f32; --quant applies to the --quantize "
+                    "roles only. From a GGUF, Q8_0 / Q4_0 / MXFP4 / float tensors are kept "
+                    "as they are and --quant (else --dtype, else the nearest format) holds "
+                    "the other types (K-quants, IQ*), requantized with the error reported.")
+    p.add_argument("src", metavar="SRC", help="Hugging Face model folder or .gguf file")
     p.add_argument("dst", metavar="DST", help="output .colibri file (or an existing folder)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="dtype of unquantized weight matrices (auto: the checkpoint's)")
