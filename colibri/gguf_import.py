@@ -329,6 +329,11 @@ def _reorder(p: GGUFPlan, t: GGUFTensor, a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _has_q8_min(raw: np.ndarray) -> bool:
+    """Whether GGUF Q8_0 rows (R, C/32*34) hold a code -128 (llama.cpp never writes one)."""
+    return bool((raw.reshape(len(raw), -1, 34)[:, :, 2:] == 0x80).any())
+
+
 def _kv_b(t: GGUFTensor, c: ModelConfig) -> np.ndarray:
     """kv_b (H*(Dn+Dv), Rkv) f32 from llama.cpp's k_b (H, Rkv, Dn) and v_b (H, Dv, Rkv)."""
     kb, vb = (_values(s, None) for s in t.sources)
@@ -346,6 +351,8 @@ def tensor_data(p: GGUFPlan, t: GGUFTensor) -> tuple[np.ndarray, bool, np.ndarra
     if len(t.sources) > 1:
         return _kv_b(t, p.config), False, None
     gtype = g.tensor_type.name
+    if t.exact and gtype == "Q8_0" and _has_q8_min(_rows(g, e)):
+        t.exact = False        # -128: outside colibri's q8 range [-127, 127], requantized
     if t.exact and t.dtype in _RELAY:
         rows = _reorder(p, t, _rows(g, e))
         if t.dtype == "mxfp4" and (rows.reshape(len(rows), -1, 17)[:, :, 0] == 255).any():

@@ -316,3 +316,26 @@ def test_cli_convert_gguf(imported, tmp_path, capsys):
     meta = ColibriFile(tmp_path / "cli.colibri").metadata
     assert meta["converter"]["tensor_types"]["Q4_0 -> q4"] > 0
     assert json.loads(json.dumps(meta["config"]))["model_type"] == "olmoe"
+
+
+def test_q8_code_minus_128_is_requantized(imported, tmp_path):
+    """Q8_0 code -128 is outside colibri's q8 range: that tensor is requantized (reported),
+    the others stay bit for bit."""
+    src, _, _ = imported("olmoe", "Q8_0")
+
+    def retype(name, t):
+        if name == "blk.0.ffn_up_exps.weight":
+            a = np.array(t.data)
+            a[..., 5] = 0x80                              # the first code of each row
+            return a, T.Q8_0
+    bad = _rewrite(src, tmp_path / "m128.gguf", retype=retype)
+    with pytest.warns(ConversionWarning, match=r"moe.experts.w_up Q8_0 -> q8: .*\(4 tensors\)"):
+        dst = colibri.convert(bad, tmp_path / "m128.colibri", progress=False)
+    g = {t.name: t for t in gguf.GGUFReader(bad).tensors}
+    with ColibriFile(dst) as f:
+        want = gguf.quants.dequantize(g["blk.1.ffn_up_exps.weight"].data, T.Q8_0)[2]
+        np.testing.assert_array_equal(f.to_float32("layers.1.moe.experts.2.w_up"), want)
+        got = f.to_float32("layers.0.moe.experts.2.w_up")
+        assert np.abs(f.tensor("layers.0.moe.experts.2.w_up").data.view(np.int8)).max() <= 127
+        want = gguf.quants.dequantize(g["blk.0.ffn_up_exps.weight"].data, T.Q8_0)[2]
+        assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()
