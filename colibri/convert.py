@@ -53,7 +53,6 @@ from .families import Family, canonical_tensors, get_family
 from .families.base import IGNORABLE_SUFFIXES, Source
 from .families.tensors import CanonicalTensor
 from .format import ColibriWriter, TensorSpec
-from .gguf_import import convert_gguf, is_gguf
 
 DTYPES = ("auto", "f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")
@@ -63,6 +62,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GGUF_MAGIC = b"GGUF"
 
 # safetensors dtype -> colibri dtype of the values (what "auto" keeps)
 _SOURCE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -152,6 +152,15 @@ def scan_checkpoint(src: Path) -> dict[str, CheckpointTensor]:
                 raise ColibriError(f"{src}: {INDEX_FILE} places {key!r} in {shard}, which "
                                    f"does not contain it")
     return found
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """True when `path` is a file starting with the GGUF magic (a llama.cpp model file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:                   # a folder, a missing path, no permission
+        return False
 
 
 def read_tokenizer(src: Path) -> dict | None:
@@ -626,8 +635,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
 
     src, dst = Path(src), Path(dst)
     if is_gguf(src):
+        from .gguf_import import convert_gguf        # the optional `gguf` package
         return convert_gguf(src, dst, quant=quant if quant != "none" else dtype, meta=meta,
                             force=force, checksums=checksums, progress=progress)
+    if src.suffix.lower() == ".gguf" and src.is_file():
+        raise ColibriError(f"{src}: not a GGUF file (it does not start with the GGUF magic "
+                           f"{GGUF_MAGIC!r})")
     user = _check_meta(meta)
     p = plan(src, dtype=dtype, quant=quant, group_size=group_size, quantize=quantize,
              router_dtype=router_dtype)

@@ -6,7 +6,7 @@ every rule) turn it into the ModelConfig, and its tokenizer as Hugging Face file
     files = tokenizer_files(path, meta)     # {"tokenizer.json": ..., ...} or None
 
 llama.cpp's converter (convert_hf_to_gguf.py) writes `<arch>.block_count`, `.expert_count`, ...
-from config.json; this is that mapping read backwards (docs/format.md, "GGUF import"). What
+from config.json; this is that mapping read backwards (docs/format.md §14). What
 the converter does not write, llama.cpp's runtime fixes per architecture, and so does this:
 top-k renormalisation (qwen3moe and llama yes, qwen2moe / olmoe no), RoPE theta 10000 when
 absent, DeepSeek-V2 greedy routing unless the file gives expert groups.
@@ -18,6 +18,7 @@ import os
 import warnings
 from typing import Any
 
+from .convert import ConversionWarning
 from .errors import ColibriError
 
 # GGUF general.architecture -> the family's model_type (deepseek2 may also be deepseek_v3)
@@ -187,7 +188,6 @@ def tokenizer_files(path: str | os.PathLike, meta: GGUFMeta) -> dict[str, str] |
     """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of the tokenizer the
     GGUF metadata describes, built by transformers' GGUF tokenizer conversion; None (with a
     warning) when the file has no tokenizer."""
-    from .convert import ConversionWarning
     if "tokenizer.ggml.tokens" not in meta.fields:
         warnings.warn(f"{os.path.basename(path)}: no tokenizer in the GGUF metadata; the "
                       f"converted model can be used with token ids only", ConversionWarning,

@@ -11,7 +11,7 @@
    (convert_hf_to_gguf.py, LlamaModel.permute); they are put back in Hugging Face order. The
    family's own transform (DeepSeek's de-interleaved RoPE rows) then applies as for a
    checkpoint. Both only move whole rows, so they move quantized rows unchanged.
-3. Weights (docs/format.md, "GGUF import"): F32 / F16 / BF16 stay as they are; Q8_0, Q4_0 and
+3. Weights (docs/format.md §14): F32 / F16 / BF16 stay as they are; Q8_0, Q4_0 and
    MXFP4 blocks are re-laid into colibri's q8 / q4 (group 32, f16 scales) and mxfp4 rows bit
    for bit; every other type (K-quants, IQ*, Q4_1, Q5_*) is dequantized by gguf.quants and
    requantized to `quant` ("auto": q8 from 5 bits per weight on, q4 below), and one warning
@@ -29,17 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import gguf
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
 from . import __version__, dtypes
+from . import quant as qmod
 from .config import ConfigError, ModelConfig
+from .convert import ConversionWarning, _check_finite, _check_meta
 from .errors import ColibriError
 from .families import canonical_tensors, get_family
 from .families.tensors import CanonicalTensor
 from .format import ColibriWriter, TensorSpec
 from .gguf_config import GGUFMeta, hf_config, tokenizer_files
 
-MAGIC = b"GGUF"
 QUANTS = ("auto", "q8", "q4", "f32", "f16", "bf16")
 
 # canonical kind -> (GGUF tensor base name, suffix); gguf.TENSOR_NAMES spells the bases
@@ -72,19 +75,9 @@ _EXACT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8", "Q4_0": "q4"
           "MXFP4": "mxfp4"}
 
 
-def is_gguf(path: str | os.PathLike) -> bool:
-    """True when `path` is a file starting with the GGUF magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except (IsADirectoryError, FileNotFoundError, PermissionError):
-        return False
-
-
-def open_gguf(path: str | os.PathLike):
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """gguf.GGUFReader over `path` (memory-mapped), every tensor's bytes checked to lie in the
     file; ColibriError naming the file when it is truncated or corrupt."""
-    from gguf import GGUFReader
     try:
         reader = GGUFReader(os.fspath(path), "r")
     except Exception as e:                       # noqa: BLE001 - the reader raises anything
@@ -137,7 +130,6 @@ class GGUFPlan:
 
 
 def _gguf_name(kind: str, layer: int | None) -> str:
-    import gguf
     base, suffix = TENSOR_KINDS[kind]
     return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, base)].format(bid=layer) + "." + suffix
 
@@ -148,7 +140,6 @@ def _logical(t) -> tuple[int, ...]:
 
 def _nearest(gguf_type: str) -> str:
     """The colibri format a non-exact GGUF type is requantized to under quant="auto"."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[gguf_type]]
     return "q8" if 8 * nbytes / block >= 5 else "q4"
 
@@ -248,7 +239,6 @@ def _check_types(src: Path, tensors: list[GGUFTensor]) -> None:
 
 def supported_dequantized() -> list[str]:
     """GGUF types gguf.quants can dequantize that colibri does not hold bit for bit."""
-    from gguf import GGMLQuantizationType, quants
     out = []
     for q in GGMLQuantizationType:
         cls = getattr(quants, q.name, None)
@@ -297,6 +287,7 @@ def gguf_mxfp4_rows(raw: np.ndarray, cols: int) -> np.ndarray:
 
 
 _RELAY = {"q8": gguf_q8_rows, "q4": gguf_q4_rows, "mxfp4": gguf_mxfp4_rows}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "MXFP4": 17}
 
 
 def _rows(g, expert: int | None) -> np.ndarray:
@@ -308,7 +299,6 @@ def _rows(g, expert: int | None) -> np.ndarray:
 
 def _values(g, expert: int | None) -> np.ndarray:
     """Float32 values of GGUF tensor g (of one expert), (R, C), dequantized by gguf."""
-    from gguf import quants
     a = _rows(g, expert)
     if g.tensor_type.name == "BF16":                 # the reader gives BF16 as bytes
         bits = np.ascontiguousarray(a).view("<u2")
@@ -346,7 +336,6 @@ def _kv_b(t: GGUFTensor, c: ModelConfig) -> np.ndarray:
 def tensor_data(p: GGUFPlan, t: GGUFTensor) -> tuple[np.ndarray, bool, np.ndarray | None]:
     """(array for ColibriWriter.write, raw?, the f32 values when they were requantized, else
     None: the stored values are then exactly the GGUF's)."""
-    from . import quant as qmod
     (g, *_), e = t.sources, t.canon.expert
     if len(t.sources) > 1:
         return _kv_b(t, p.config), False, None
@@ -355,13 +344,17 @@ def tensor_data(p: GGUFPlan, t: GGUFTensor) -> tuple[np.ndarray, bool, np.ndarra
         t.exact = False        # -128: outside colibri's q8 range [-127, 127], requantized
     if t.exact and t.dtype in _RELAY:
         rows = _reorder(p, t, _rows(g, e))
-        if t.dtype == "mxfp4" and (rows.reshape(len(rows), -1, 17)[:, :, 0] == 255).any():
+        if gtype == "MXFP4" and (rows.reshape(len(rows), -1, 17)[:, :, 0] == 255).any():
             raise ColibriError(f"{p.src}: GGUF tensor {g.name!r} has E8M0 scales of 255 "
                                f"(NaN)")
+        if t.dtype != "mxfp4":                       # the f16 block scales must be finite
+            d = np.ascontiguousarray(rows.reshape(len(rows), -1, _BLOCK_BYTES[gtype])[:, :, :2])
+            _check_finite(d.view("<f2"), t.name, g.name)
         return _RELAY[t.dtype](rows, t.canon.shape[-1]).reshape(-1), True, None
     if t.exact and gtype in ("F16", "BF16"):         # the 16-bit patterns as they are
-        rows = _reorder(p, t, _rows(g, e))
-        return np.ascontiguousarray(rows).reshape(-1).view(np.uint8), True, None
+        rows = np.ascontiguousarray(_reorder(p, t, _rows(g, e)))
+        _check_finite(rows.view("<f2" if gtype == "F16" else "<u2"), t.name, g.name)
+        return rows.reshape(-1).view(np.uint8), True, None
     values = _reorder(p, t, _values(g, e)).reshape(t.canon.shape)
     if t.dtype == "f32":                            # f32 holds any dequantized value exactly
         return values, False, None
@@ -386,7 +379,6 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     meta: free-form user metadata. force: overwrite dst. dst may be a folder.
     Raises ColibriError naming the file, tensor or field on anything wrong.
     """
-    from .convert import ConversionWarning, _check_finite, _check_meta
     src, dst = Path(src), Path(dst)
     user = _check_meta(meta)
     p = plan_gguf(src, quant)
@@ -433,7 +425,6 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
 def _record_error(p: GGUFPlan, t: GGUFTensor, values: np.ndarray, enc: np.ndarray) -> None:
     """Per tensor class (kind, GGUF type -> format): the largest max|w - ŵ| / max|w| and the
     mean of ||w - ŵ|| / ||w|| (w the GGUF's dequantized values, ŵ what the file stores)."""
-    from . import quant as qmod
     back = qmod.decode(enc, t.dtype, values.shape, t.spec().group_size)
     diff = np.abs(back - values)
     peak = float(np.abs(values).max()) or 1.0

@@ -309,6 +309,13 @@ def test_corrupt_header_is_a_clear_error(imported, tmp_path):
         colibri.convert(bad, tmp_path / "x.colibri", progress=False)
 
 
+def test_not_a_gguf_file_is_named(tmp_path):
+    bad = tmp_path / "fake.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ColibriError, match=r"fake.gguf: not a GGUF file"):
+        colibri.convert(bad, tmp_path / "x.colibri", progress=False)
+
+
 def test_cli_convert_gguf(imported, tmp_path, capsys):
     src, _, _ = imported("olmoe", "Q4_0")
     code, out, _ = run(capsys, "convert", str(src), str(tmp_path / "cli.colibri"))
