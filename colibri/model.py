@@ -483,6 +483,26 @@ class Model:
             cache.commit(valid, pos)
         return logits
 
+    def forward_ragged(self, segments, return_routing: bool = False):
+        """Several sequences of different lengths in one step, each through its own cache.
+
+        segments: [(cache_i, ids_i)], cache_i a KVCache for one sequence (batch 1) with room
+        for its S_i new ids (int, 1-D, S_i >= 1). Returns logits float32 (N, V) of the last
+        new token of each segment [, routing: per segment int32 (M, S_i, K), the experts of
+        every MoE layer]; every cache advances by its S_i tokens.
+        """
+        V = self.config.vocab_size
+        logits = np.empty((len(segments), V), dtype=np.float32)
+        routing = []
+        for j, (cache, ids) in enumerate(segments):
+            out = self.forward(np.asarray(ids, dtype=np.int64).reshape(-1), cache=cache,
+                               return_routing=return_routing, last_only=True)
+            row, trace = out if return_routing else (out, None)
+            logits[j] = row[-1]
+            if trace is not None:
+                routing.append(np.stack(trace.ids).astype(np.int32, copy=False))
+        return (logits, routing) if return_routing else logits
+
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
         """Generate text or ids; see colibri.generate.generate for the arguments."""

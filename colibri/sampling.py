@@ -5,13 +5,18 @@ Each filter takes float logits (V,) and returns a new array where the tokens it 
 repetition penalty, then temperature, top-k, top-p, min-p, then a draw. Sampling is done in
 float64 so that a long tail of tiny probabilities never sums to NaN or 0.
 
-Conventions that match transformers:
+Conventions that match transformers (and, for the two additive penalties, the OpenAI API):
   - repetition penalty: for every token already seen (prompt included), a negative logit is
     multiplied by the penalty and a positive one divided by it;
+  - presence / frequency penalty (OpenAI): logit[j] -= c[j] * frequency + (c[j] > 0) * presence,
+    c[j] = how often j occurs among the tokens generated so far (the prompt does not count);
+    applied after the repetition penalty, as vLLM does;
   - top-p keeps the smallest set of most probable tokens whose probability reaches p
     (the token that crosses p is kept), and always at least one token;
   - min-p keeps the tokens whose probability is at least min_p times the top probability.
-Switches that mean "off": temperature 0 (greedy), top_k 0, top_p 1, min_p 0, penalty 1.
+Switches that mean "off": temperature 0 (greedy), top_k 0, top_p 1, min_p 0, repetition
+penalty 1, presence / frequency penalty 0.
+log_softmax / top_logprobs give the log-probabilities a server reports beside each token.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from .errors import ColibriError
 __all__ = [
     "Sampler",
     "apply_repetition_penalty",
+    "apply_presence_frequency_penalty",
     "apply_temperature",
     "top_k_filter",
     "top_p_filter",
@@ -31,6 +37,8 @@ __all__ = [
     "greedy",
     "sample_from_logits",
     "softmax",
+    "log_softmax",
+    "top_logprobs",
 ]
 
 
@@ -75,6 +83,29 @@ def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int] | np.nda
     out = np.array(x, dtype=np.float32, copy=True)
     s = out[seen]
     out[seen] = np.where(s < 0, s * penalty, s / penalty)
+    return out
+
+
+def apply_presence_frequency_penalty(logits: np.ndarray, generated: Iterable[int] | np.ndarray,
+                                     presence: float, frequency: float) -> np.ndarray:
+    """logits (V,) less the OpenAI penalties: logit[j] -= c[j] * frequency + (c[j] > 0) * presence,
+    c[j] the count of token j in `generated` (the ids generated so far, prompt excluded).
+
+    Positive values make repeats less likely, negative ones more; 0 and 0 return the input.
+    Returns float32 (a new array) when a penalty applies.
+    """
+    x = _check_row(logits)
+    if presence == 0.0 and frequency == 0.0:
+        return x
+    gen = np.asarray(list(generated) if not isinstance(generated, np.ndarray) else generated,
+                     dtype=np.int64)
+    if gen.size == 0:
+        return x
+    if gen.min() < 0 or gen.max() >= x.shape[0]:
+        raise ValueError(f"generated ids outside [0, {x.shape[0]}): min {gen.min()}, max {gen.max()}")
+    seen, counts = np.unique(gen, return_counts=True)
+    out = np.array(x, dtype=np.float32, copy=True)
+    out[seen] -= (counts * np.float32(frequency) + np.float32(presence)).astype(np.float32)
     return out
 
 
@@ -127,6 +158,28 @@ def min_p_filter(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(keep, x, -np.inf).astype(x.dtype, copy=False)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities (V,) of logits (V,); -inf entries stay -inf."""
+    x = np.asarray(_check_row(logits), dtype=np.float64)
+    m = np.max(x)
+    if not np.isfinite(m):
+        raise ColibriError(f"cannot take a log-softmax: the largest logit is {m}")
+    z = x - m
+    return z - np.log(np.exp(z).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, log-probability) of a row (V,), best first (ties: lower id
+    first)."""
+    lp = _check_row(logprobs)
+    k = min(int(k), lp.shape[0])
+    if k <= 0:
+        return []
+    part = np.argpartition(-lp, k - 1)[:k]
+    order = part[np.lexsort((part, -lp[part]))]
+    return [(int(i), float(lp[i])) for i in order]
+
+
 def greedy(logits: np.ndarray) -> int:
     """Index of the largest logit (the first one on ties, like torch.argmax on CPU)."""
     x = _check_row(logits)
@@ -153,11 +206,13 @@ class Sampler:
     """Next-token chooser with fixed settings and its own seeded random generator.
 
     `Sampler(temperature=0.8, top_k=40, top_p=0.95, seed=0)(logits, history)` -> token id.
-    The same settings and seed give the same sequence of draws.
+    The same settings and seed give the same sequence of draws. `penalise` and `choose` are
+    the two halves of a call (a server reports log-probabilities of the penalised logits).
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None):
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
         if temperature < 0 or not np.isfinite(temperature):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k < 0:
@@ -168,11 +223,17 @@ class Sampler:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
         if repetition_penalty <= 0 or not np.isfinite(repetition_penalty):
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        for name, val in (("presence_penalty", presence_penalty),
+                          ("frequency_penalty", frequency_penalty)):
+            if not np.isfinite(val):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {val}")
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.min_p = float(min_p)
         self.repetition_penalty = float(repetition_penalty)
+        self.presence_penalty = float(presence_penalty)
+        self.frequency_penalty = float(frequency_penalty)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
 
@@ -180,12 +241,25 @@ class Sampler:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def __call__(self, logits: np.ndarray, history: Iterable[int] | np.ndarray = ()) -> int:
-        """Token id for logits (V,), float32; `history` = ids seen so far (for the penalty)."""
+    def __call__(self, logits: np.ndarray, history: Iterable[int] | np.ndarray = (),
+                 generated: Iterable[int] | np.ndarray = ()) -> int:
+        """Token id for logits (V,), float32; `history` = ids seen so far (prompt included, for
+        the repetition penalty), `generated` = ids generated so far (presence / frequency)."""
+        return self.choose(self.penalise(logits, history, generated))
+
+    def penalise(self, logits: np.ndarray, history: Iterable[int] | np.ndarray = (),
+                 generated: Iterable[int] | np.ndarray = ()) -> np.ndarray:
+        """logits (V,) after the repetition, presence and frequency penalties (the input
+        itself when all are off); NaN logits are a ColibriError."""
         x = _check_row(logits)
         if np.isnan(x).any():
             raise ColibriError(f"logits hold {int(np.isnan(x).sum())} NaN values; cannot pick a token")
         x = apply_repetition_penalty(x, history, self.repetition_penalty)
+        return apply_presence_frequency_penalty(x, generated, self.presence_penalty,
+                                                self.frequency_penalty)
+
+    def choose(self, x: np.ndarray) -> int:
+        """The token for penalised logits x (V,): greedy, or temperature, filters and a draw."""
         if self.is_greedy:
             return greedy(x)
         x = apply_temperature(x, self.temperature)
@@ -196,4 +270,6 @@ class Sampler:
 
     def __repr__(self) -> str:
         return (f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed})")
+                f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, "
+                f"presence_penalty={self.presence_penalty}, "
+                f"frequency_penalty={self.frequency_penalty}, seed={self.seed})")

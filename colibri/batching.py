@@ -1,0 +1,553 @@
+"""Continuous batching: many requests share each forward pass of one model.
+
+    sched = Scheduler(model, parallel=4)            # 4 slots, KV budget = 4 * ctx tokens
+    sched.start()                                   # a background thread runs the steps
+    h = sched.submit(ids, SamplingParams(max_tokens=32, stop=["\\n\\n"]))
+    for ev in h:                                    # TokenEvent per token, the last one
+        print(ev.text, end="")                      # carries finish_reason
+    sched.stop()
+
+Each step is one forward pass over the running slots (Model.forward_ragged): one decode
+token of every slot that is generating, plus one chunk (at most prefill_chunk tokens) of a
+prompt being prefilled, so a long prompt never stalls the running streams for more than a
+chunk. A request submitted while others run joins at the next step. Each slot has a KV cache
+of its own, made for exactly prompt + max_tokens tokens when the request is admitted and
+dropped when it finishes: admission is counted in those bytes against kv_budget, and a
+request that does not fit yet waits in a bounded queue (QueueFullError past it).
+
+Per request: its own Sampler (seeded: the same seed gives the same tokens whatever else is in
+the batch, as long as the logits are the same), penalties over its own history, stop ids,
+stop strings matched across token boundaries (held back until they cannot match), the
+log-probabilities of the penalised logits it sampled from, and optionally the experts each
+generated token was routed to (the routing of the pass that consumed the token: its event
+comes one step later).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ColibriError
+from .generate import _StopText, default_stop_ids
+from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .sampling import Sampler, log_softmax, top_logprobs
+from .tokenizer import IncrementalDecoder
+
+__all__ = ["SamplingParams", "TokenEvent", "RequestHandle", "Scheduler",
+           "ContextLengthError", "QueueFullError", "FINISH_REASONS", "MAX_LOGPROBS"]
+
+log = logging.getLogger("colibri.batching")
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_LOGPROBS = 20                   # top log-probabilities per token, as the OpenAI API allows
+_MAX_STOPS = 16                     # stop strings per request
+_MAX_STOP_CHARS = 256               # characters per stop string
+_MAX_SEED = 2**63
+
+
+class ContextLengthError(ColibriError, ValueError):
+    """prompt + max_tokens do not fit the context (or the whole KV budget)."""
+
+
+class QueueFullError(ColibriError):
+    """The waiting queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = float(retry_after)
+
+
+# ---------------------------------------------------------------------------------------------
+# a request's settings and its events
+# ---------------------------------------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops; the defaults are colibri.generate's
+    (greedy, the model's end-of-sequence ids).
+
+    stop: text stop sequences (matched across token boundaries, not part of the output);
+    stop_ids: stop token ids (None: the model's end-of-sequence ids; [] none);
+    logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
+    return_routing: each TokenEvent carries the experts its token was routed to.
+    """
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_ids: list[int] | None = None
+    logprobs: int | None = None
+    return_routing: bool = False
+
+    def check(self) -> None:
+        """ValueError naming the field, the value and the allowed range."""
+        def bad(name, rng):
+            raise ValueError(f"{name} must be {rng}, got {getattr(self, name)!r}")
+
+        def number(name, lo, hi, lo_open=False, rng=None):
+            v = getattr(self, name)
+            if (not _is_num(v) or not math.isfinite(v) or v > hi
+                    or (v <= lo if lo_open else v < lo)):
+                bad(name, rng or f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= 2**31 - 1:
+            bad("max_tokens", "an integer in [1, 2**31 - 1]")
+        number("temperature", 0.0, 2.0)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= 2**31 - 1:
+            bad("top_k", "an integer in [0, 2**31 - 1] (0 = off)")
+        number("top_p", 0.0, 1.0, lo_open=True)
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 0.0, 10.0, lo_open=True)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
+            bad("seed", "None or an integer in [0, 2**63)")
+        if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > _MAX_STOPS
+                or any(not isinstance(s, str) or not 0 < len(s) <= _MAX_STOP_CHARS
+                       for s in self.stop)):
+            bad("stop", f"a list of at most {_MAX_STOPS} non-empty strings of at most "
+                        f"{_MAX_STOP_CHARS} characters")
+        if self.stop_ids is not None and (not isinstance(self.stop_ids, (list, tuple))
+                                          or any(not _is_int(i) or i < 0 for i in self.stop_ids)):
+            bad("stop_ids", "None or a list of non-negative token ids")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.return_routing, (bool, np.bool_)):
+            bad("return_routing", "a bool")
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.temperature, self.top_k, self.top_p, self.min_p,
+                       self.repetition_penalty, self.seed, self.presence_penalty,
+                       self.frequency_penalty)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token; the last event of a request has finish_reason set.
+
+    token: the id (-1 for a final event that carries only trailing text, or nothing);
+    text: its text piece ('' while a character is incomplete, or with no tokenizer);
+    logprob: log-probability of token under the penalised logits (None unless asked);
+    top_logprobs: [(id, logprob), ...] best first (None unless logprobs > 0);
+    routing: int32 (M, K), the experts the token was routed to per MoE layer (None unless asked);
+    finish_reason: None while running, else "stop" | "length" | "cancelled" | "error".
+    """
+    token: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    routing: np.ndarray | None = None
+    finish_reason: str | None = None
+
+
+class RequestHandle:
+    """What Scheduler.submit returns: iterate it for the TokenEvents (blocking), cancel() it.
+
+    id, prompt_tokens, completion_tokens (updated as tokens come), finish_reason (None until
+    the last event), error (the exception when finish_reason is "error").
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, scheduler: "Scheduler"):
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._scheduler = scheduler
+        self._cancel = False
+
+    def __iter__(self):
+        """TokenEvents as they come; ends after the one with finish_reason set."""
+        while True:
+            ev = self._events.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """Stop generating: the slot is freed at the next step (a last event says "cancelled")."""
+        self._cancel = True
+        self._scheduler._wake_up()
+
+    def __repr__(self) -> str:
+        return (f"RequestHandle({self.id}, prompt_tokens={self.prompt_tokens}, "
+                f"completion_tokens={self.completion_tokens}, finish_reason={self.finish_reason})")
+
+
+# ---------------------------------------------------------------------------------------------
+# a request inside the scheduler
+# ---------------------------------------------------------------------------------------------
+
+class _Request:
+    """The scheduler's record of one request: its settings, text state and, once admitted,
+    its KV cache."""
+
+    def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
+                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int):
+        self.handle, self.prompt, self.params, self.on_event = handle, prompt, params, on_event
+        self.stop_ids = stop_ids
+        self.sampler = params.sampler()
+        self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
+        self.guard = _StopText(list(params.stop))
+        self.kv_bytes = kv_bytes                   # reserved while admitted
+        self.cache: KVCache | None = None
+        self.prefilled = 0                         # prompt tokens in the cache
+        self.history = list(prompt)                # prompt + generated (repetition penalty)
+        self.generated: list[int] = []
+        self.feed: int | None = None               # the token the next pass consumes
+        self.deferred: TokenEvent | None = None    # return_routing: emitted after that pass
+        self.t_submit = time.perf_counter()
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def text_tail(self) -> str:
+        """The text still held back at the end (incomplete characters, a partial stop)."""
+        if self.decoder is None:
+            return ""
+        tail = self.guard.feed(self.decoder.flush())
+        return tail + ("" if self.guard.done else self.guard.flush())
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler
+# ---------------------------------------------------------------------------------------------
+
+class Scheduler:
+    """Continuous batching over `parallel` slots of one model (see the module docstring).
+
+    ctx: the most tokens (prompt + max_tokens) a request may take (default the model's
+    context capped at kv_cache.DEFAULT_MAX_CTX); kv_budget: bytes of KV cache all admitted
+    requests may hold together (default parallel * ctx * bytes per token); max_queue:
+    requests waiting for a slot or for bytes before submit raises QueueFullError;
+    prefill_chunk: prompt tokens per step.
+    """
+
+    def __init__(self, model, parallel: int = 4, ctx: int | None = None,
+                 kv_budget: int | None = None, max_queue: int = 64, prefill_chunk: int = 64):
+        for name, val, lo in (("parallel", parallel, 1), ("max_queue", max_queue, 0),
+                              ("prefill_chunk", prefill_chunk, 1)):
+            if not _is_int(val) or val < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {val!r}")
+        if ctx is None:
+            ctx = min(model.max_context, DEFAULT_MAX_CTX)
+        if not _is_int(ctx) or ctx < 2:
+            raise ValueError(f"ctx must be an integer >= 2, got {ctx!r}")
+        self.model = model
+        self.parallel, self.ctx = int(parallel), int(ctx)
+        self.max_queue, self.prefill_chunk = int(max_queue), int(prefill_chunk)
+        self.kv_bytes_per_token = model.new_cache(ctx=1).nbytes
+        if kv_budget is None:
+            kv_budget = self.parallel * self.ctx * self.kv_bytes_per_token
+        if not _is_int(kv_budget) or kv_budget < self.kv_bytes_per_token:
+            raise ValueError(f"kv_budget must be an integer of at least one token's "
+                             f"{self.kv_bytes_per_token} bytes, got {kv_budget!r}")
+        self.kv_budget = int(kv_budget)
+        self._tokenizer = model.tokenizer
+        self._default_stop_ids = set(default_stop_ids(model))
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()           # one step at a time
+        self._queue: deque[_Request] = deque()
+        self._running: list[_Request] = []           # admitted, at most `parallel`
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._stopping = self._drain = self._closed = False
+        self._kv_in_use = 0
+        self._tokens_in = self._tokens_out = self._finished = self._steps = 0
+        self._mean_seconds = 0.0                     # running mean of a request's duration
+
+    # -- submitting ------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+               on_event: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """Queue a request; its events come through the handle (and on_event, called from
+        the scheduler thread). Raises ValueError (bad params or ids), ContextLengthError,
+        QueueFullError at once."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check()
+        prompt = self._check_prompt(prompt_ids)
+        V = self.model.vocab_size
+        if params.stop_ids is not None and any(i >= V for i in params.stop_ids):
+            raise ValueError(f"stop_ids must be token ids in [0, {V}), got max "
+                             f"{max(params.stop_ids)}")
+        if params.stop and self._tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model file carries none "
+                             "(use stop_ids)")
+        need = len(prompt) + params.max_tokens
+        if need > self.ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} tokens exceed the context of {self.ctx} tokens")
+        kv_bytes = need * self.kv_bytes_per_token
+        if kv_bytes > self.kv_budget:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
+                f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
+        stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
+        with self._lock:
+            if self._closed:
+                raise ColibriError("the scheduler is stopped; make a new one")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)",
+                                     self._retry_after())
+            handle = RequestHandle(f"req-{next(self._ids)}", len(prompt), self)
+            self._queue.append(_Request(handle, prompt, params, stop_ids, self._tokenizer,
+                                        on_event, kv_bytes))
+            self._wake.notify_all()
+        return handle
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt_ids must be a non-empty list of token ids, got shape "
+                             f"{ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt_ids must be integers, got dtype {ids.dtype}")
+        V = self.model.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"prompt_ids out of range [0, {V}): min {int(ids.min())}, "
+                             f"max {int(ids.max())}")
+        return [int(t) for t in ids]
+
+    def _retry_after(self) -> float:
+        """Seconds until a place in the queue is likely free: the mean request duration times
+        the queue's turns through the slots (1 s before any request finished)."""
+        turns = math.ceil((len(self._queue) + 1) / self.parallel)
+        return round(max(1.0, self._mean_seconds * turns) if self._mean_seconds else 1.0, 1)
+
+    # -- the background thread -------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps in a background thread until stop()."""
+        with self._lock:
+            if self._closed:
+                raise ColibriError("the scheduler is stopped; make a new one")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="colibri-scheduler",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop the thread: drain=True finishes every queued and running request first,
+        drain=False cancels them. New submits raise afterwards."""
+        with self._lock:
+            self._closed = self._stopping = True
+            self._drain = drain
+            thread = self._thread
+            self._wake.notify_all()
+        if thread is not None:
+            thread.join()
+        elif drain:
+            while self.step():
+                pass
+        self._cancel_all()
+
+    def _wake_up(self) -> None:
+        with self._lock:
+            self._wake.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._has_work():
+                    self._wake.wait()
+                if self._stopping and (not self._drain or not self._has_work()):
+                    return
+            try:
+                self.step()
+            except Exception:                      # never let the thread die silently
+                log.exception("scheduler step failed")
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One forward pass over the running slots (admitting and cancelling first); False
+        when there was nothing to run."""
+        with self._step_lock:
+            self._drop_cancelled()
+            self._admit()
+            segments = self._plan()
+            if not segments:
+                return False
+            want_routing = any(r.params.return_routing and not r.prefilling
+                               for r, _ in segments)
+            try:
+                logits, routing = self._forward(segments, want_routing)
+            except Exception as exc:
+                log.exception("forward pass failed; its %d requests end with 'error'",
+                              len(segments))
+                for r, _ in segments:
+                    r.handle.error = exc
+                    self._end(r, TokenEvent(-1, "", finish_reason="error"))
+                return True
+            self._steps += 1
+            for j, (r, ids) in enumerate(segments):
+                if r.prefilling:
+                    r.prefilled += len(ids)
+                    self._tokens_in += len(ids)
+                    if r.prefilling:
+                        continue
+                self._advance(r, logits[j], None if routing is None else routing[j])
+            return True
+
+    def _forward(self, segments, want_routing: bool):
+        """logits float32 (N, V) of the last row of each segment [, routing per segment:
+        int32 (M, S_i, K)]."""
+        out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
+                                        return_routing=want_routing)
+        return out if want_routing else (out, None)
+
+    def _plan(self) -> list[tuple[_Request, list[int]]]:
+        """The segments of this step: every decoding slot's token, one prompt chunk."""
+        segments = [(r, [r.feed]) for r in self._running if not r.prefilling]
+        for r in self._running:                    # the oldest prompt being prefilled
+            if r.prefilling:
+                chunk = r.prompt[r.prefilled:r.prefilled + self.prefill_chunk]
+                segments.append((r, chunk))
+                break
+        return segments
+
+    def _admit(self) -> None:
+        """Move queued requests into free slots while their KV bytes fit (in order)."""
+        with self._lock:
+            while (self._queue and len(self._running) < self.parallel
+                   and self._kv_in_use + self._queue[0].kv_bytes <= self.kv_budget):
+                r = self._queue.popleft()
+                r.cache = self.model.new_cache(ctx=len(r.prompt) + r.params.max_tokens)
+                self._kv_in_use += r.kv_bytes
+                self._running.append(r)
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            queued = [r for r in self._queue if r.handle._cancel]
+            for r in queued:
+                self._queue.remove(r)
+        for r in queued + [r for r in self._running if r.handle._cancel]:
+            self._end(r, TokenEvent(-1, "", finish_reason="cancelled"))
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            waiting = list(self._queue) + list(self._running)
+        for r in waiting:
+            r.handle._cancel = True
+        self._drop_cancelled()
+
+    # -- tokens ----------------------------------------------------------------------------------
+    def _advance(self, r: _Request, logits: np.ndarray, routing: np.ndarray | None) -> None:
+        """After a pass that gave r's next logits (V,) (routing int32 (M, 1, K) of the token
+        it consumed): emit the deferred event, sample the next token, emit or defer it."""
+        if r.deferred is not None:                 # return_routing: its pass has run
+            ev, r.deferred = r.deferred, None
+            ev.routing = routing[:, -1].copy()
+            if ev.finish_reason is not None:
+                self._end(r, ev)
+                return
+            self._emit(r, ev)
+        p = r.params
+        x = r.sampler.penalise(logits, r.history, r.generated)
+        tok = r.sampler.choose(x)
+        if tok in r.stop_ids:
+            self._end(r, TokenEvent(-1, r.text_tail(), finish_reason="stop"))
+            return
+        lp = top = None
+        if p.logprobs is not None:
+            row = log_softmax(x)
+            lp = float(row[tok])
+            top = top_logprobs(row, p.logprobs) if p.logprobs > 0 else None
+        r.generated.append(tok)
+        r.history.append(tok)
+        r.handle.completion_tokens += 1
+        self._tokens_out += 1
+        text = r.guard.feed(r.decoder.push(tok)) if r.decoder is not None else ""
+        finish = None
+        if r.guard.done:
+            finish = "stop"
+        elif len(r.generated) >= p.max_tokens:
+            text += r.text_tail()
+            finish = "stop" if r.guard.done else "length"
+        ev = TokenEvent(tok, text, lp, top, None, finish)
+        if p.return_routing:
+            r.deferred, r.feed = ev, tok           # emitted once the token's pass has run
+        elif finish is not None:
+            self._end(r, ev)
+        else:
+            self._emit(r, ev)
+            r.feed = tok
+
+    def _emit(self, r: _Request, ev: TokenEvent) -> None:
+        if ev.finish_reason is not None:
+            r.handle.finish_reason = ev.finish_reason
+        r.handle._events.put(ev)
+        if r.on_event is not None:
+            try:
+                r.on_event(ev)
+            except Exception:                      # a broken consumer cancels its request
+                log.exception("on_event of %s raised; cancelling it", r.handle.id)
+                r.handle._cancel = True
+
+    def _end(self, r: _Request, ev: TokenEvent) -> None:
+        """Emit r's last event and free its slot and KV bytes."""
+        with self._lock:
+            if r in self._running:
+                self._running.remove(r)
+                self._kv_in_use -= r.kv_bytes
+            self._finished += 1
+            seconds = time.perf_counter() - r.t_submit
+            self._mean_seconds += (seconds - self._mean_seconds) / min(self._finished, 32)
+            self._wake.notify_all()
+        r.cache = None
+        self._emit(r, ev)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """slots_total, slots_busy, queue_depth, kv_bytes_in_use, kv_bytes_budget, tokens_in
+        (prompt tokens prefilled), tokens_out (tokens generated), requests_finished, steps."""
+        with self._lock:
+            return dict(slots_total=self.parallel, slots_busy=len(self._running),
+                        queue_depth=len(self._queue), kv_bytes_in_use=self._kv_in_use,
+                        kv_bytes_budget=self.kv_budget, tokens_in=self._tokens_in,
+                        tokens_out=self._tokens_out, requests_finished=self._finished,
+                        steps=self._steps)
+
+    def __enter__(self) -> "Scheduler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(drain=exc[0] is None)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"Scheduler(parallel={self.parallel}, ctx={self.ctx}, busy={s['slots_busy']}, "
+                f"queued={s['queue_depth']}, kv {s['kv_bytes_in_use']}/{s['kv_bytes_budget']} B)")

@@ -1,0 +1,318 @@
+"""create_app: the FastAPI application of `colibri serve` (the routes of docs/server.md).
+
+    app = create_app(settings)                      # opens the model file named in settings
+    app = create_app(settings, holder=holder)       # or serves an existing ModelHolder
+
+The app starts the holder's scheduler thread in its lifespan and stops it at shutdown;
+`app.state.holder` is the ModelHolder, `app.state.reload()` the coroutine that reloads the
+model (signals and POST /admin/reload call it). Around the routes, outermost first: request
+counting (metrics), the api key (auth), the body size limit (limits); inside, pydantic checks
+every field (schemas) and the routes check what depends on the model (vocabulary, context,
+chat template) before anything is queued.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .. import __version__
+from ..batching import ContextLengthError, QueueFullError, SamplingParams
+from .bridge import Generation, wait_disconnect
+from .engine import Engine, ModelHolder, ReloadResult
+from .errors import (APIError, context_length_error, error_body, install_error_handlers,
+                     queue_full_error)
+from .auth import KeyGuard
+from .limits import BodyLimit
+from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, completion_body,
+                        completion_chunk, sse, usage_body, usage_chunk)
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .settings import Settings
+
+__all__ = ["create_app", "VERSION_HEADER"]
+
+log = logging.getLogger("colibri.server")
+
+VERSION_HEADER = "X-Colibri-Model-Version"
+DEFAULT_COMPLETION_TOKENS = 16            # the OpenAI default of /v1/completions
+_MAX_SEED = 2**63
+
+
+class _Route:
+    """What the two generation routes share: checks, submission, bodies and streams."""
+
+    def __init__(self, settings: Settings, holder: ModelHolder, metrics: Metrics):
+        self.settings, self.holder, self.metrics = settings, holder, metrics
+        self.name = settings.served_name()
+
+    # -- checks that depend on the model ------------------------------------------------------
+    def check_model(self, requested: str | None) -> None:
+        if requested not in (None, "", self.name):
+            raise APIError(404, f"The model {requested!r} does not exist here; this server "
+                                f"serves {self.name!r} (GET /v1/models).",
+                           code="model_not_found", param="model")
+
+    @staticmethod
+    def encode(engine: Engine, prompt: str | list[int]) -> list[int]:
+        V = engine.model.vocab_size
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise APIError(400, "This model file carries no tokenizer: give the prompt as "
+                                    "token ids.", code="no_tokenizer", param="prompt")
+            ids = engine.tokenizer.encode(prompt, verbose=False)
+        else:
+            ids = prompt
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise APIError(400, f"Token id {bad[0]} is out of the vocabulary [0, {V}).",
+                               code="invalid_token_id", param="prompt")
+        if not ids:
+            raise APIError(400, "The prompt is empty (it encodes to no tokens).",
+                           code="empty_prompt", param="prompt")
+        return ids
+
+    @staticmethod
+    def fits(engine: Engine, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > engine.ctx:
+            raise context_length_error(engine.ctx, n_prompt, max_tokens)
+
+    @staticmethod
+    def params(body, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        seed = None if body.seed is None else (body.seed + choice) % _MAX_SEED
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+            top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            seed=seed, stop=body.stop_list(), logprobs=logprobs, return_routing=body.routing)
+
+    @staticmethod
+    def submit(engine: Engine, jobs) -> Generation:
+        try:
+            return Generation.submit(engine, jobs)
+        except QueueFullError as e:
+            raise queue_full_error(e.retry_after) from None
+        except ContextLengthError as e:
+            raise APIError(400, str(e), code="context_length_exceeded",
+                           param="max_tokens") from None
+        except ValueError as e:                    # what the scheduler's own checks refuse
+            raise APIError(400, str(e), code="invalid_value") from None
+
+    def states(self, engine: Engine, n: int, logprobs: int | None, body) -> list[ChoiceState]:
+        tok = engine.tokenizer
+        text = tok.token_text if tok is not None else (lambda t: f"token_id:{t}")
+        ext = body.colibri
+        return [ChoiceState(i, text, logprobs, body.routing, bool(ext and ext.token_ids))
+                for i in range(n)]
+
+    def envelope(self, kind: str, engine: Engine, body) -> Envelope:
+        return Envelope(kind, self.name, engine.fingerprint, engine.version,
+                        list(engine.model.moe_layers), body.colibri is not None)
+
+    # -- answering ----------------------------------------------------------------------------
+    def _count(self, gen: Generation, prompt_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.completion_tokens.inc(gen.completion_tokens)
+
+    async def collect(self, gen: Generation, states: list[ChoiceState], request: Request,
+                      prompt_tokens: int) -> dict | None:
+        """Run every choice to its end; None when the client left first (all cancelled)."""
+        async def run():
+            async for i, ev in gen.events():
+                states[i].add(ev)
+                if ev.token >= 0:
+                    self.metrics.rate.add()
+        work = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                log.info("client left; cancelling %d choices", len(gen.handles))
+                return None
+            work.result()
+        finally:
+            gone.cancel()
+            work.cancel()
+            gen.cancel()
+            self._count(gen, prompt_tokens)
+        if any(s.finish_reason == "error" for s in states):
+            raise APIError(500, "The engine failed while generating; the error is logged.",
+                           code="engine_error")
+        return usage_body(prompt_tokens, gen.completion_tokens)
+
+    async def stream(self, gen: Generation, states: list[ChoiceState], env: Envelope,
+                     chat: bool, include_usage: bool, prompt_tokens: int):
+        """The SSE body: one chunk per event, then usage (if asked) and [DONE]. Closing it
+        (a client gone) cancels the choices still running."""
+        try:
+            if chat:
+                for c in states:
+                    yield sse(chat_chunk(env, c, None, include_usage))
+            async for i, ev in gen.events():
+                c = states[i]
+                offset = c.chars
+                c.add(ev)
+                if ev.finish_reason == "error":
+                    yield sse(error_body(500, "The engine failed while generating; the error "
+                                              "is logged.", code="engine_error"))
+                    break
+                if ev.token >= 0:
+                    self.metrics.rate.add()
+                elif not ev.text and ev.finish_reason is None:
+                    continue
+                yield sse(chat_chunk(env, c, ev, include_usage) if chat else
+                          completion_chunk(env, c, ev, offset, include_usage))
+            if include_usage:
+                usage = usage_body(prompt_tokens, gen.completion_tokens)
+                yield sse(usage_chunk(env, "chat.completion.chunk" if chat else
+                                      "text_completion", usage))
+            yield SSE_DONE
+        finally:
+            gen.cancel()
+            self._count(gen, prompt_tokens)
+
+    async def answer(self, gen, states, env, body, request, prompt_tokens: int,
+                     chat: bool) -> Response:
+        headers = {VERSION_HEADER: gen.engine.version}
+        if body.stream:
+            return StreamingResponse(
+                self.stream(gen, states, env, chat, body.include_usage, prompt_tokens),
+                media_type="text/event-stream",
+                headers=dict(headers, **{"Cache-Control": "no-cache",
+                                         "X-Accel-Buffering": "no"}))
+        usage = await self.collect(gen, states, request, prompt_tokens)
+        if usage is None:
+            return Response(status_code=499)           # the client left; nobody reads it
+        make = chat_body if chat else completion_body
+        return JSONResponse(make(env, states, usage), headers=headers)
+
+    # -- the routes ---------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        engine = self.holder.current                  # this request's model version
+        prompts = [self.encode(engine, p) for p in body.prompts()]
+        max_tokens = body.max_tokens if body.max_tokens is not None else \
+            DEFAULT_COMPLETION_TOKENS
+        for ids in prompts:
+            self.fits(engine, len(ids), max_tokens)
+        jobs = [(ids, self.params(body, max_tokens, body.logprobs, j))
+                for ids in prompts for j in range(body.n)]
+        gen = self.submit(engine, jobs)
+        states = self.states(engine, len(jobs), body.logprobs, body)
+        env = self.envelope("completion", engine, body)
+        return await self.answer(gen, states, env, body, request,
+                                 sum(len(p) for p in prompts), chat=False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        engine = self.holder.current
+        tok = engine.tokenizer
+        if tok is None or not tok.has_chat_template:
+            raise APIError(400, f"The model {self.name!r} has no chat template in its file; "
+                                f"use /v1/completions with a text prompt.",
+                           code="no_chat_template", param="messages")
+        try:
+            ids = tok.apply_chat_template(body.message_dicts())
+        except Exception as e:                        # noqa: BLE001 - the template's own error
+            raise APIError(400, f"The model's chat template cannot render these messages: "
+                                f"{e}", code="chat_template_error", param="messages") from None
+        if not ids:
+            raise APIError(400, "The messages render to no tokens.", code="empty_prompt",
+                           param="messages")
+        limit = body.completion_limit
+        max_tokens = limit if limit is not None else max(1, engine.ctx - len(ids))
+        self.fits(engine, len(ids), max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = [(ids, self.params(body, max_tokens, logprobs, j)) for j in range(body.n)]
+        gen = self.submit(engine, jobs)
+        states = self.states(engine, body.n, logprobs, body)
+        env = self.envelope("chat", engine, body)
+        return await self.answer(gen, states, env, body, request, len(ids), chat=True)
+
+
+def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI:
+    """The FastAPI app serving `holder` (default: a ModelHolder opening settings.model_path()).
+
+    Nothing runs until the app's lifespan starts (the scheduler thread starts then), so the
+    app can be made before a fork. Signals are not installed here: serve() does that.
+    """
+    holder = holder if holder is not None else ModelHolder(settings)
+    metrics = Metrics(holder)
+    routes = _Route(settings, holder, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        holder.start()
+        log.info("serving %s (version %s, %d slots of %d tokens)", holder.path,
+                 holder.current.version, settings.parallel, holder.current.ctx)
+        yield
+        holder.stop(drain=False)
+
+    app = FastAPI(title="colibri", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible server of a .colibri model (docs/server.md).")
+    app.state.settings, app.state.holder, app.state.metrics = settings, holder, metrics
+
+    async def reload(source: str = "api") -> ReloadResult:
+        log.info("reload requested (%s)", source)
+        return await asyncio.to_thread(holder.reload)
+    app.state.reload = reload
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await routes.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await routes.chat(body, request)
+
+    def model_card() -> dict:
+        e = holder.current
+        return {"id": routes.name, "object": "model", "created": int(e.loaded_at),
+                "owned_by": "colibri",
+                "colibri": {"version": e.version, "path": e.path, "ctx": e.ctx,
+                            "parallel": settings.parallel,
+                            "chat_template": bool(e.tokenizer and e.tokenizer.has_chat_template),
+                            "moe_layers": list(e.model.moe_layers),
+                            "experts": e.model.config.num_experts,
+                            "experts_per_token": e.model.config.num_experts_per_tok}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str):
+        routes.check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        e = holder.current
+        s = e.scheduler.stats()
+        return {"status": "ok", "model": routes.name, "version": e.version,
+                "slots_busy": s["slots_busy"], "slots_total": s["slots_total"],
+                "queue_depth": s["queue_depth"]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.post("/admin/reload")
+    async def admin_reload():
+        if settings.api_key is None:
+            raise APIError(403, "POST /admin/reload is available only when the server has an "
+                                "api key (--api-key); send the process SIGHUP instead.",
+                           code="admin_disabled")
+        result = await reload("POST /admin/reload")
+        if not result.reloaded and not result.unchanged:
+            raise APIError(409, result.message, code="reload_refused")
+        return result.as_dict()
+
+    app.add_middleware(BodyLimit, max_body=settings.max_body)
+    app.add_middleware(KeyGuard, key=settings.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app

@@ -1,0 +1,195 @@
+"""Request bodies of the OpenAI routes as pydantic models: every range checked here.
+
+Field names and meanings are the OpenAI API's (completions, chat completions); colibri adds
+top_k, min_p and repetition_penalty (as vLLM and llama-server do) and the extension object
+`colibri` ({"routing": true}: the experts each generated token was routed to, per MoE
+layer; {"token_ids": true}: the generated ids). Unknown fields are refused (422 naming them) rather than silently ignored, and
+fields of the API colibri does not implement (tools, logit_bias, echo, suffix, best_of > n,
+non-text response formats) are refused with a message that says so.
+
+Bounds: temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
+[-2, 2], repetition_penalty (0, 10], top_k [0, 2^31), seed [0, 2^63), n [1, 16], logprobs /
+top_logprobs [0, 20], max_tokens [1, 2^31), at most 16 stop strings of 1..256 characters.
+NaN and infinities are refused everywhere. Whether max_tokens fits the context and token
+ids the vocabulary depends on the model: the app checks those (400).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ColibriOptions",
+           "StreamOptions", "MAX_N", "MAX_TOP_LOGPROBS"]
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 16
+_INT31 = 2**31 - 1
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+StopText = Annotated[str, Field(min_length=1, max_length=256)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=_INT31)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ColibriOptions(_Strict):
+    """The extension object: "colibri": {"routing": true, "token_ids": true}: per generated
+    token, the experts of every MoE layer it was routed to, and its id."""
+    routing: bool = False
+    token_ids: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields both routes share."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=_INT31)
+    temperature: Finite = Field(1.0, ge=0.0, le=2.0)
+    top_p: Finite = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=_INT31)
+    min_p: Finite = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Finite = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    logit_bias: dict[str, Any] | None = None
+    colibri: ColibriOptions | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by colibri")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def routing(self) -> bool:
+        return bool(self.colibri and self.colibri.routing)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. prompt: text, texts, token ids, or lists of token ids (each
+    prompt gives n choices, indexed prompt * n + j)."""
+    prompt: (Annotated[str, Field(max_length=10**7)]
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_N)])
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, p: Any) -> Any:
+        """A clear message for a prompt of the wrong shape (the union's would name its first
+        branch); values pass on unchanged to the union."""
+        if isinstance(p, str):
+            return p
+        if not isinstance(p, list) or not p:
+            raise ValueError("must be a text, a list of texts, a list of token ids or a "
+                             "list of lists of token ids, and not empty")
+        rows = p if isinstance(p[0], list) else [p]
+        if all(isinstance(x, str) for x in p):
+            return p
+        for row in rows:
+            if not isinstance(row, list) or not row:
+                raise ValueError("each list of token ids must be a non-empty list")
+            for t in row:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"token ids must be integers, got {t!r}")
+                if t < 0:
+                    raise ValueError(f"token ids must be >= 0, got {t}")
+        return p
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.echo:
+            raise ValueError("echo is not supported by colibri")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported by colibri")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of {self.best_of} different from n {self.n} is not "
+                             f"supported by colibri")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; content is text or a list of text parts (joined)."""
+    model_config = ConfigDict(extra="ignore")       # names, ids, refusals: carried, unused
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions, rendered with the model file's chat template."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported by colibri")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_completion_tokens != self.max_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,127 @@
+"""Everything `colibri serve` is configured with, in one dataclass, checked once.
+
+`Settings` holds plain values only and imports neither fastapi nor uvicorn, so it can be
+built (and pickled to worker processes or Ray replicas) without the server extra.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..api import default_model_path
+from ..errors import ColibriError
+from ..kernels import ACTIVATIONS
+from ..model import DEFAULT_ACTIVATIONS
+
+__all__ = ["Settings", "parse_bytes", "is_loopback"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'6GiB' / '512MB' / '1.5g' / '1000000' -> bytes (int). SI units are powers of 1000,
+    the -iB ones of 1024. ValueError naming the text for anything else."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{text!r} is not a size in bytes (examples: 6GiB, 512MB, 1000000)")
+        value = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(value):
+            raise ValueError(f"{text!r} is not a finite size")
+        value = int(value)
+    if value <= 0:
+        raise ValueError(f"{text!r}: a size must be > 0 bytes")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names is a loopback address (127.0.0.0/8, ::1);
+    a name that does not resolve counts as not loopback."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+@dataclass
+class Settings:
+    """The server's configuration (the flags of `colibri serve`).
+
+    model: the .colibri file served and reloaded (None: the shipped model).
+    parallel: slots decoded together in each forward pass (continuous batching).
+    ctx: tokens per slot, prompt + completion (None: the model's, capped at 4096).
+    kv_budget: bytes of KV cache all slots may hold (None: parallel x ctx x bytes per token).
+    max_queue: requests waiting for a slot beyond the running ones; past it 429.
+    api_key: bearer token for /v1/* , /metrics and /admin/*; None: no auth (loopback only,
+        unless insecure).
+    max_body: bytes a request body may hold (413 past it).
+    max_n: choices per request at most (n x prompts).
+    model_name: the id /v1/models lists and responses carry (None: the file's stem).
+    """
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = 4
+    ctx: int | None = None
+    kv_budget: int | None = None
+    max_queue: int = 64
+    prefill_chunk: int = 64
+    api_key: str | None = None
+    insecure: bool = False
+    pid_file: str | None = None
+    max_body: int = 1 << 20
+    max_n: int = 16
+    max_stop: int = 16
+    max_top_logprobs: int = 20
+    threads: int | None = None
+    activations: str = DEFAULT_ACTIVATIONS
+    model_name: str | None = None
+    log_level: str = "info"
+
+    def model_path(self) -> Path:
+        """The file to open (and to reopen on reload): `model`, or the shipped model."""
+        if self.model is None:
+            return default_model_path()
+        return Path(self.model)
+
+    def served_name(self) -> str:
+        return self.model_name or self.model_path().stem
+
+    def check(self) -> None:
+        """ColibriError naming the setting for any value out of range, and for a
+        non-loopback host without an api key (unless insecure)."""
+        for name, value, minimum in (("parallel", self.parallel, 1), ("max_queue", self.max_queue, 0),
+                                     ("ctx", self.ctx, 2), ("kv_budget", self.kv_budget, 1),
+                                     ("prefill_chunk", self.prefill_chunk, 1),
+                                     ("max_body", self.max_body, 64), ("max_n", self.max_n, 1),
+                                     ("threads", self.threads, 1), ("port", self.port, 0)):
+            if value is not None and value < minimum:
+                raise ColibriError(f"{name} {value} is out of range (must be >= {minimum})")
+        if not 0 <= self.port <= 65535:
+            raise ColibriError(f"port {self.port} is out of range [0, 65535]")
+        if self.activations not in ACTIVATIONS:
+            raise ColibriError(f"activations must be one of {', '.join(ACTIVATIONS)}, got "
+                               f"{self.activations!r}")
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ColibriError("the api key must have at least 8 characters")
+        if self.api_key is None and not self.insecure and not is_loopback(self.host):
+            raise ColibriError(f"refusing to serve on {self.host}, which is not a loopback "
+                               f"address, without --api-key; give a key, or --insecure to "
+                               f"serve without one")
+        if self.model is not None and not os.path.isfile(self.model):
+            raise ColibriError(f"{self.model}: no such file")
