@@ -19,7 +19,7 @@ from . import __version__
 from .errors import ColibriError
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes")
+COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "serve")
 
 
 class Parser(argparse.ArgumentParser):

@@ -17,10 +17,20 @@ The modules, in data-flow order:
     app.py        create_app: the routes
     run.py        serve: uvicorn in-process, reload signals, pid file
 """
+import importlib
+
 from .settings import Settings, is_loopback, parse_bytes
-from .engine import Engine, ModelHolder, ReloadResult
-from .app import VERSION_HEADER, create_app
-from .run import serve
 
 __all__ = ["Settings", "parse_bytes", "is_loopback", "Engine", "ModelHolder", "ReloadResult",
            "create_app", "serve", "VERSION_HEADER"]
+
+# The names below need the server extra (fastapi, uvicorn, ...): imported on first use, so
+# that `colibri.server.settings` (and the CLI's argument parsing) works without it.
+_LAZY = {"Engine": "engine", "ModelHolder": "engine", "ReloadResult": "engine",
+         "create_app": "app", "VERSION_HEADER": "app", "serve": "run"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,7 @@ serving while the new file is read and checked); SIGINT / SIGTERM stop the serve
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
+import uvicorn.config
 from fastapi import FastAPI
 
 from .app import create_app
@@ -69,6 +71,15 @@ def install_reload_signals(app: FastAPI) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
 
 
+def log_config(settings: Settings) -> dict:
+    """uvicorn's logging setup, with colibri's loggers (reloads, refused files) on its
+    stderr handler."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["colibri"] = {"handlers": ["default"], "level": settings.log_level.upper(),
+                                    "propagate": False}
+    return config
+
+
 def serve(settings: Settings, sockets: Sequence[socket.socket] | None = None,
           holder: ModelHolder | None = None, app: FastAPI | None = None) -> None:
     """Run the server until SIGINT / SIGTERM. settings.check() first (the loopback rule).
@@ -81,7 +92,8 @@ def serve(settings: Settings, sockets: Sequence[socket.socket] | None = None,
     settings.check()
     app = app if app is not None else create_app(settings, holder)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, timeout_graceful_shutdown=5)
+                            log_level=settings.log_level, log_config=log_config(settings),
+                            timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
     async def main() -> None:

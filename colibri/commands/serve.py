@@ -1,0 +1,89 @@
+"""colibri serve [MODEL]: the OpenAI-compatible HTTP server (colibri/server, docs/server.md).
+
+The server needs the `server` extra (fastapi, pydantic, uvicorn, prometheus-client); it is
+imported when the command runs, so the rest of the CLI works without it.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ColibriError
+from ..server.settings import Settings, parse_bytes
+from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
+                     add_model_arg, add_threads_arg)
+
+
+def _bytes(text: str) -> int:
+    """argparse type: '6GiB', '512MB', '1000000' -> bytes."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def register(subparsers, parents=()) -> None:
+    p = subparsers.add_parser(
+        "serve", parents=list(parents), help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a .colibri model over HTTP: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics, with continuous batching over --parallel "
+                    "slots. SIGHUP or SIGUSR1 reloads MODEL (validated first; the old model "
+                    f"keeps serving if the new file is broken). {SHIPPED_MODEL} Needs the "
+                    "server extra: pip install 'colibri[server]'.")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: %(default)s; a non-loopback address needs "
+                        "--api-key or --insecure)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: %(default)s; 0: any "
+                                                           "free port)")
+    p.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
+                   help="slots decoded together in each forward pass (default: %(default)s)")
+    add_ctx_arg(p, help="tokens per request, prompt + completion (default: the model's "
+                        "context, capped at 4096)")
+    p.add_argument("--kv-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="KV cache bytes all requests may hold at once, e.g. 6GiB (default: "
+                        "parallel x ctx x bytes per token)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; past it 429 (default: "
+                        "%(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
+                   help="prompt tokens per step, so running streams keep their pace "
+                        "(default: %(default)s)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; "
+                        "enables POST /admin/reload")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key")
+    p.add_argument("--pid-file", default=None, metavar="FILE",
+                   help="write the process id here at start (removed at exit)")
+    p.add_argument("--max-body", type=_bytes, default=1 << 20, metavar="BYTES",
+                   help="largest request body; past it 413 (default: 1MiB)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists (default: the file name's stem)")
+    add_threads_arg(p)
+    add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="log level of the server (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The server's Settings for the parsed arguments."""
+    return Settings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
+                    ctx=args.ctx, kv_budget=args.kv_budget, max_queue=args.max_queue,
+                    prefill_chunk=args.prefill_chunk, api_key=args.api_key,
+                    insecure=args.insecure, pid_file=args.pid_file, max_body=args.max_body,
+                    threads=args.threads, activations=args.activations,
+                    model_name=args.model_name, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    settings.check()                     # before importing uvicorn: a bad flag fails fast
+    try:
+        from ..server.run import serve   # the optional server extra
+    except ImportError as e:
+        raise ColibriError(f"colibri serve needs the server extra ({e.name} is missing): "
+                           f"pip install 'colibri[server]'") from None
+    serve(settings)
+    return 0
