@@ -39,7 +39,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from .settings import Settings
+from .app import create_app
+from .settings import Settings, parse_bytes
+from .workers import WorkerHeader
 
 __all__ = ["ColibriDeployment", "deployment", "build", "run"]
 
@@ -59,8 +61,10 @@ class ColibriDeployment:
         self.settings = replace(settings, pid_file=None)
 
     def __serve_build_asgi_app__(self):
-        from .app import create_app   # in the replica: fastapi and the engine live here
-        return create_app(self.settings)
+        """Called by Ray in the replica: the app, whose lifespan maps the model file."""
+        app = create_app(self.settings)
+        app.add_middleware(WorkerHeader)      # X-Colibri-Worker: the replica's pid
+        return app
 
 
 def deployment(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,
@@ -95,7 +99,6 @@ def build(args: dict[str, str]):
     fields = {k: (int(v) if k in ints else v) for k, v in args.items()
               if k in Settings.__dataclass_fields__}
     if "kv_budget" in fields:
-        from .settings import parse_bytes
         fields["kv_budget"] = parse_bytes(fields["kv_budget"])
     autoscaling = {k: float(args[k]) if k == "target_ongoing_requests" else int(args[k])
                    for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
