@@ -9,9 +9,12 @@ The maths follows transformers' Llama-family code (Mixtral, Qwen2-MoE, Qwen3-MoE
 The projections are callables supplied by the model (x (N, C) -> (N, R), or written into
 out (N, R)), so this module knows nothing about weight formats.
 
-Two ways through a layer: Attention.__call__, the general path (any B and S, padding, masks,
-with or without a KV cache), and Attention.decode, one new token of one sequence through a
-cache with no padding: no mask (a sliding window is the last slots), every vector in the
+Three ways through a layer: Attention.__call__, the general path (any B and S, padding,
+masks, with or without a KV cache); Attention.forward_segments, the ragged step of continuous
+batching (several sequences of different lengths, each through its own cache: the
+projections over all their rows at once, RoPE, the cache write and the attention per
+Segment, a one-token segment through the decode step's compiled call); and
+Attention.decode, one new token of one sequence through a cache with no padding: no mask (a sliding window is the last slots), every vector in the
 step's RunState, norms and RoPE as compiled row operations (the same bits as the NumPy
 ones here), the cache write and the attention over the cache in one compiled call
 (kernels.attend_cached_into: its own summation order, within ~1e-6 of attend).
@@ -19,7 +22,7 @@ ones here), the cache write and the attention over the cache in one compiled cal
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,7 +32,7 @@ from .norms import rms_norm
 from .rope import apply_rope
 from .run_state import RunState
 
-__all__ = ["build_mask", "attend", "Attention"]
+__all__ = ["build_mask", "attend", "Attention", "Segment"]
 
 # Cap on the float32 score block (B * H * S_chunk * L) of one attention step; a long prefill
 # is processed in query chunks so the scores never need more than this many bytes.
@@ -88,6 +91,37 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale:
         np.matmul(p, vv, out=out[:, :, :, s0:s1])
     # (B, Hkv, G, S, Dh) -> (B, S, H*Dh), head order h = kv_head * G + g as in repeat_kv
     return out.reshape(B, H, S, Dh).transpose(0, 2, 1, 3).reshape(B, S, H * Dh)
+
+
+# ---------------------------------------------------------------------------------------------
+# one sequence's rows in a ragged step
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Segment:
+    """S consecutive rows [start, start + S) of a ragged step: new tokens of one sequence,
+    written to and attending over its own cache (a KVCache of batch 1).
+
+    positions int64 (S,): their RoPE positions; cos/sin: float32 (Dr/2,) of the one position
+    when decode (S = 1 and no padding in the cache: the compiled attention call), else
+    Rope.cos_sin's (1, 1, S, Dr/2); masks: build_mask per sliding window, made on first use.
+    """
+    cache: object
+    start: int
+    n: int
+    positions: np.ndarray
+    decode: bool
+    cos: np.ndarray
+    sin: np.ndarray
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> np.ndarray:
+        """bool (1, S, L) for the cache's slots plus the S new ones."""
+        if window not in self.masks:
+            c = self.cache
+            valid = np.concatenate([c.valid[:, :c.length], np.ones((1, self.n), bool)], axis=1)
+            self.masks[window] = build_mask(valid, self.n, window)
+        return self.masks[window]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +209,41 @@ class Attention:
             k, v = cache.write(layer, k, v)                                   # (B, Hkv, L, Dh)
         o = attend(q, k, v, mask, self.scale)                                 # (B, S, H*Dh)
         return self.wo(o.reshape(B * S, -1)).reshape(B, S, -1)
+
+    # -- several sequences, each through its own cache ------------------------------------------
+    def forward_segments(self, x: np.ndarray, segments: list[Segment], layer: int
+                         ) -> np.ndarray:
+        """The ragged step: x float32 (T, D), the rows of all segments -> float32 (T, D).
+
+        q/k/v and the output projection run over all T rows in one call each; RoPE, the
+        cache write (at each cache's length, committed by the caller) and the attention run
+        per segment: a decode segment as Attention.decode does it (compiled, the same bits),
+        any other as __call__ does (NumPy over its mask). Row for row the values of running
+        each segment alone through __call__ / decode, up to the projections' summation
+        order (kernels.linear's GEMM path from gemm_min_tokens rows on).
+        """
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.project_qkv(x[None])          # (1, H, T, Dh), (1, Hkv, T, Dh) x 2
+        o = np.empty((x.shape[0], H * Dh), dtype=np.float32)                  # (T, H*Dh)
+        scale = np.float32(self.scale)
+        for seg in segments:
+            a, b = seg.start, seg.start + seg.n
+            cache = seg.cache
+            if seg.decode:
+                qk = np.concatenate([q[0, :, a], k[0, :, a]])                 # (H + Hkv, Dh)
+                _rope_rows(qk, seg.cos, seg.sin)
+                vh = np.ascontiguousarray(v[0, :, a])                         # (Hkv, Dh)
+                slot = cache.length
+                start = slot + 1 - self.window if self.window and slot >= self.window else 0
+                out = o[a].reshape(H, Dh)
+                _attend_cached(qk[:H], cache.k[layer], cache.v[layer], qk[H:], vh,
+                               slot, start, scale, out, self.threads)
+                continue
+            qs = apply_rope(q[:, :, a:b], seg.cos, seg.sin)
+            ks = apply_rope(k[:, :, a:b], seg.cos, seg.sin)
+            kk, vv = cache.write(layer, ks, v[:, :, a:b])                     # (1, Hkv, L, Dh)
+            o[a:b] = attend(qs, kk, vv, seg.mask(self.window), self.scale)[0]
+        return self.wo(o)
 
     # -- one token of one sequence -------------------------------------------------------------
     def decode(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache, layer: int,

@@ -8,15 +8,18 @@
     sched.stop()
 
 Each step is one forward pass over the running slots (Model.forward_ragged): one decode
-token of every slot that is generating, plus one chunk (at most prefill_chunk tokens) of a
-prompt being prefilled, so a long prompt never stalls the running streams for more than a
-chunk. A request submitted while others run joins at the next step. Each slot has a KV cache
-of its own, made for exactly prompt + max_tokens tokens when the request is admitted and
-dropped when it finishes: admission is counted in those bytes against kv_budget, and a
-request that does not fit yet waits in a bounded queue (QueueFullError past it).
+token of every slot that is generating, plus at most prefill_chunk prompt tokens of the
+requests being prefilled (the oldest first; several short prompts share a step), so a long
+prompt never stalls the running streams for more than a chunk. A request submitted while
+others run joins at the next step. Each slot has a KV cache of its own, made for exactly
+prompt + max_tokens tokens when the request is admitted and dropped when it finishes:
+admission is counted in those bytes against kv_budget, and a request that does not fit yet
+waits in a bounded queue (QueueFullError past it).
 
-Per request: its own Sampler (seeded: the same seed gives the same tokens whatever else is in
-the batch, as long as the logits are the same), penalties over its own history, stop ids,
+Per request: its own Sampler (seeded: the same seed gives the same draws whatever else is in
+the batch; the logits of a row inside a batch can differ from the row alone in the last bits,
+kernels.linear summing a block of tokens in another order, so a draw within ~1e-7 of a
+boundary of the cumulative distribution could go the other way), penalties over its own history, stop ids,
 stop strings matched across token boundaries (held back until they cannot match), the
 log-probabilities of the penalised logits it sampled from, and optionally the experts each
 generated token was routed to (the routing of the pass that consumed the token: its event
@@ -37,9 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ColibriError
-from .generate import _StopText, default_stop_ids
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .sampling import Sampler, log_softmax, top_logprobs
+from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
 
 __all__ = ["SamplingParams", "TokenEvent", "RequestHandle", "Scheduler",
@@ -213,7 +216,7 @@ class _Request:
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
         self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
-        self.guard = _StopText(list(params.stop))
+        self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
         self.cache: KVCache | None = None
         self.prefilled = 0                         # prompt tokens in the cache
@@ -246,7 +249,8 @@ class Scheduler:
     context capped at kv_cache.DEFAULT_MAX_CTX); kv_budget: bytes of KV cache all admitted
     requests may hold together (default parallel * ctx * bytes per token); max_queue:
     requests waiting for a slot or for bytes before submit raises QueueFullError;
-    prefill_chunk: prompt tokens per step.
+    prefill_chunk: prompt tokens per step (a longer prompt is prefilled over several steps,
+    each also advancing every running stream by one token).
     """
 
     def __init__(self, model, parallel: int = 4, ctx: int | None = None,
@@ -429,13 +433,15 @@ class Scheduler:
         return out if want_routing else (out, None)
 
     def _plan(self) -> list[tuple[_Request, list[int]]]:
-        """The segments of this step: every decoding slot's token, one prompt chunk."""
+        """The segments of this step: every decoding slot's token, then prompt chunks of
+        at most prefill_chunk tokens in all, oldest prompt first (short prompts share one)."""
         segments = [(r, [r.feed]) for r in self._running if not r.prefilling]
-        for r in self._running:                    # the oldest prompt being prefilled
-            if r.prefilling:
-                chunk = r.prompt[r.prefilled:r.prefilled + self.prefill_chunk]
+        budget = self.prefill_chunk
+        for r in self._running:
+            if r.prefilling and budget > 0:
+                chunk = r.prompt[r.prefilled:r.prefilled + budget]
                 segments.append((r, chunk))
-                break
+                budget -= len(chunk)
         return segments
 
     def _admit(self) -> None:

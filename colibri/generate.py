@@ -4,6 +4,8 @@
     decode_one(model, token, cache) feed one token, logits of the next
     iter_steps(...)                 sample, stop, feed back: yields one Step per new token
     generate(model, prompt_or_ids)  text in -> text out (ids in -> ids out), or a stream
+    generate(model, [p, p, ...])    several prompts together through colibri.batching's
+                                    Scheduler (continuous batching), each stopping on its own
 
 Text is produced incrementally (tokenizer.IncrementalDecoder): a piece is emitted only when
 it holds whole characters, and text stop sequences are held back until they cannot match.
@@ -16,13 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .batching import SamplingParams, Scheduler, TokenEvent
 from .errors import ColibriError
 from .kv_cache import KVCache
 from .sampling import Sampler
+from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
 
 __all__ = ["prefill", "decode_one", "iter_steps", "generate", "stream", "Step",
-           "GenerationStats", "prompt_ids"]
+           "GenerationStats", "prompt_ids", "is_batch", "default_stop_ids"]
 
 
 @dataclass
@@ -115,13 +119,14 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
         logits = model.forward(input_embeds=input_embeds, cache=cache, last_only=True)[-1]
     stats.prefill_seconds = time.perf_counter() - t0
     history = list(prompt)
+    n_prompt_ids = len(history)
     stats.finish_reason = "length"
     try:
         for i in range(max_new_tokens):
             if cache.remaining == 0:                    # prompt + generated fill the context
                 stats.finish_reason = "ctx"
                 break
-            tok = sampler(logits, history)
+            tok = sampler(logits, history, history[n_prompt_ids:])
             if tok in stops:
                 stats.finish_reason = "stop"
                 break
@@ -176,61 +181,6 @@ def prompt_ids(model, prompt_or_ids, chat: bool = False) -> tuple[list[int], boo
     return [int(t) for t in ids], False
 
 
-def default_stop_ids(model) -> list[int]:
-    """End-of-sequence ids: the config's eos_token_id plus the tokenizer's/generation config's."""
-    ids: set[int] = set()
-    eos = model.config.eos_token_id
-    if eos is not None:
-        ids.update(eos if isinstance(eos, tuple) else [eos])
-    if model.file.tokenizer_files and model.tokenizer is not None:
-        ids.update(model.tokenizer.eos_token_ids)
-    return sorted(int(i) for i in ids)
-
-
-def _split_stop(stop) -> tuple[list[int], list[str]]:
-    if stop is None:
-        return [], []
-    items = [stop] if isinstance(stop, (int, str, np.integer)) else list(stop)
-    ids = [int(s) for s in items if isinstance(s, (int, np.integer))]
-    texts = [s for s in items if isinstance(s, str)]
-    bad = [s for s in items if not isinstance(s, (int, np.integer, str))]
-    if bad or any(t == "" for t in texts):
-        raise ValueError(f"stop must be token ids and/or non-empty strings, got {stop!r}")
-    return ids, texts
-
-
-class _StopText:
-    """Holds back text that might be the start of a stop string; says when one appeared."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-        self.done = False
-
-    def feed(self, piece: str) -> str:
-        if not self.stops:
-            return piece
-        self.pending += piece
-        cut = min((self.pending.find(s) for s in self.stops if s in self.pending), default=-1)
-        if cut >= 0:
-            self.done = True
-            out, self.pending = self.pending[:cut], ""
-            return out
-        hold = 0                                  # longest suffix that is a stop's prefix
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 # ---------------------------------------------------------------------------------------------
 # the public entry points
 # ---------------------------------------------------------------------------------------------
@@ -239,11 +189,16 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, seed: int | None = None, stop=None,
              stream: bool = False, chat: bool = False, ctx: int | None = None,
-             return_routing: bool = False, input_embeds: np.ndarray | None = None):
-    """Continue a prompt.
+             return_routing: bool = False, input_embeds: np.ndarray | None = None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             parallel: int | None = None):
+    """Continue a prompt, or several.
 
-    prompt_or_ids: text (str), chat messages ([{"role", "content"}, ...]) or token ids (S,).
-    temperature 0 = greedy (the default); top_k 0, top_p 1, min_p 0, repetition_penalty 1 = off;
+    prompt_or_ids: text (str), chat messages ([{"role", "content"}, ...]) or token ids (S,);
+        or a list of those (texts, message lists, id lists) or an int array (B, S), B > 1:
+        a batch (below).
+    temperature 0 = greedy (the default); top_k 0, top_p 1, min_p 0, repetition_penalty 1,
+    presence_penalty / frequency_penalty 0 (OpenAI's, over the generated tokens) = off;
     seed: seed of the sampler's numpy Generator (same seed, same tokens).
     stop: None = the model's end-of-sequence ids; else token ids and/or strings; [] = none.
     chat: render a text prompt with the model's chat template (as one user message).
@@ -255,7 +210,28 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     without the stop token/string. stream=True returns an iterator of text pieces (or ids);
     with return_routing=True the stream yields Step objects (token, text, routing) instead.
     Statistics of the run: model.last_stats (GenerationStats).
+
+    A batch runs through colibri.batching.Scheduler (continuous batching: the sequences
+    share each forward pass, each stops on its own): the result is a list with one entry per
+    prompt, each what generate(prompt, ...) returns (the same tokens when greedy, and with a
+    seed, which every sequence gets). stream=True yields (index, piece) pairs, index the
+    prompt's position in the list, piece its next text piece (or id) as it comes.
+    parallel: sequences running at once (default all of them); ctx caps each sequence;
+    model.last_stats is a list of GenerationStats, one per prompt. The sampling settings
+    take the ranges SamplingParams.check allows (temperature <= 2, ...); return_routing
+    and input_embeds need one prompt (Scheduler with SamplingParams(return_routing=True)
+    gives a batch's routing).
     """
+    if is_batch(prompt_or_ids):
+        if return_routing or input_embeds is not None:
+            raise ValueError("return_routing and input_embeds work with one prompt; for a "
+                             "batch's routing use colibri.batching.Scheduler with "
+                             "SamplingParams(return_routing=True)")
+        params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, seed=seed)
+        return _generate_batch(model, list(prompt_or_ids), max_new_tokens, params, stop,
+                               stream, chat, ctx, parallel)
     if input_embeds is not None:
         if prompt_or_ids is not None:
             raise ValueError("give either a prompt (text or ids) or input_embeds, not both")
@@ -265,12 +241,13 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
         ids, is_text = [], model.tokenizer is not None
     else:
         ids, is_text = prompt_ids(model, prompt_or_ids, chat)
-    stop_ids, stop_texts = _split_stop(stop)
+    stop_ids, stop_texts = split_stop(stop)
     if stop is None:
         stop_ids = default_stop_ids(model)
     if stop_texts and model.tokenizer is None:
         raise NoTokenizerError("text stop sequences need a tokenizer; this model has none")
-    sampler = Sampler(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    sampler = Sampler(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                      presence_penalty, frequency_penalty)
     cache = None
     if ctx is not None:
         n = len(ids) if input_embeds is None else len(input_embeds)
@@ -298,7 +275,7 @@ def _with_text(model, steps: Iterator[Step], prompt: list[int], stop_texts: list
                stats: GenerationStats) -> Iterator[Step]:
     """Fill Step.text from an incremental decoder; end at a text stop sequence."""
     dec = IncrementalDecoder(model.tokenizer, prompt)
-    guard = _StopText(stop_texts)
+    guard = StopText(stop_texts)
     last = None
     for step in steps:
         step.text = guard.feed(dec.push(step.token))
@@ -315,6 +292,105 @@ def _with_text(model, steps: Iterator[Step], prompt: list[int], stop_texts: list
             yield Step(-1, -1, tail)
         else:
             yield Step(last.index, -1, tail)      # trailing text (no new token)
+
+
+# ---------------------------------------------------------------------------------------------
+# several prompts at once
+# ---------------------------------------------------------------------------------------------
+
+def is_batch(prompt_or_ids) -> bool:
+    """True for several prompts: a list/tuple of texts, message lists or id sequences, or an
+    int array (B, S) with B > 1 (one id list, one text or one message list is one prompt)."""
+    if isinstance(prompt_or_ids, np.ndarray):
+        return prompt_or_ids.ndim == 2 and prompt_or_ids.shape[0] > 1
+    if not isinstance(prompt_or_ids, (list, tuple)) or not prompt_or_ids:
+        return False
+    first = prompt_or_ids[0]
+    return isinstance(first, (str, list, tuple, np.ndarray))
+
+
+def _generate_batch(model, prompts: list, max_new_tokens: int, sampling: dict, stop,
+                    stream: bool, chat: bool, ctx: int | None, parallel: int | None):
+    """generate over several prompts through a Scheduler stepped in this thread."""
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    encoded = [prompt_ids(model, p, chat) for p in prompts]
+    is_text = encoded[0][1]
+    if any(t != is_text for _, t in encoded):
+        raise ValueError("a batch must be all text prompts or all token ids, not a mix")
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        if ctx is not None and len(ids) >= ctx:
+            raise ColibriError(f"prompt {i} has {len(ids)} tokens but ctx is {ctx}: "
+                               f"nothing left to generate into")
+    stop_ids, stop_texts = split_stop(stop)
+    if stop_texts and model.tokenizer is None:
+        raise NoTokenizerError("text stop sequences need a tokenizer; this model has none")
+    # per sequence: at most max_new_tokens, and no more than its ctx leaves
+    budgets = [max_new_tokens if ctx is None else min(max_new_tokens, ctx - len(ids))
+               for ids, _ in encoded]
+    stats = [GenerationStats(prompt_tokens=len(ids)) for ids, _ in encoded]
+    model.last_stats = stats
+    pieces = _batch_pieces(model, [ids for ids, _ in encoded], budgets, sampling,
+                           None if stop is None else stop_ids, stop_texts, parallel, stats)
+    if not is_text:
+        pieces = ((i, ev.token) for i, ev in pieces if ev.token >= 0)
+    else:
+        pieces = ((i, ev.text) for i, ev in pieces if ev.text)
+    if stream:
+        return pieces
+    out: list[list] = [[] for _ in prompts]
+    for i, piece in pieces:
+        out[i].append(piece)
+    if is_text:
+        return ["".join(p) for p in out]
+    return [np.array(p, dtype=np.int64) for p in out]
+
+
+def _batch_pieces(model, prompts: list[list[int]], budgets: list[int], sampling: dict,
+                  stop_ids: list[int] | None, stop_texts: list[str], parallel: int | None,
+                  stats: list[GenerationStats]) -> Iterator[tuple[int, TokenEvent]]:
+    """(index, TokenEvent) of every sequence as the steps make them; closing it early
+    cancels what still runs."""
+    todo = [i for i, n in enumerate(budgets) if n > 0]
+    for i, n in enumerate(budgets):
+        if n == 0:
+            stats[i].finish_reason = "length"
+    if not todo:
+        return
+    n_par = len(todo) if parallel is None else parallel
+    longest = max(len(prompts[i]) + budgets[i] for i in todo)
+    sched = Scheduler(model, parallel=n_par, ctx=longest, max_queue=len(todo),
+                      prefill_chunk=max(64, max(len(prompts[i]) for i in todo)))
+    ready: list[tuple[int, TokenEvent]] = []
+    handles = {}
+    for i in todo:
+        params = SamplingParams(max_tokens=budgets[i], stop=list(stop_texts),
+                                stop_ids=stop_ids, **sampling)
+        handles[i] = sched.submit(prompts[i], params,
+                                  on_event=lambda ev, i=i: ready.append((i, ev)))
+    model.timings.reset()
+    t0 = time.perf_counter()
+    try:
+        while sched.step() or ready:
+            for i, ev in ready:
+                if ev.token >= 0:
+                    stats[i].generated_tokens += 1
+                if ev.finish_reason is not None:
+                    stats[i].finish_reason = ev.finish_reason
+                    if ev.finish_reason == "error":
+                        raise ColibriError(f"generation of prompt {i} failed: "
+                                           f"{handles[i].error}") from handles[i].error
+                yield i, ev
+            ready.clear()
+    finally:                                         # also when the caller stops early
+        sched.stop(drain=False)
+        seconds = time.perf_counter() - t0
+        for s in stats:
+            s.decode_seconds = seconds
+            s.timings = model.timings.copy()
 
 
 def stream(model, prompt_or_ids, max_new_tokens: int = 64, **kwargs) -> Iterator:

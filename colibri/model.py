@@ -9,7 +9,7 @@ reads top to bottom in data-flow order:
     embed -> per layer [RMSNorm -> attention -> + -> RMSNorm -> MoE or dense MLP -> +]
           -> RMSNorm -> head (kernels.linear) -> float32 logits
 
-It runs one of two ways:
+It runs one of three ways:
   - the general path: any B and S, padding, masks, with or without a cache; NumPy
     attention over the whole batch (colibri.attention), new arrays per layer;
   - the decode step (Model._step): one new token of one sequence through a cache without
@@ -20,6 +20,9 @@ It runs one of two ways:
     plain call (token ids, no mask) gets there directly, without the general input checks
     and the BLAS thread limit; any other call that is such a step (input_embeds, a mask of
     ones, explicit positions) gets there after the checks.
+  - the ragged step (Model.forward_ragged, colibri.ragged): several sequences of different
+    lengths, each through its own cache, their rows concatenated for the projections, the
+    MoE and the head, attention per sequence; what continuous batching runs.
 q, k and v, adjacent in the file, are one kernel call (one WeightRef over the three matrices).
 Shapes as in the package docstring.
 """
@@ -39,6 +42,7 @@ from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .moe import DenseMLP, MoE
 from .norms import rms_norm
+from .ragged import forward_ragged
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
@@ -484,24 +488,17 @@ class Model:
         return logits
 
     def forward_ragged(self, segments, return_routing: bool = False):
-        """Several sequences of different lengths in one step, each through its own cache.
+        """Several sequences of different lengths in one step, each through its own cache
+        (colibri.ragged; the step of continuous batching, colibri.batching).
 
-        segments: [(cache_i, ids_i)], cache_i a KVCache for one sequence (batch 1) with room
-        for its S_i new ids (int, 1-D, S_i >= 1). Returns logits float32 (N, V) of the last
-        new token of each segment [, routing: per segment int32 (M, S_i, K), the experts of
-        every MoE layer]; every cache advances by its S_i tokens.
+        segments: [(cache_i, ids_i)], cache_i a KVCache of one sequence (batch 1) with room
+        for its S_i new ids (int, 1-D, S_i >= 1), each cache in one segment only. Returns
+        logits float32 (N, V) of the last new token of each segment [, routing: per segment
+        int32 (M, S_i, K), the experts each token chose in every MoE layer]; every cache
+        advances by its S_i tokens. Each row gets the values of its own forward through its
+        cache (up to the projections' summation order: kernels.linear's GEMM path).
         """
-        V = self.config.vocab_size
-        logits = np.empty((len(segments), V), dtype=np.float32)
-        routing = []
-        for j, (cache, ids) in enumerate(segments):
-            out = self.forward(np.asarray(ids, dtype=np.int64).reshape(-1), cache=cache,
-                               return_routing=return_routing, last_only=True)
-            row, trace = out if return_routing else (out, None)
-            logits[j] = row[-1]
-            if trace is not None:
-                routing.append(np.stack(trace.ids).astype(np.int32, copy=False))
-        return (logits, routing) if return_routing else logits
+        return forward_ragged(self, segments, return_routing)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):

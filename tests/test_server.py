@@ -4,6 +4,7 @@ completions, chat, streaming, logprobs, n, stop, the routing extension, /v1/mode
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
@@ -224,3 +225,17 @@ def test_openapi_document_lists_the_routes(shipped):
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health"):
         assert path in doc["paths"]
     assert json.dumps(doc)                 # a plain JSON document
+
+
+def test_concurrent_streams_share_the_batch_and_match_alone(shipped, model):
+    """Four streams at once through two slots: each equals its request served alone."""
+    url, _ = shipped
+    prompts = ["def fibonacci(n):", "import os\n", "class Foo:", "for i in range("]
+    alone = [model.generate(p, max_new_tokens=12) for p in prompts]
+
+    def one(p):
+        chunks = client(url).completions.create(model="tiny-moe", prompt=p, max_tokens=12,
+                                                temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(one, prompts)) == alone

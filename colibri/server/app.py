@@ -17,7 +17,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .. import __version__
 from ..batching import ContextLengthError, QueueFullError, SamplingParams
@@ -30,10 +30,21 @@ from .limits import BodyLimit
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, completion_body,
                         completion_chunk, sse, usage_body, usage_chunk)
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from .settings import Settings
 
 __all__ = ["create_app", "VERSION_HEADER"]
+
+
+def _errors(*codes: int) -> dict:
+    """The OpenAPI `responses` of a route: these statuses answer the error body."""
+    return {c: {"model": ErrorBody} for c in codes}
+
+
+_GENERATION_ERRORS = _errors(400, 401, 404, 413, 422, 429, 500)
+_SSE = {"content": {"application/json": {}, "text/event-stream": {}},
+        "description": "the response, or with stream: true the SSE chunks ending with "
+                       "data: [DONE]"}
 
 log = logging.getLogger("colibri.server")
 
@@ -63,7 +74,11 @@ class _Route:
             if engine.tokenizer is None:
                 raise APIError(400, "This model file carries no tokenizer: give the prompt as "
                                     "token ids.", code="no_tokenizer", param="prompt")
-            ids = engine.tokenizer.encode(prompt, verbose=False)
+            try:
+                ids = engine.tokenizer.encode(prompt, verbose=False)
+            except Exception as e:                 # noqa: BLE001 - e.g. a lone surrogate
+                raise APIError(400, f"The prompt cannot be tokenized: {e}",
+                               code="invalid_prompt", param="prompt") from None
         else:
             ids = prompt
             bad = [t for t in ids if t >= V]
@@ -89,8 +104,13 @@ class _Route:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=seed, stop=body.stop_list(), logprobs=logprobs, return_routing=body.routing)
 
-    @staticmethod
-    def submit(engine: Engine, jobs) -> Generation:
+    def submit(self, engine: Engine, jobs) -> Generation:
+        most = self.settings.parallel + self.settings.max_queue
+        if len(jobs) > most:
+            raise APIError(400, f"The request asks for {len(jobs)} choices (prompts x n); this "
+                                f"server runs {self.settings.parallel} and queues "
+                                f"{self.settings.max_queue} at most.", code="too_many_choices",
+                           param="n")
         try:
             return Generation.submit(engine, jobs)
         except QueueFullError as e:
@@ -151,20 +171,29 @@ class _Route:
             if chat:
                 for c in states:
                     yield sse(chat_chunk(env, c, None, include_usage))
-            async for i, ev in gen.events():
-                c = states[i]
-                offset = c.chars
-                c.add(ev)
-                if ev.finish_reason == "error":
-                    yield sse(error_body(500, "The engine failed while generating; the error "
-                                              "is logged.", code="engine_error"))
+            failed = False
+            async for batch in gen.batches():
+                out = []
+                for i, ev in batch:
+                    c = states[i]
+                    offset = c.chars
+                    c.add(ev)
+                    if ev.finish_reason == "error":
+                        out.append(sse(error_body(500, "The engine failed while generating; "
+                                                       "the error is logged.",
+                                                  code="engine_error")))
+                        failed = True
+                        break
+                    if ev.token >= 0:
+                        self.metrics.rate.add()
+                    elif not ev.text and ev.finish_reason is None:
+                        continue
+                    out.append(sse(chat_chunk(env, c, ev, include_usage) if chat else
+                                   completion_chunk(env, c, ev, offset, include_usage)))
+                if out:
+                    yield b"".join(out)
+                if failed:
                     break
-                if ev.token >= 0:
-                    self.metrics.rate.add()
-                elif not ev.text and ev.finish_reason is None:
-                    continue
-                yield sse(chat_chunk(env, c, ev, include_usage) if chat else
-                          completion_chunk(env, c, ev, offset, include_usage))
             if include_usage:
                 usage = usage_body(prompt_tokens, gen.completion_tokens)
                 yield sse(usage_chunk(env, "chat.completion.chunk" if chat else
@@ -261,11 +290,11 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
     app.state.reload = reload
     install_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: _SSE, **_GENERATION_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         return await routes.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: _SSE, **_GENERATION_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await routes.chat(body, request)
 
@@ -280,11 +309,11 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
                             "experts": e.model.config.num_experts,
                             "experts_per_token": e.model.config.num_experts_per_tok}}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id}", responses=_errors(401, 404))
     async def model(model_id: str):
         routes.check_model(model_id)
         return model_card()
@@ -297,11 +326,12 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
                 "slots_busy": s["slots_busy"], "slots_total": s["slots_total"],
                 "queue_depth": s["queue_depth"]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {}}}, **_errors(401)})
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    @app.post("/admin/reload")
+    @app.post("/admin/reload", responses=_errors(401, 403, 409))
     async def admin_reload():
         if settings.api_key is None:
             raise APIError(403, "POST /admin/reload is available only when the server has an "

@@ -62,13 +62,22 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(h.completion_tokens for h in self.handles)
 
-    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """(choice index, event) as they come, until every choice has its last event."""
+    async def batches(self) -> AsyncIterator[list[tuple[int, TokenEvent]]]:
+        """[(choice index, event), ...]: every event there is when the loop gets to it (at
+        least one), until every choice has had its last event. A stream writes each batch
+        at once: one write per batch, not per token, when the engine is ahead."""
         while self._open:
-            index, ev = await self._queue.get()
-            if ev.finish_reason is not None:
-                self._open -= 1
-            yield index, ev
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            self._open -= sum(ev.finish_reason is not None for _, ev in batch)
+            yield batch
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(choice index, event) as they come, until every choice has had its last event."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
 
 
 async def wait_disconnect(receive) -> None:

@@ -10,6 +10,7 @@ value out of range: pydantic's first complaint, naming the field); 429 the queue
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -28,6 +29,14 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
+class ErrorResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote what the
+    client sent, lone surrogates included, which UTF-8 cannot encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 class APIError(Exception):
     """An error answered to the client as-is: status, message, OpenAI type/param/code."""
 
@@ -38,7 +47,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.code, self.param),
+        return ErrorResponse(error_body(self.status, self.message, self.code, self.param),
                             status_code=self.status, headers=self.headers)
 
 

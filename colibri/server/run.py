@@ -5,7 +5,8 @@
 
 SIGHUP and SIGUSR1 reload the model file (ModelHolder.reload, in a thread: the loop keeps
 serving while the new file is read and checked); SIGINT / SIGTERM stop the server
-(uvicorn's own handlers): requests in flight are cancelled, the pid file removed.
+(uvicorn's own handlers): requests in flight are cancelled, the pid file removed, and
+serve() returns.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ __all__ = ["serve", "RELOAD_SIGNALS", "PidFile"]
 log = logging.getLogger("colibri.server")
 
 RELOAD_SIGNALS = (signal.SIGHUP, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)         # uvicorn's: a graceful shutdown
 
 
 class PidFile:
@@ -96,10 +98,24 @@ def serve(settings: Settings, sockets: Sequence[socket.socket] | None = None,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
+    main_thread = threading.current_thread() is threading.main_thread()
+
     async def main() -> None:
-        if threading.current_thread() is threading.main_thread():
+        if main_thread:
             install_reload_signals(app)
         await server.serve(sockets=list(sockets) if sockets else None)
 
-    with PidFile(settings.pid_file):
-        asyncio.run(main())
+    # uvicorn raises the stop signal again once it has shut down (to die of it); with this
+    # no-op handler in place that returns here instead, so the pid file is removed and the
+    # command exits 0 after a clean shutdown
+    saved = {sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS} if main_thread else {}
+    try:
+        with PidFile(settings.pid_file):
+            asyncio.run(main())
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _stopped(signum, frame) -> None:
+    """The stop signal, raised again by uvicorn after its shutdown: already handled."""

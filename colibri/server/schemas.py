@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ColibriOptions",
-           "StreamOptions", "MAX_N", "MAX_TOP_LOGPROBS"]
+           "StreamOptions", "ErrorBody", "MAX_N", "MAX_TOP_LOGPROBS"]
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -33,7 +33,8 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=_INT31)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a field is of its JSON type (no "true" or 0 for a boolean, no 2.0 for an integer)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ColibriOptions(_Strict):
@@ -149,7 +150,7 @@ class TextPart(_Strict):
 
 class ChatMessage(BaseModel):
     """One message; content is text or a list of text parts (joined)."""
-    model_config = ConfigDict(extra="ignore")       # names, ids, refusals: carried, unused
+    model_config = ConfigDict(extra="ignore", strict=True)   # names, ids, refusals: unused
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -193,3 +194,15 @@ class ChatCompletionRequest(_Sampling):
 
     def message_dicts(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: {"error": {"message", "type", "param", "code"}} (errors.py)."""
+    error: ErrorDetail

@@ -1,0 +1,146 @@
+"""The ragged step of continuous batching: several sequences, each through its own cache, in
+one forward pass (Model.forward_ragged).
+
+The new tokens of all segments [(cache_i, ids_i)] are concatenated into T rows (a decode
+segment is one token, a prefill chunk S_i tokens). What does not mix positions runs over all
+T rows in one call each: the embedding, the norms, the q/k/v and output projections, the MoE
+(its experts grouped over all rows: an expert's weights are read once per step for every
+sequence that chose it, which is what batching wins on a CPU) and the head (the last row of
+each segment only). What does mix positions runs per segment against that sequence's cache
+(Attention.forward_segments, or the same method of another attention class): RoPE, the
+cache write, the attention. Every cache then commits its S_i slots.
+
+Shapes as in the package docstring (T rows, N segments).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import kernels
+from .attention import Segment
+from .kv_cache import KVCache
+from .moe import MoE
+from .runtime import blas_on_one_thread
+
+__all__ = ["forward_ragged", "check_segments"]
+
+_norm_rows = kernels.rms_norm_rows_into        # (x (N, C), weight (C,), eps, out (N, C))
+
+
+def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]]:
+    """[(cache, ids int64 (S,))] after checking each segment; ValueError naming the bad one."""
+    if not isinstance(segments, (list, tuple)) or not segments:
+        raise ValueError("segments must be a non-empty list of (cache, ids) pairs")
+    V, dims = model.config.vocab_size, model._cache_dims
+    out, seen = [], set()
+    for j, seg in enumerate(segments):
+        if not isinstance(seg, (list, tuple)) or len(seg) != 2:
+            raise ValueError(f"segment {j} must be a (cache, ids) pair, got {type(seg).__name__}")
+        cache, ids = seg
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"segment {j}: cache must be a KVCache (model.new_cache()), got "
+                             f"{type(cache).__name__}")
+        if cache.batch != 1:
+            raise ValueError(f"segment {j}: cache must be for one sequence, has batch "
+                             f"{cache.batch}")
+        if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != dims:
+            raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim) = "
+                             f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, model has "
+                             f"{dims}")
+        if id(cache) in seen:
+            raise ValueError(f"segment {j}: its cache is already used by another segment")
+        seen.add(id(cache))
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu" or a.ndim != 1 or a.size == 0:
+            raise ValueError(f"segment {j}: ids must be a non-empty 1-D array of integers, got "
+                             f"dtype {a.dtype} shape {a.shape}")
+        if int(a.min()) < 0 or int(a.max()) >= V:
+            raise ValueError(f"segment {j}: ids out of range [0, {V}): min {int(a.min())}, "
+                             f"max {int(a.max())}")
+        cache.check_room(a.size)
+        out.append((cache, a.astype(np.int64, copy=False)))
+    return out
+
+
+def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]:
+    """Each sequence's rows, positions and RoPE tables."""
+    segs, row = [], 0
+    for cache, ids in checked:
+        n, past = ids.size, cache.length
+        padded = past and np.count_nonzero(cache.valid[0, :past]) != past
+        first = int(cache.next_positions()[0])
+        positions = np.arange(first, first + n, dtype=np.int64)
+        decode = n == 1 and not padded
+        if decode:
+            cos, sin = model.rope.cos_sin_one(first)                            # (Dr/2,)
+        else:
+            cos, sin = model.rope.cos_sin(positions[None])               # (1, 1, S, Dr/2)
+        segs.append(Segment(cache, row, n, positions, decode, cos, sin))
+        row += n
+    return segs
+
+
+def forward_ragged(model, segments: Sequence, return_routing: bool = False):
+    """Model.forward_ragged: logits float32 (N, V) of the last row of each segment [, routing
+    per segment int32 (M, S_i, K)]; each segment's cache advances by its S_i tokens."""
+    checked = check_segments(model, segments)
+    if len(checked) == 1 and checked[0][1].size == 1:     # one token of one sequence: the
+        cache, ids = checked[0]                           # decode step (the same bits, fewer
+        out = model._decode_call(ids, cache, None, return_routing)   # allocations)
+        if out is not None:
+            if not return_routing:
+                return out
+            logits, trace = out
+            routing = np.stack(trace.ids).astype(np.int32, copy=False).reshape(
+                len(trace.ids), 1, -1) if trace.ids else np.zeros(
+                (0, 1, model.config.num_experts_per_tok), np.int32)
+            return logits, [routing]
+    with blas_on_one_thread():
+        return _run(model, checked, return_routing)
+
+
+def _run(model, checked, return_routing: bool):
+    tm, c = model.timings, model.config
+    t0 = time.perf_counter()
+    segs = _segments(model, checked)
+    ids = np.concatenate([i for _, i in checked])                                  # (T,)
+    T, D = ids.size, c.hidden_size
+    eps = np.float32(c.rms_norm_eps)
+    h = np.ascontiguousarray(model.embed(ids[None])[0], dtype=np.float32)        # (T, D)
+    xa = np.empty((T, D), dtype=np.float32)
+    xf = np.empty((T, D), dtype=np.float32)
+    routing = []                                              # per MoE layer: ids (T, K)
+    t0 = tm.add("embed", t0)
+    for i, layer in enumerate(model.layers):
+        _norm_rows(h, layer.attn_norm, eps, xa)
+        h += layer.attn.forward_segments(xa, segs, i)
+        _norm_rows(h, layer.ffn_norm, eps, xf)
+        t0 = tm.add("attention", t0)
+        if isinstance(layer.ffn, MoE):
+            y, chosen, _, _ = layer.ffn(xf, tm)
+            if return_routing:
+                routing.append(chosen)
+        else:
+            y = layer.ffn(xf, tm)
+        h += y
+        t0 = time.perf_counter()
+    last = np.array([s.start + s.n - 1 for s in segs])                             # (N,)
+    hl = np.ascontiguousarray(h[last])                                            # (N, D)
+    _norm_rows(hl, model.final_norm, eps, hl)
+    logits = np.empty((len(segs), c.vocab_size), dtype=np.float32)
+    model._head(hl, logits)
+    tm.add("head", t0)
+    for s in segs:
+        if s.decode:
+            s.cache.commit_one(int(s.positions[0]))
+        else:
+            s.cache.commit(np.ones((1, s.n), dtype=bool), s.positions[None])
+    if not return_routing:
+        return logits
+    K = c.num_experts_per_tok
+    stacked = (np.stack(routing).astype(np.int32, copy=False) if routing
+               else np.zeros((0, T, K), dtype=np.int32))                          # (M, T, K)
+    return logits, [stacked[:, s.start:s.start + s.n] for s in segs]

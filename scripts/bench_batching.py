@@ -1,0 +1,95 @@
+"""Continuous batching against one request at a time, in one process.
+
+    python scripts/bench_batching.py                          # the shipped model
+    python scripts/bench_batching.py MODEL.colibri --concurrency 1,2,4,8 --prompt 32 --gen 64
+
+For each concurrency N: N distinct requests (random prompt ids, greedy, no stop, `--gen`
+new tokens each) are run
+  - sequentially: one model.generate call after another (the path without batching);
+  - concurrently: submitted together to a Scheduler(parallel=N) whose background thread
+    shares each forward pass between them;
+and the script prints generated tokens per second of each (prefill included: wall time from
+the first request to the last token), their ratio, the mean step time of the batched run,
+and whether every request got the same tokens both ways. `uptime` before and after says how
+loaded the machine was. Bounded: N * gen tokens per run, --reps runs (the best is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+import numpy as np
+
+import colibri
+from colibri.batching import SamplingParams, Scheduler
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def sequential(model, prompts: list[list[int]], gen: int) -> tuple[float, list[list[int]]]:
+    """(seconds, tokens per request) of the requests one after another."""
+    t0 = time.perf_counter()
+    out = [model.generate(p, max_new_tokens=gen, stop=[]).tolist() for p in prompts]
+    return time.perf_counter() - t0, out
+
+
+def batched(model, prompts: list[list[int]], gen: int, chunk: int
+            ) -> tuple[float, list[list[int]], int]:
+    """(seconds, tokens per request, steps) of the requests together through a Scheduler."""
+    sched = Scheduler(model, parallel=len(prompts), ctx=max(map(len, prompts)) + gen,
+                      prefill_chunk=chunk)
+    sched.start()
+    t0 = time.perf_counter()
+    handles = [sched.submit(p, SamplingParams(max_tokens=gen, stop_ids=[])) for p in prompts]
+    out = [[ev.token for ev in h if ev.token >= 0] for h in handles]
+    seconds = time.perf_counter() - t0
+    sched.stop()
+    return seconds, out, sched.stats()["steps"]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=None, help="a .colibri file (default: shipped)")
+    ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated N (default 1,2,4,8)")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    ap.add_argument("--gen", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--chunk", type=int, default=64, help="prefill chunk of the Scheduler")
+    ap.add_argument("--reps", type=int, default=2, help="runs per setting (the best is kept)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--activations", default=colibri.model.DEFAULT_ACTIVATIONS)
+    args = ap.parse_args(argv)
+    path = args.model or colibri.default_model_path()
+    model = colibri.load(path, threads=args.threads, activations=args.activations)
+    ns = [int(v) for v in args.concurrency.split(",") if v.strip()]
+    rng = np.random.default_rng(0)
+    print(f"model {os.path.basename(str(path))}: {model.config.family}, "
+          f"{model.n_layers} layers, D {model.hidden_size}, E {model.config.num_experts} "
+          f"top-{model.config.num_experts_per_tok}; threads {model.threads}, "
+          f"activations {model.activations}; prompt {args.prompt}, gen {args.gen}")
+    print(f"uptime before: {_uptime()}")
+    batched(model, [list(rng.integers(3, model.vocab_size, args.prompt))], 4, args.chunk)  # warm
+    print(f"{'N':>3} {'sequential tok/s':>17} {'batched tok/s':>14} {'ratio':>6} "
+          f"{'step ms':>8} {'same tokens':>11}")
+    for n in ns:
+        prompts = [list(map(int, rng.integers(3, model.vocab_size, args.prompt)))
+                   for _ in range(n)]
+        seq_s, seq_out = min((sequential(model, prompts, args.gen) for _ in range(args.reps)),
+                             key=lambda r: r[0])
+        bat_s, bat_out, steps = min((batched(model, prompts, args.gen, args.chunk)
+                                     for _ in range(args.reps)), key=lambda r: r[0])
+        tokens = n * args.gen
+        print(f"{n:>3} {tokens / seq_s:>17.1f} {tokens / bat_s:>14.1f} "
+              f"{seq_s / bat_s:>6.2f} {bat_s / steps * 1e3:>8.2f} "
+              f"{str(seq_out == bat_out):>11}")
+    print(f"uptime after: {_uptime()}")
+
+
+if __name__ == "__main__":
+    main()
