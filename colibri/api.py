@@ -82,9 +82,12 @@ def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | 
 
 def generate(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
     """Continue a text prompt (-> text) or token ids (-> int64 ids); see model.generate.
+    A list of prompts runs them together (continuous batching) and returns a list; with
+    stream=True it yields (index, piece) pairs.
 
-    Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stream,
-    chat, ctx, return_routing (colibri.generate module docs).
+    Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, seed, stop, stream, chat, ctx, return_routing, parallel
+    (colibri.generate module docs).
     """
     return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 

@@ -248,7 +248,7 @@ class Scheduler:
     ctx: the most tokens (prompt + max_tokens) a request may take (default the model's
     context capped at kv_cache.DEFAULT_MAX_CTX); kv_budget: bytes of KV cache all admitted
     requests may hold together (default parallel * ctx * bytes per token); max_queue:
-    requests waiting for a slot or for bytes before submit raises QueueFullError;
+    requests that may wait beyond the free slots before submit raises QueueFullError;
     prefill_chunk: prompt tokens per step (a longer prompt is prefilled over several steps,
     each also advancing every running stream by one token).
     """
@@ -320,9 +320,10 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 raise ColibriError("the scheduler is stopped; make a new one")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)",
-                                     self._retry_after())
+            # the free slots take their requests at the next step: those do not wait
+            if len(self._queue) >= self.max_queue + self.parallel - len(self._running):
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting "
+                                     f"for a slot)", self._retry_after())
             handle = RequestHandle(f"req-{next(self._ids)}", len(prompt), self)
             self._queue.append(_Request(handle, prompt, params, stop_ids, self._tokenizer,
                                         on_event, kv_bytes))
@@ -422,7 +423,12 @@ class Scheduler:
                     self._tokens_in += len(ids)
                     if r.prefilling:
                         continue
-                self._advance(r, logits[j], None if routing is None else routing[j])
+                try:
+                    self._advance(r, logits[j], None if routing is None else routing[j])
+                except Exception as exc:           # e.g. NaN logits: this request only
+                    log.exception("sampling %s failed; it ends with 'error'", r.handle.id)
+                    r.handle.error = exc
+                    self._end(r, TokenEvent(-1, "", finish_reason="error"))
             return True
 
     def _forward(self, segments, want_routing: bool):
@@ -463,11 +469,12 @@ class Scheduler:
             self._end(r, TokenEvent(-1, "", finish_reason="cancelled"))
 
     def _cancel_all(self) -> None:
-        with self._lock:
-            waiting = list(self._queue) + list(self._running)
-        for r in waiting:
-            r.handle._cancel = True
-        self._drop_cancelled()
+        with self._step_lock:
+            with self._lock:
+                waiting = list(self._queue) + list(self._running)
+            for r in waiting:
+                r.handle._cancel = True
+            self._drop_cancelled()
 
     # -- tokens ----------------------------------------------------------------------------------
     def _advance(self, r: _Request, logits: np.ndarray, routing: np.ndarray | None) -> None:

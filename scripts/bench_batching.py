@@ -10,8 +10,11 @@ new tokens each) are run
     shares each forward pass between them;
 and the script prints generated tokens per second of each (prefill included: wall time from
 the first request to the last token), their ratio, the mean step time of the batched run,
-and whether every request got the same tokens both ways. `uptime` before and after says how
-loaded the machine was. Bounded: N * gen tokens per run, --reps runs (the best is kept).
+and whether every request got the same tokens both ways. Then the ragged decode step alone
+(Model.forward_ragged with one token of each of N sequences, 48 tokens in their caches):
+milliseconds per step and per token, and the seconds per stage (runtime.Timings), which say
+where the batching gain stops. `uptime` before and after says how loaded the machine was. Bounded: N * gen tokens per run, --reps runs of each, alternated
+(the best of each is kept).
 """
 from __future__ import annotations
 
@@ -54,6 +57,23 @@ def batched(model, prompts: list[list[int]], gen: int, chunk: int
     return seconds, out, sched.stats()["steps"]
 
 
+def step_table(model, ns: list[int], reps: int = 20) -> None:
+    """ms per ragged decode step of N sequences, and per stage."""
+    rng = np.random.default_rng(1)
+    print(f"{'N':>3} {'ms/step':>8} {'ms/token':>9}  per stage (ms/step)")
+    for n in ns:
+        caches = [model.new_cache(ctx=48 + reps + 1) for _ in range(n)]
+        model.forward_ragged([(c, rng.integers(3, model.vocab_size, 48)) for c in caches])
+        model.timings.reset()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model.forward_ragged([(c, [5]) for c in caches])
+        ms = (time.perf_counter() - t0) / reps * 1e3
+        stages = ", ".join(f"{k} {v / reps * 1e3:.2f}" for k, v in model.timings.seconds.items()
+                           if v > 0)
+        print(f"{n:>3} {ms:>8.2f} {ms / n:>9.3f}  {stages}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="a .colibri file (default: shipped)")
@@ -80,14 +100,17 @@ def main(argv=None) -> None:
     for n in ns:
         prompts = [list(map(int, rng.integers(3, model.vocab_size, args.prompt)))
                    for _ in range(n)]
-        seq_s, seq_out = min((sequential(model, prompts, args.gen) for _ in range(args.reps)),
-                             key=lambda r: r[0])
-        bat_s, bat_out, steps = min((batched(model, prompts, args.gen, args.chunk)
-                                     for _ in range(args.reps)), key=lambda r: r[0])
+        seq, bat = [], []
+        for _ in range(args.reps):            # alternated: a load that drifts hits both
+            seq.append(sequential(model, prompts, args.gen))
+            bat.append(batched(model, prompts, args.gen, args.chunk))
+        seq_s, seq_out = min(seq, key=lambda r: r[0])
+        bat_s, bat_out, steps = min(bat, key=lambda r: r[0])
         tokens = n * args.gen
         print(f"{n:>3} {tokens / seq_s:>17.1f} {tokens / bat_s:>14.1f} "
               f"{seq_s / bat_s:>6.2f} {bat_s / steps * 1e3:>8.2f} "
               f"{str(seq_out == bat_out):>11}")
+    step_table(model, ns)
     print(f"uptime after: {_uptime()}")
 
 

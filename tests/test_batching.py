@@ -27,7 +27,7 @@ def shipped():
             for act in TOL}
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def family(request, hf_checkpoint, tmp_path_factory):
     src, m = converted(hf_checkpoint, tmp_path_factory, request.param)
     yield src, m
@@ -187,6 +187,31 @@ def test_generate_batch_seeded_sampling_equals_alone(shipped):
     prompts = ["def fib(n):", "Once upon a time", "The hummingbird"]
     kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=11)
     assert m.generate(prompts, **kw) == [m.generate(p, **kw) for p in prompts]
+
+
+def test_batch_without_a_tokenizer(hf_checkpoint, tmp_path_factory):
+    import warnings
+
+    from colibri.batching import SamplingParams, Scheduler
+    from colibri.convert import convert
+    src = hf_checkpoint("olmoe", tokenizer=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = convert(src, tmp_path_factory.mktemp("bare") / "m.colibri", dtype="f32",
+                       progress=False)
+    m = api.load(path, threads=1)
+    prompts = [[5, 6, 7], [9, 10]]
+    got = m.generate(prompts, max_new_tokens=6, stop=[])
+    for p, g in zip(prompts, got):
+        np.testing.assert_array_equal(g, m.generate(p, max_new_tokens=6, stop=[]))
+    s = Scheduler(m, parallel=2)
+    h = s.submit([5, 6], SamplingParams(max_tokens=3, stop_ids=[]))
+    while s.step():
+        pass
+    assert [e.text for e in h] == ["", "", ""] and h.finish_reason == "length"
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        s.submit([5, 6], SamplingParams(stop=["x"]))
+    m.close()
 
 
 def test_generate_batch_ctx_and_errors(shipped):

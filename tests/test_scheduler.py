@@ -95,12 +95,20 @@ def test_bad_prompts_and_stop_ids(model):
 
 def test_queue_full_raises_with_retry_after(model):
     s = Scheduler(model, parallel=1, max_queue=2)
-    s.submit([5, 6], SamplingParams(max_tokens=4))
-    s.submit([5, 6], SamplingParams(max_tokens=4))
+    for _ in range(3):                              # one for the free slot, two waiting
+        s.submit([5, 6], SamplingParams(max_tokens=4))
     with pytest.raises(QueueFullError, match="queue is full") as err:
         s.submit([5, 6], SamplingParams(max_tokens=4))
     assert err.value.retry_after > 0
-    assert s.stats()["queue_depth"] == 2
+    assert s.stats()["queue_depth"] == 3
+    s.step()                                        # the slot took one: still two waiting
+    with pytest.raises(QueueFullError):
+        s.submit([5, 6], SamplingParams(max_tokens=4))
+    no_wait = Scheduler(model, parallel=2, max_queue=0)
+    no_wait.submit([5], SamplingParams(max_tokens=2))
+    no_wait.submit([5], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        no_wait.submit([5], SamplingParams(max_tokens=2))
 
 
 def test_admission_counts_kv_bytes(model):
@@ -283,6 +291,25 @@ def test_forward_error_ends_the_requests_with_error(model, monkeypatch):
     evs = events(h)
     assert evs[-1].finish_reason == "error" and isinstance(h.error, RuntimeError)
     assert s.stats()["kv_bytes_in_use"] == 0 and not s.step()
+
+
+def test_nan_logits_end_that_request_only(model, monkeypatch):
+    s = Scheduler(model, parallel=2)
+    bad = s.submit([5, 6], SamplingParams(max_tokens=3, stop_ids=[]))
+    good = s.submit([7, 8], SamplingParams(max_tokens=3, stop_ids=[]))
+    fast = model.forward_ragged
+
+    def poisoned(segments, return_routing=False):
+        logits = fast(segments, return_routing)
+        logits[0] = np.nan                          # the first segment: bad's
+        return logits
+
+    monkeypatch.setattr(model, "forward_ragged", poisoned)
+    s.step()
+    monkeypatch.setattr(model, "forward_ragged", fast)
+    run_all(s)
+    assert bad.finish_reason == "error" and "NaN" in str(bad.error)
+    assert good.finish_reason == "length" and good.completion_tokens == 3
 
 
 def test_broken_on_event_cancels_its_request(model):
