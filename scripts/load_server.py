@@ -18,9 +18,10 @@ model when MODEL is omitted) and stops it at the end. Three phases, each bounded
   rename with a fresh copy of itself (a new inode, as `colibri convert --force` does).
   Expect 0 failures, and every response's chunks carrying exactly one model version (the
   `system_fingerprint` field).
-- drop: --drop clients open streams, read --drop-after chunks each and close their socket;
-  then /metrics is read until no slot is busy (at most --settle seconds). Expect slots idle
-  afterwards = slots total.
+- drop: --drop clients open streams (--drop-max-tokens each), read --drop-after chunks and
+  close their socket; then /metrics is read until no slot is busy (at most --settle
+  seconds). Expect slots idle afterwards = slots total, and far fewer tokens generated
+  (colibri_completion_tokens) than were asked for.
 
 Only the standard library: http.client over one connection per request.
 """
@@ -317,8 +318,9 @@ def phase_drop(target: Target, body: dict, args) -> bool:
     print(f"\n== drop: {args.drop} clients close their stream after {args.drop_after} "
           f"chunks", flush=True)
     results: list[Stream] = []
+    before = metric(read_metrics(target), "completion_tokens_total")
     threads = [threading.Thread(target=lambda: results.append(
-        stream_completion(target, dict(body, max_tokens=max(body["max_tokens"], 256)),
+        stream_completion(target, dict(body, max_tokens=args.drop_max_tokens),
                           drop_after=args.drop_after))) for _ in range(args.drop)]
     for t in threads:
         t.start()
@@ -333,8 +335,11 @@ def phase_drop(target: Target, body: dict, args) -> bool:
         if busy == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    generated = metric(m, "completion_tokens_total") - before
     print(f"dropped mid-stream: {dropped} of {args.drop}; slots idle afterwards "
-          f"{total - busy:.0f} of {total:.0f} (after {time.monotonic() - start:.1f} s)")
+          f"{total - busy:.0f} of {total:.0f} (after {time.monotonic() - start:.1f} s); "
+          f"tokens generated for them {generated:.0f} of the {args.drop * args.drop_max_tokens}"
+          f" asked for")
     return busy == 0
 
 
@@ -360,6 +365,8 @@ def parse_args(argv=None):
                         "started here)")
     p.add_argument("--drop", type=int, default=8)
     p.add_argument("--drop-after", type=int, default=2)
+    p.add_argument("--drop-max-tokens", type=int, default=256,
+                   help="max_tokens of the dropped streams (they end long before)")
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds to wait for the slots to be idle after the drops")
     p.add_argument("--parallel", type=int, default=4, help="slots of the started server")
@@ -419,3 +426,7 @@ def main(argv=None) -> int:
           f"{'passed' if ok else 'FAILED'}")
     return 0 if ok else 1
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())
