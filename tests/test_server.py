@@ -239,3 +239,16 @@ def test_concurrent_streams_share_the_batch_and_match_alone(shipped, model):
         return "".join(c.choices[0].text for c in chunks)
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(one, prompts)) == alone
+
+
+def test_extension_through_the_openai_client(shipped, model):
+    """The docs/server.md example: extra_body in, model_extra out."""
+    url, _ = shipped
+    r = client(url).completions.create(model="tiny-moe", prompt="import os", max_tokens=4,
+                                       temperature=0,
+                                       extra_body={"colibri": {"routing": True,
+                                                               "token_ids": True}})
+    ext = r.choices[0].model_extra["colibri"]
+    assert len(ext["token_ids"]) == len(ext["routing"]) == r.usage.completion_tokens
+    assert model.tokenizer.decode(ext["token_ids"]) == r.choices[0].text
+    assert r.model_extra["colibri"]["moe_layers"] == list(model.moe_layers)
