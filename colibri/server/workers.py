@@ -27,7 +27,7 @@ Why the workers inherit the parent's mapping rather than each mapping the file: 
 are in memory once either way (every mapping of the file, inherited or not, points at the
 same page-cache pages), but what the parent parsed before the fork (tensor table, metadata,
 tokenizer JSON) stays shared copy-on-write instead of being built again in each worker:
-measured, 4 workers take 7 MB less PSS per worker (docs/serving.md, scripts/measure_workers.py).
+measured, 4-7 MB less PSS per worker (docs/serving.md, scripts/measure_workers.py).
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _worker_main(settings: Settings, sock: socket.socket, file: ColibriFile | No
         app.add_middleware(WorkerHeader)
         serve(settings, sockets=[sock], app=app)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         traceback.print_exc()
         return 1
