@@ -2,6 +2,7 @@
 
     python scripts/measure_workers.py MODEL [--workers 1,4] [--tokens 16]      # engine only
     python scripts/measure_workers.py MODEL --serve [--workers 1,4] [--requests 16]
+    python scripts/measure_workers.py MODEL --spread [--workers 4] [--requests 48]
 
 Engine only (no server): the page cache is warmed with the whole file, then for each worker
 count N and each way of sharing the file:
@@ -15,6 +16,12 @@ figures are the sums over the parent and its children of Rss and Pss from
 --serve: `colibri serve MODEL --workers N` on a free loopback port, --requests streaming
 requests spread over --clients connections, then the same sums over the supervisor and its
 workers, and how many requests each worker answered (the x-colibri-worker header).
+
+--spread: how requests spread over N forked servers (ModelHolder + create_app + serve, the
+public API) listening either on one socket created before the fork and shared by all
+("shared") or each on its own SO_REUSEPORT socket of the same port ("reuseport"), for 1 and
+--clients concurrent clients sending --requests streaming requests: the requests each server
+answered (largest first) and the wall time.
 
 Figures are kB; PSS divides each shared page among the processes mapping it, so the PSS
 total is the memory the N processes really take together.
@@ -200,12 +207,97 @@ def measure_serve(args) -> None:
                 proc.kill()
 
 
+def spread_servers(model: str, n: int, sockets: str, port: int) -> list[int]:
+    """n forked servers of `model` on `port`: one shared listening socket, or one
+    SO_REUSEPORT socket each. Returns their pids."""
+    from colibri.server import ModelHolder, Settings, create_app, serve
+    from colibri.server.workers import WorkerHeader
+    settings = Settings(model=model, port=port, parallel=2, log_level="warning")
+    shared = None
+    if sockets == "shared":
+        shared = socket.socket()
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        shared.bind(("127.0.0.1", port))
+        shared.listen(2048)
+    pids = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            sock = shared
+            if sock is None:
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind(("127.0.0.1", port))
+                sock.listen(2048)
+            app = create_app(settings, ModelHolder(settings))
+            app.add_middleware(WorkerHeader)
+            serve(settings, sockets=[sock], app=app)
+            os._exit(0)
+        pids.append(pid)
+    if shared is not None:
+        shared.close()
+    return pids
+
+
+def measure_spread(args) -> None:
+    warm(args.model)
+    n = args.workers[-1]
+    body = {"prompt": "The hummingbird is", "max_tokens": args.tokens, "stream": True}
+    print(f"{'sockets':>9} {'clients':>7}  requests per server (largest first)  wall s")
+    for sockets in ("shared", "reuseport"):
+        for clients in (1, args.clients):
+            port = free_port()
+            pids = spread_servers(args.model, n, sockets, port)
+            try:
+                deadline = time.monotonic() + args.startup_timeout
+                while True:                       # every server up: ask until all answered
+                    try:
+                        seen = {request(port, dict(body, max_tokens=1)) for _ in range(4 * n)}
+                        if len(seen) == n:
+                            break
+                    except OSError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{n} servers did not come up")
+                    time.sleep(0.5)
+                counts: Counter = Counter()
+                lock = threading.Lock()
+                todo = list(range(args.requests))
+
+                def client() -> None:
+                    while True:
+                        with lock:
+                            if not todo:
+                                return
+                            todo.pop()
+                        w = request(port, body)
+                        with lock:
+                            counts[w] += 1
+
+                start = time.perf_counter()
+                threads = [threading.Thread(target=client) for _ in range(clients)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - start
+                print(f"{sockets:>9} {clients:>7}  {sorted(counts.values(), reverse=True)!s:<36}"
+                      f" {wall:.1f}", flush=True)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGTERM)
+                for pid in pids:
+                    os.waitpid(pid, 0)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--workers", default=[1, 4], type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--serve", action="store_true", help="measure `colibri serve --workers N`")
+    p.add_argument("--spread", action="store_true",
+                   help="requests per server: one shared socket vs SO_REUSEPORT")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--parallel", type=int, default=2)
@@ -221,6 +313,8 @@ def main(argv=None) -> int:
             stop(pids)
     elif args.serve:
         measure_serve(args)
+    elif args.spread:
+        measure_spread(args)
     else:
         measure_engine(args)
     return 0

@@ -11,9 +11,12 @@ The parent (a supervisor that serves nothing itself):
   the mapping, builds its Model and Scheduler from that mapping after the fork
   (ModelHolder(settings, file=...)) and runs the ordinary server on the socket
   (`serve(settings, sockets=[sock], app=...)`). The kernel hands each connection to
-  whichever worker's event loop accepts it first (one accept queue), so a worker busy with a
-  forward pass does not collect connections the others could serve. Responses carry the
-  answering worker's pid in the x-colibri-worker header;
+  whichever worker's event loop accepts it first (one accept queue). Measured against one
+  SO_REUSEPORT socket per worker (docs/serving.md): the same spread over the workers, for
+  one client or several; chosen because with one queue the connections waiting for a worker
+  that dies are accepted by the others (SO_REUSEPORT resets them), and a worker restarting
+  (loading its model) takes no connection before it can serve. Responses carry the
+  answering worker's pid in the X-Colibri-Worker header;
 - forwards SIGHUP / SIGUSR1 to every worker (each reloads the model file as a single server
   does) and then drops its own mapping: a worker started after a reload maps the file at
   the path itself, the one the others reloaded; on SIGTERM / SIGINT it stops them all
