@@ -186,6 +186,11 @@ def test_chat_stream_and_logprobs(chat_server):
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    two = list(c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=3, n=2,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert {ch.choices[0].index for ch in two if ch.choices} == {0, 1}
+    assert two[-1].choices == [] and two[-1].usage.completion_tokens <= 6
 
 
 def test_chat_without_template_is_a_400(shipped):

@@ -35,6 +35,12 @@ from .settings import Settings
 
 __all__ = ["create_app", "VERSION_HEADER"]
 
+log = logging.getLogger("colibri.server")
+
+VERSION_HEADER = "X-Colibri-Model-Version"
+DEFAULT_COMPLETION_TOKENS = 16            # the OpenAI default of /v1/completions
+_MAX_SEED = 2**63
+
 
 def _errors(*codes: int) -> dict:
     """The OpenAPI `responses` of a route: these statuses answer the error body."""
@@ -45,12 +51,6 @@ _GENERATION_ERRORS = _errors(400, 401, 404, 413, 422, 429, 500)
 _SSE = {"content": {"application/json": {}, "text/event-stream": {}},
         "description": "the response, or with stream: true the SSE chunks ending with "
                        "data: [DONE]"}
-
-log = logging.getLogger("colibri.server")
-
-VERSION_HEADER = "X-Colibri-Model-Version"
-DEFAULT_COMPLETION_TOKENS = 16            # the OpenAI default of /v1/completions
-_MAX_SEED = 2**63
 
 
 class _Route:
