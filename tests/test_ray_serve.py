@@ -149,9 +149,16 @@ def test_sigterm_shuts_serve_and_ray_down(ray_server):
         get(port, "/health")
 
 
-def test_serve_run_builder_checks_its_keys():
+def test_serve_run_builder_keys_reach_the_deployment():
     with pytest.raises(ValueError, match="unknown key.*colour"):
         build({"model": str(default_model_path()), "colour": "blue"})
-    app = build({"model": str(default_model_path()), "replicas": "2", "parallel": "3",
-                 "kv_budget": "64MiB"})
-    assert app is not None
+    d = build({"model": str(default_model_path()), "replicas": "2", "parallel": "3",
+               "max_queue": "5", "kv_budget": "64MiB", "threads": "2"})._bound_deployment
+    assert d.num_replicas == 2 and d.max_ongoing_requests == 3 + 5
+    assert d.ray_actor_options["num_cpus"] == 2
+    [settings] = d.init_args
+    assert settings["parallel"] == 3 and settings["kv_budget"] == 64 << 20
+    scaled = build({"model": str(default_model_path()), "min_replicas": "1",
+                    "max_replicas": "3", "target_ongoing_requests": "4"})._bound_deployment
+    auto = scaled._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 4.0)
