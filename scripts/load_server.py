@@ -212,17 +212,43 @@ def print_table(rows: list[tuple[str, dict]]) -> None:
             print(f"{'':>8} {n} x {err}")
 
 
-def read_metrics(target: Target) -> dict[str, float]:
-    """name -> value of the unlabelled samples of /metrics (labelled ones summed by name)."""
-    status, text = target.get("/metrics")
-    if status != 200:
-        raise RuntimeError(f"/metrics answered {status}: {text[:200]}")
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
-    return values
+def read_metrics(target: Target, workers: int = 1) -> dict[str, float]:
+    """name -> value of the unlabelled samples of /metrics (labelled ones summed by name),
+    summed over `workers` processes: /metrics is read until that many different pids
+    (X-Colibri-Worker) answered, since each worker counts for itself."""
+    by_worker: dict[str | None, dict[str, float]] = {}
+    # several connections open at once: a worker takes one connection after another only
+    # when they arrive together (one at a time, the idle worker that answered last wins)
+    for _ in range(10):
+        conns = [target.connect() for _ in range(4 * workers)]
+        try:
+            for conn in conns:
+                conn.connect()
+            for conn in conns:
+                conn.request("GET", "/metrics", headers=target.headers())
+            for conn in conns:
+                r = conn.getresponse()
+                text = r.read().decode("utf-8", "replace")
+                if r.status != 200:
+                    raise RuntimeError(f"/metrics answered {r.status}: {text[:200]}")
+                values: dict[str, float] = {}
+                for line in text.splitlines():
+                    m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+                    if m:
+                        values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+                by_worker[r.getheader(WORKER_HEADER)] = values
+        finally:
+            for conn in conns:
+                conn.close()
+        if len(by_worker) >= workers:
+            break
+    else:
+        raise RuntimeError(f"/metrics answered from {len(by_worker)} of {workers} workers")
+    total: dict[str, float] = {}
+    for values in by_worker.values():
+        for k, v in values.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def metric(values: dict[str, float], suffix: str) -> float:
@@ -318,7 +344,7 @@ def phase_drop(target: Target, body: dict, args) -> bool:
     print(f"\n== drop: {args.drop} clients close their stream after {args.drop_after} "
           f"chunks", flush=True)
     results: list[Stream] = []
-    before = metric(read_metrics(target), "completion_tokens_total")
+    before = metric(read_metrics(target, args.workers), "completion_tokens_total")
     threads = [threading.Thread(target=lambda: results.append(
         stream_completion(target, dict(body, max_tokens=args.drop_max_tokens),
                           drop_after=args.drop_after))) for _ in range(args.drop)]
@@ -330,7 +356,7 @@ def phase_drop(target: Target, body: dict, args) -> bool:
     deadline = time.monotonic() + args.settle
     start = time.monotonic()
     while True:
-        m = read_metrics(target)
+        m = read_metrics(target, args.workers)
         busy, total = metric(m, "slots_busy"), metric(m, "slots_total")
         if busy == 0 or time.monotonic() > deadline:
             break
@@ -370,7 +396,8 @@ def parse_args(argv=None):
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds to wait for the slots to be idle after the drops")
     p.add_argument("--parallel", type=int, default=4, help="slots of the started server")
-    p.add_argument("--workers", type=int, default=1, help="workers of the started server")
+    p.add_argument("--workers", type=int, default=1,
+                   help="workers of the started server (or of the one at --url)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for the started `colibri serve` (repeatable)")
     p.add_argument("--quiet-server", action="store_true", help="discard the server's logs")
