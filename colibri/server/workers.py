@@ -26,6 +26,9 @@ The parent (a supervisor that serves nothing itself):
   status 1 (a server that cannot start is not restarted forever);
 - writes --pid-file with its own pid (the one to signal) and removes it at exit.
 
+Without --threads each worker runs cores / N kernel threads (at least 1): N workers with
+all cores each would oversubscribe the machine.
+
 Why the workers inherit the parent's mapping rather than each mapping the file: the weights
 are in memory once either way (every mapping of the file, inherited or not, points at the
 same page-cache pages), but what the parent parsed before the fork (tensor table, metadata,
@@ -45,6 +48,7 @@ import traceback
 from dataclasses import replace
 
 from ..format import ColibriFile
+from ..runtime import default_threads
 from .app import create_app
 from .engine import ModelHolder
 from .run import log_config, serve
@@ -261,4 +265,8 @@ def run_workers(settings: Settings, workers: int, grace: float = 30.0) -> int:
     """Serve `settings` from `workers` processes behind one port; the exit status when all
     have stopped (0 after SIGTERM/SIGINT, 1 when workers could not start)."""
     logging.config.dictConfig(log_config(settings))     # the workers' log format
+    if settings.threads is None:
+        # each worker its share of the cores: N workers x all cores oversubscribe them
+        settings = replace(settings, threads=max(1, default_threads() // workers))
+        log.info("%d kernel threads per worker (--threads to choose)", settings.threads)
     return Supervisor(settings, workers, grace).run()
