@@ -159,6 +159,7 @@ def test_workers_share_the_port_reload_restart_and_stop(served):
     assert int(s.pid_file.read_text()) == s.proc.pid
     workers = s.workers()
     assert len(workers) == 2
+    assert any("kernel threads per worker" in line for line in s.log), "".join(s.log[:10])
 
     # requests spread over both workers, all on the same model version
     seen = seen_workers(s, {str(p) for p in workers})
