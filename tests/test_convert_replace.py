@@ -166,3 +166,16 @@ def test_writer_reports_what_it_removed(tmp_path):
     with w:
         w.write("x", np.zeros(4, np.float32))
     assert w.stale_removed == [str(stale)] and temp_files(tmp_path) == []
+
+
+def test_a_symlinked_destination_is_replaced_not_its_target(served):
+    """Converting onto a symlink renames the new file over the link; the file it pointed to
+    (maybe mapped by a server under its own name) is untouched."""
+    src, target = served
+    link = target.with_name("current.colibri")
+    link.symlink_to(target.name)
+    before = target.read_bytes()
+    convert(src, link, force=True, dtype="bf16", progress=False)
+    assert not link.is_symlink() and link.read_bytes() != before
+    assert target.read_bytes() == before
+    assert temp_files(target.parent) == []
