@@ -115,11 +115,12 @@ def build(args: dict[str, str]):
 def run(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,
         address: str | None = None, num_cpus: float | None = None) -> int:
     """`colibri serve --ray`: join the Ray cluster at `address` (None: start a local one,
-    bound to settings.host), serve the deployment through Ray's HTTP proxy on
-    settings.host:settings.port, and block until SIGTERM / SIGINT; then shut Serve down."""
+    without the dashboard), serve the deployment through Ray's HTTP proxy on
+    settings.host:settings.port, and block until SIGTERM / SIGINT; then shut Serve and Ray
+    down. (Ray's own services listen on all interfaces whatever is asked: Ray resolves a
+    loopback node address to the machine's address. docs/serving.md.)"""
     if address is None:
-        ray.init(include_dashboard=False, _node_ip_address=settings.host
-                 if settings.host not in ("0.0.0.0", "::") else None)
+        ray.init(include_dashboard=False)
     else:
         ray.init(address=address)
     stop = threading.Event()
