@@ -148,6 +148,19 @@ def children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
+def until_all_answer(port: int, n: int, body: dict, deadline: float) -> None:
+    """Send 1-token requests until n different workers answered (or fail at deadline)."""
+    while True:
+        try:
+            if len({request(port, dict(body, max_tokens=1)) for _ in range(4 * n)}) == n:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not all of {n} servers answered")
+        time.sleep(0.5)
+
+
 def measure_serve(args) -> None:
     warm(args.model)
     print(f"{'workers':>7} {'RSS kB':>10} {'PSS kB':>10} {'shared kB':>10} {'private kB':>10} "
@@ -174,6 +187,8 @@ def measure_serve(args) -> None:
                 time.sleep(0.5)
             body = {"prompt": "The hummingbird is small, fast and frugal.",
                     "max_tokens": args.tokens, "stream": True}
+            if n > 1:       # every worker ready (started and answering), not just one
+                until_all_answer(port, n, body, deadline)
             seen: Counter = Counter()
             lock = threading.Lock()
             todo = list(range(args.requests))
@@ -249,17 +264,7 @@ def measure_spread(args) -> None:
             port = free_port()
             pids = spread_servers(args.model, n, sockets, port)
             try:
-                deadline = time.monotonic() + args.startup_timeout
-                while True:                       # every server up: ask until all answered
-                    try:
-                        seen = {request(port, dict(body, max_tokens=1)) for _ in range(4 * n)}
-                        if len(seen) == n:
-                            break
-                    except OSError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{n} servers did not come up")
-                    time.sleep(0.5)
+                until_all_answer(port, n, body, time.monotonic() + args.startup_timeout)
                 counts: Counter = Counter()
                 lock = threading.Lock()
                 todo = list(range(args.requests))
