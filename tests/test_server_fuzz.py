@@ -2,9 +2,9 @@
 
 schemathesis generates requests from /openapi.json -- valid ones and, as hypothesis explores,
 ones with wrong types, out-of-range numbers, missing fields -- and sends each to a real
-`colibri serve` process (the shipped model, on loopback, with an api key so /admin/* is
-reachable). Every response must be a non-5xx answer; after the run the process must be
-alive, healthy and with every slot idle.
+`colibri serve --workers 2` (the shipped model, on loopback, with an api key so /admin/* is
+reachable). Every response must be a non-5xx answer and no worker may die (the same two
+worker pids throughout); after the run both workers must be healthy with every slot idle.
 
 Bounded: COLIBRI_FUZZ_EXAMPLES requests per operation (default 15: the CI setting, seconds);
 `COLIBRI_FUZZ_EXAMPLES=500 python -m pytest tests/test_server_fuzz.py` is the long run.
@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,22 +43,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+def get(url: str, timeout: float = 5.0) -> tuple[int, str, str | None]:
+    """(status, body, the answering worker's pid) of a GET."""
     req = urllib.request.Request(url, headers=AUTH)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
+            return r.status, r.read().decode(), r.headers.get("X-Colibri-Worker")
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        return e.code, e.read().decode(), e.headers.get("X-Colibri-Worker")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return sorted(int(x) for x in f.read().split())
+    except FileNotFoundError:
+        return []
 
 
 @pytest.fixture(scope="module")
 def server():
-    """(process, base url) of a `colibri serve` of the shipped model."""
+    """(supervisor process, base url, worker pids) of `colibri serve --workers 2` of the
+    shipped model."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "colibri", "serve", "--port", str(port), "--parallel", "2",
-         "--ctx", "256", "--max-queue", "8", "--api-key", API_KEY],
+         "--ctx", "256", "--max-queue", "8", "--api-key", API_KEY, "--workers", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -65,7 +76,7 @@ def server():
         if proc.poll() is not None:
             pytest.fail(f"colibri serve exited: {proc.stderr.read()[-2000:]}")
         try:
-            if get(f"{base}/health")[0] == 200:
+            if get(f"{base}/health")[0] == 200 and len(children(proc.pid)) == 2:
                 break
         except OSError:
             pass
@@ -73,7 +84,7 @@ def server():
             proc.kill()
             pytest.fail("colibri serve did not become healthy in 120 s")
         time.sleep(0.2)
-    yield proc, base
+    yield proc, base, children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -92,7 +103,7 @@ def operations(base: str) -> list:
 def test_no_input_gives_a_5xx(server, mode):
     """Every operation of the OpenAPI document, EXAMPLES generated requests each (valid
     bodies, or bodies that break the schema), against the real server."""
-    proc, base = server
+    proc, base, workers = server
     ops = operations(base)
     paths = {op.path for op in ops}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
@@ -109,7 +120,7 @@ def test_no_input_gives_a_5xx(server, mode):
             assert response.status_code < 500, (
                 f"{case.method} {case.path} -> {response.status_code}: "
                 f"{response.text[:500]}\nbody: {case.body!r}")
-            assert proc.poll() is None, "the server died"
+            assert proc.poll() is None and children(proc.pid) == workers, "a worker died"
         try:
             fuzz()
         except Unsatisfiable:
@@ -122,17 +133,21 @@ def test_no_input_gives_a_5xx(server, mode):
           f"({len(without_input)} without inputs to break)")
 
 
-def test_server_alive_and_idle_after_the_fuzzing(server):
-    proc, base = server
-    assert proc.poll() is None
-    assert get(f"{base}/health")[0] == 200
+def test_workers_alive_and_idle_after_the_fuzzing(server):
+    proc, base, workers = server
+    assert proc.poll() is None and children(proc.pid) == workers
     deadline = time.monotonic() + 30
-    while True:
-        status, text = get(f"{base}/metrics")
-        assert status == 200
-        busy = re.search(r"^colibri_slots_busy\S*\s+(\S+)", text, re.M)
-        assert busy, "no colibri_slots_busy in /metrics"
-        if float(busy.group(1)) == 0:
-            break
-        assert time.monotonic() < deadline, "slots still busy 30 s after the fuzzing"
-        time.sleep(0.2)
+    idle: set[str] = set()
+    while idle != {str(p) for p in workers}:
+        assert time.monotonic() < deadline, f"only workers {idle} idle 30 s after the fuzzing"
+        # several requests at once, so that both workers answer some
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: get(f"{base}/metrics"), range(8)))
+        for status, text, worker in answers:
+            assert status == 200
+            busy = re.search(r"^colibri_slots_busy\S*\s+(\S+)", text, re.M)
+            assert busy, "no colibri_slots_busy in /metrics"
+            if float(busy.group(1)) == 0:
+                idle.add(worker)
+        time.sleep(0.1)
+    assert get(f"{base}/health")[0] == 200
