@@ -148,7 +148,8 @@ def stream_completion(target: Target, body: dict, drop_after: int | None = None)
         conn.close()
 
 
-def run_clients(target: Target, body: dict, clients: int, duration: float) -> tuple[list[Stream], float]:
+def run_clients(target: Target, body: dict, clients: int,
+                duration: float) -> tuple[list[Stream], float]:
     """`clients` threads sending requests back to back until `duration` has passed (a request
     running at the deadline finishes). Returns (every stream, wall seconds)."""
     results: list[Stream] = []

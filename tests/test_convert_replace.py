@@ -23,8 +23,8 @@ import colibri
 from colibri.convert import convert
 from colibri.format import writer as writer_mod
 
-# Maps PATH (mmap, and colibri.load), prints "ready <sha256>", then hashes the mapping in a loop until stdin closes;
-# prints "done <iterations> <mismatches> <sha256 at the end>" and the logits of one forward.
+# Maps PATH (mmap, and colibri.load), prints "ready <sha256>", then hashes the mapping in a
+# loop until stdin closes; prints "done <iterations> <mismatches> <sha256 at the end>" and the logits of one forward.
 READER = textwrap.dedent("""
     import hashlib, mmap, sys, threading
     import numpy as np
