@@ -24,7 +24,8 @@ from colibri.convert import convert
 from colibri.format import writer as writer_mod
 
 # Maps PATH (mmap, and colibri.load), prints "ready <sha256>", then hashes the mapping in a
-# loop until stdin closes; prints "done <iterations> <mismatches> <sha256 at the end>" and the logits of one forward.
+# loop until stdin closes; prints "done <iterations> <mismatches> <sha256 at the end>
+# <1 if the logits of one forward are unchanged>".
 READER = textwrap.dedent("""
     import hashlib, mmap, sys, threading
     import numpy as np
