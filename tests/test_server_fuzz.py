@@ -62,14 +62,17 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """(supervisor process, base url, worker pids) of `colibri serve --workers 2` of the
-    shipped model."""
+    shipped model. It runs away from the checkout (a module fixture starts before
+    conftest's per-test chdir): `python -m colibri` there would import the source folder,
+    which has no compiled kernels when the package is installed from it."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "colibri", "serve", "--port", str(port), "--parallel", "2",
          "--ctx", "256", "--max-queue", "8", "--api-key", API_KEY, "--workers", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path_factory.mktemp("fuzz-server"))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
