@@ -11,7 +11,10 @@ Two stages:
 2. convert(): a ColibriWriter is planned from the TensorSpecs; then each tensor is read (one
    at a time, shard by shard), checked for non-finite values, encoded and written, and
    dropped. Peak memory is a small multiple of the largest tensor. The writer writes a temp
-   file beside DST and renames it at the end, so an interrupted conversion leaves no DST.
+   file beside DST and renames it at the end, so an interrupted conversion leaves no DST,
+   and converting onto a file a server maps is safe: DST is never opened for writing, the
+   server keeps the old inode's bytes until it reloads (format/writer.py), and the temp
+   files of killed conversions of the same DST are removed by the next one.
 
 Target dtype of each tensor:
 - norms, biases: f32. Routers and the shared-expert gate: `router_dtype` (f32 by default;

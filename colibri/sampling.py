@@ -82,7 +82,10 @@ def apply_repetition_penalty(logits: np.ndarray, history: Iterable[int] | np.nda
                          f"min {seen[0]}, max {seen[-1]}")
     out = np.array(x, dtype=np.float32, copy=True)
     s = out[seen]
-    out[seen] = np.where(s < 0, s * penalty, s / penalty)
+    # a penalty near 0 (5e-324 is > 0) makes a seen logit huge, not inf: softmax stays defined
+    big = np.finfo(np.float32).max
+    with np.errstate(over="ignore", divide="ignore"):
+        out[seen] = np.clip(np.where(s < 0, s * penalty, s / penalty), -big, big)
     return out
 
 

@@ -134,3 +134,13 @@ def test_sampler_rejects_nan_logits_and_bad_settings():
                dict(min_p=2.0), dict(repetition_penalty=0.0)]:
         with pytest.raises(ValueError):
             Sampler(**kw)
+
+
+def test_a_tiny_repetition_penalty_gives_huge_finite_logits():
+    """repetition_penalty 5e-324 (> 0, so allowed): the seen token's logit is divided into
+    float32's largest finite value, not inf, and sampling still picks a token (the seen one)."""
+    logits = np.array([1.0, 2.0, -3.0, 0.5], dtype=np.float32)
+    out = apply_repetition_penalty(logits, [0, 2], 5e-324)
+    assert np.isfinite(out).all()
+    assert out[0] == np.finfo(np.float32).max and out[1] == 2.0
+    assert Sampler(temperature=1.0, repetition_penalty=5e-324, seed=0)(logits, [0]) == 0

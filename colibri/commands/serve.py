@@ -64,6 +64,18 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of the server (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="server processes behind the one port, over one mapping of MODEL "
+                        "(default: %(default)s); SIGHUP/SIGUSR1 to the parent reload them "
+                        "all, a worker that dies is restarted")
+    p.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve (the ray extra): --replicas replicas, each "
+                        "mapping MODEL from its node's disk, behind Ray's HTTP proxy on "
+                        "--host:--port")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="Ray Serve replicas with --ray (default: %(default)s)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster to join with --ray (default: start a local one)")
     p.set_defaults(func=run)
 
 
@@ -85,5 +97,18 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ColibriError(f"colibri serve needs the server extra ({e.name} is missing): "
                            f"pip install 'colibri[server]'") from None
+    if args.workers < 1 or args.replicas < 1:
+        raise ColibriError(f"--workers {args.workers} / --replicas {args.replicas}: must be "
+                           f">= 1")
+    if args.ray:
+        try:
+            from ..server.ray_serve import run as run_on_ray   # the optional ray extra
+        except ImportError as e:
+            raise ColibriError(f"colibri serve --ray needs the ray extra ({e.name} is "
+                               f"missing): pip install 'colibri[ray]'") from None
+        return run_on_ray(settings, replicas=args.replicas, address=args.ray_address)
+    if args.workers > 1:
+        from ..server.workers import run_workers
+        return run_workers(settings, args.workers)
     serve(settings)
     return 0

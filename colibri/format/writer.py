@@ -2,6 +2,12 @@
 stream the tensors, then fsync and rename a temporary file onto the destination) and save()
 (one call for small files).
 
+The destination is never opened for writing: the bytes go to a temporary file in its folder
+that is renamed over it at the end (a new inode), so a process that maps the old file (a
+server) keeps reading the old bytes and never sees a truncated or half-written file (SIGBUS).
+Each writer holds an exclusive flock on its temporary file; the temporary files of writers
+that were killed hold none, and the next writer of the same destination removes them.
+
 The layout is docs/format.md §1: routers, then dense tensors, then the expert blocks (one
 page-aligned block per (layer, expert)), every tensor 64-aligned.
 """
@@ -10,9 +16,15 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
+
+try:
+    import fcntl
+except ImportError:  # no advisory locks (Windows): stale temporary files are left alone
+    fcntl = None
 
 import numpy as np
 
@@ -28,6 +40,52 @@ from .spec import (
 
 ROLES = ("router", "dense", "expert")
 _WRITE_CHUNK = 1 << 24  # bytes of input encoded and written at a time (bounds temporaries)
+_TEMP_INFIX = ".tmp-"
+_TEMP_TOKEN_BYTES = 4   # .NAME.tmp-<8 hex digits>
+
+
+def _temp_prefix(path: str | os.PathLike) -> tuple[str, str]:
+    """(folder, name prefix) of the temporary files that writers of `path` create."""
+    folder, base = os.path.split(os.path.abspath(os.fspath(path)))
+    return folder, f".{base}{_TEMP_INFIX}"
+
+
+def _is_temp_name(name: str, prefix: str) -> bool:
+    token = name[len(prefix):]
+    return (name.startswith(prefix) and len(token) == 2 * _TEMP_TOKEN_BYTES
+            and all(c in "0123456789abcdef" for c in token))
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[str]:
+    """Delete the temporary files that killed writers of `path` left beside it; return them.
+
+    Only files that no live writer holds (an exclusive flock, taken by ColibriWriter as soon
+    as it creates its file) are removed, so a conversion running in another process is safe.
+    """
+    if fcntl is None:
+        return []
+    folder, prefix = _temp_prefix(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(n for n in names if _is_temp_name(n, prefix)):
+        full = os.path.join(folder, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:             # gone already, or a symlink: not ours to delete
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_nlink and stat.S_ISREG(os.fstat(fd).st_mode):
+                os.unlink(full)
+                removed.append(full)
+        except OSError:             # held by a live writer (or vanished meanwhile)
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 @dataclass
@@ -108,8 +166,11 @@ class ColibriWriter:
     The layout is planned from the specs up front; header, table, expert index and metadata
     are written at once; the caller then streams tensors in any order with write(). finish()
     fills in the CRCs, checks that every tensor was written, fsyncs and renames the temp file
-    (.NAME.tmp-XXXX in the destination folder) onto the destination. On any exception inside
-    `with`, abort() deletes the temp file and the destination is untouched.
+    (.NAME.tmp-XXXXXXXX in the destination folder) onto the destination. On any exception
+    inside `with`, abort() deletes the temp file and the destination is untouched. The
+    destination itself is never opened for writing (see the module docstring); a replaced
+    destination's permission bits carry over to the new file. `stale_removed` lists the temp
+    files of killed writers of the same destination that the constructor deleted.
     """
 
     def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict,
@@ -130,18 +191,37 @@ class ColibriWriter:
             raise ValueError(f"n_layers {n_layers} / n_experts {n_experts} must fit in u32")
         self.n_layers, self.n_experts = n_layers, n_experts
         self._plan(list(specs), metadata)
-        folder, base = os.path.split(os.path.abspath(self.path))
-        tmp = os.path.join(folder, f".{base}.tmp-{secrets.token_hex(4)}")
-        self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                           0o666)
-        self._tmp = tmp
+        self.stale_removed = remove_stale_temps(self.path)
+        self._create_temp()
         try:
+            if overwrite and os.path.exists(self.path):
+                os.fchmod(self._fd, stat.S_IMODE(os.stat(self.path).st_mode))
             # Sized up front: the gaps between tensors read back as zeros (holes).
             os.ftruncate(self._fd, self.file_size)
             self._pwrite(self._preamble(), 0)
         except BaseException:
             self.abort()
             raise
+
+    def _create_temp(self) -> None:
+        """Create and lock a fresh temp file beside the destination."""
+        folder, prefix = _temp_prefix(self.path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        while True:
+            tmp = os.path.join(folder, prefix + secrets.token_hex(_TEMP_TOKEN_BYTES))
+            fd = os.open(tmp, flags, 0o666)
+            if fcntl is None:
+                break
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # Another writer's cleanup may have taken it between open and flock: the name must
+            # still be this file.
+            try:
+                if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._fd, self._tmp = fd, tmp
 
     # -- planning ----------------------------------------------------------------------
 
@@ -313,13 +393,15 @@ class ColibriWriter:
                 raise ColibriError(f"{self.path}: temp file is {size} bytes, expected "
                                    f"{self.file_size}")
             os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
             if not self.overwrite and os.path.lexists(self.path):
                 raise FileExistsError(f"{self.path}: appeared while writing (pass "
                                       f"overwrite=True to replace it)")
+            # Renamed while still open and locked, so no cleanup can take it first. A process
+            # mapping the old destination keeps the old inode's bytes.
             os.replace(self._tmp, self.path)
             self._tmp = None
+            os.close(self._fd)
+            self._fd = None
         except BaseException:
             self.abort()
             raise

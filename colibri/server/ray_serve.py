@@ -1,0 +1,139 @@
+"""colibri on Ray Serve: the same OpenAI routes, replicated over a Ray cluster.
+
+    colibri serve MODEL --ray [--replicas 2] [--port 8000]          # a local or joined cluster
+    serve run colibri.server.ray_serve:build model=/models/m.colibri replicas=2
+    serve deploy serve_config.yaml                                  # docs/serving.md has one
+
+Each replica is an ordinary colibri server inside a Ray actor: `ColibriDeployment` builds
+the FastAPI app with `create_app(settings)` when the replica starts (Ray's late-bound ingress,
+`__serve_build_asgi_app__`), and the app's lifespan opens the model file -- the path in the
+settings, read from the disk of the node the replica runs on (every node needs the file at
+that path; nothing is shipped through Ray's object store) -- and starts its scheduler. Ray's
+HTTP proxy on each node forwards /v1/completions, /v1/chat/completions, /v1/models, /health
+and /metrics to a replica (streaming responses pass through as they are produced).
+
+Autoscaling: give `autoscaling` (Ray's AutoscalingConfig fields) instead of a fixed replica
+count, for example {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests":
+parallel}: a replica holds `parallel` requests in its batch at once, so that many ongoing
+requests per replica is full use; `max_ongoing_requests` is set to parallel + max_queue,
+what a replica admits before it would answer 429 itself, so Ray queues the excess in front
+of the replicas instead. Replicas of one node share the model file's page cache, so more
+replicas on a node cost their KV caches and Python heaps, not more copies of the weights.
+
+Reloading: a new model version is rolled out the Ray way -- deploy again (`serve deploy`,
+or `serve.run` with the same name), and Ray replaces the replicas one by one while the old
+ones finish their requests. SIGHUP and POST /admin/reload reach one replica only, so they
+are not the way to reload a Ray deployment.
+
+ray is an optional dependency (the `ray` extra): this module imports it at the top, and
+nothing else in colibri imports this module unless --ray is given.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import asdict, replace
+from typing import Any
+
+import ray
+from ray import serve
+
+from .app import create_app
+from .settings import Settings, parse_bytes
+from .workers import WorkerHeader
+
+__all__ = ["ColibriDeployment", "deployment", "build", "run"]
+
+log = logging.getLogger("colibri.server.ray")
+
+DEPLOYMENT_NAME = "colibri"
+
+
+@serve.ingress()
+class ColibriDeployment:
+    """One replica: the colibri app over settings (a Settings, or its fields as a dict)."""
+
+    def __init__(self, settings: Settings | dict):
+        if isinstance(settings, dict):
+            settings = Settings(**settings)
+        # the replica serves behind Ray's proxy: it binds nothing and writes no pid file
+        self.settings = replace(settings, pid_file=None)
+
+    def __serve_build_asgi_app__(self):
+        """Called by Ray in the replica: the app, whose lifespan maps the model file."""
+        app = create_app(self.settings)
+        app.add_middleware(WorkerHeader)      # X-Colibri-Worker: the replica's pid
+        return app
+
+
+def deployment(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,
+               num_cpus: float | None = None):
+    """The bound Ray Serve application of `settings`: `replicas` replicas, or `autoscaling`
+    (a dict of Ray's AutoscalingConfig fields). num_cpus: the CPUs Ray reserves per replica
+    (default: settings.threads, else 1)."""
+    settings.check()
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "max_ongoing_requests": settings.parallel + settings.max_queue,
+        "ray_actor_options": {"num_cpus": num_cpus if num_cpus is not None
+                              else (settings.threads or 1)},
+        # a replica is healthy when its app answers; the model loads in the lifespan
+        "health_check_period_s": 10,
+    }
+    if autoscaling:
+        options["autoscaling_config"] = dict(autoscaling)
+    else:
+        options["num_replicas"] = replicas
+    return serve.deployment(ColibriDeployment).options(**options).bind(asdict(settings))
+
+
+def build(args: dict[str, str]):
+    """The `serve run colibri.server.ray_serve:build key=value ...` builder.
+
+    Keys: model (path on every node), replicas, parallel, ctx, kv_budget, max_queue,
+    threads, activations, api_key, model_name, min_replicas / max_replicas /
+    target_ongoing_requests (autoscaling instead of a fixed count), num_cpus."""
+    args = dict(args)
+    ints = ("parallel", "ctx", "max_queue", "threads", "prefill_chunk")
+    fields = {k: (int(v) if k in ints else v) for k, v in args.items()
+              if k in Settings.__dataclass_fields__}
+    if "kv_budget" in fields:
+        fields["kv_budget"] = parse_bytes(fields["kv_budget"])
+    autoscaling = {k: float(args[k]) if k == "target_ongoing_requests" else int(args[k])
+                   for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
+                   if k in args}
+    unknown = set(args) - set(fields) - set(autoscaling) - {"replicas", "num_cpus"}
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))} for "
+                         f"colibri.server.ray_serve:build")
+    return deployment(Settings(**fields), replicas=int(args.get("replicas", 1)),
+                      autoscaling=autoscaling or None,
+                      num_cpus=float(args["num_cpus"]) if "num_cpus" in args else None)
+
+
+def run(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,
+        address: str | None = None, num_cpus: float | None = None) -> int:
+    """`colibri serve --ray`: join the Ray cluster at `address` (None: start a local one,
+    without the dashboard), serve the deployment through Ray's HTTP proxy on
+    settings.host:settings.port, and block until SIGTERM / SIGINT; then shut Serve and Ray
+    down. (Ray's own services listen on all interfaces whatever is asked: Ray resolves a
+    loopback node address to the machine's address. docs/serving.md.)"""
+    if address is None:
+        ray.init(include_dashboard=False)
+    else:
+        ray.init(address=address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(deployment(settings, replicas, autoscaling, num_cpus),
+                  name=DEPLOYMENT_NAME, route_prefix="/")
+        log.info("colibri on Ray Serve: http://%s:%d (%s)", settings.host, settings.port,
+                 f"autoscaling {autoscaling}" if autoscaling else f"{replicas} replicas")
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
