@@ -26,7 +26,9 @@ def register(subparsers, parents=()) -> None:
                     "is scored; or sliding windows with --stride). With --kl-base, the same "
                     "windows also run through a base model (e.g. the f32 conversion of the same "
                     "checkpoint) and the KL divergence per token, the same-top-token rate and "
-                    f"the perplexity ratio say what the quantization cost. {SHIPPED_MODEL}")
+                    f"the perplexity ratio say what the quantization cost, and the routing "
+                    f"agreement per MoE layer (top-k set, top-1, router-weight error) whether "
+                    f"it changed which experts run. {SHIPPED_MODEL}")
     add_model_arg(p)
     p.add_argument("-f", "--file", required=True, metavar="FILE",
                    help="UTF-8 text file, or a .npy array of token ids")
@@ -37,7 +39,8 @@ def register(subparsers, parents=()) -> None:
                         "tokens no earlier window scored (default: off)")
     p.add_argument("--kl-base", metavar="BASE", default=None,
                    help="base .colibri file with the same tokenizer: report KL(base ‖ model), "
-                        "same-top-token rate and the perplexity ratio")
+                        "same-top-token rate, the perplexity ratio and, per MoE layer, how "
+                        "often both route to the same experts (docs/fidelity.md)")
     p.add_argument("-b", "--batch", type=int, default=1, metavar="B",
                    help="windows per forward pass (default: %(default)s)")
     add_threads_arg(p, "-t", "--threads")

@@ -7,11 +7,15 @@ ColibriFile, the engine never needs them.
     display     notebook HTML of Model, Trace and RoutingStats (`_repr_html_`)
     plot        matplotlib figures of routing (matplotlib optional)
     inspect     what is inside a .colibri file (`colibri inspect`)
-    perplexity  perplexity over a text, KL against a base model (`colibri perplexity`)
+    fidelity    routing of a quantized model against its base, per MoE layer (RoutingFidelity,
+                compare_routing, routing_fidelity)
+    perplexity  perplexity over a text, KL against a base model (`colibri perplexity`), and
+                the routing fidelity of the same passes
     bench       prompt and generation speed, llama-bench style (`colibri bench`)
 
 Imports run one way, downward: inspect at the bottom (over the file format), display over
 inspect, stats over display, trace over stats (and the engine), plot over trace and stats;
-bench over inspect and the engine, perplexity over the engine only. The engine imports none
-of them (Model._repr_html_ reaches display when a notebook asks).
+bench over inspect and the engine, fidelity over trace, perplexity over fidelity and the
+engine. The engine imports none of them (Model._repr_html_ reaches display when a notebook
+asks).
 """

@@ -24,7 +24,9 @@ Against a base model (the same windows through both): KL(base || model) per scor
 sum_v p_base(v) (log p_base(v) - log p_model(v)), its mean, median, 90/95/99/99.9 % quantiles
 and maximum; the same-top-token rate (argmax of both logits equal); and the perplexity ratio
 PPL(model) / PPL(base). Both models must share the tokenizer (the same tokenizer.json) and
-the vocabulary size.
+the vocabulary size. The same forward passes also return both models' routing, compared per
+MoE layer over every position of every window (`res.routing`, colibri.tools.fidelity: top-k set
+agreement, top-1 agreement, router-weight error).
 
 Shapes in the package's alphabet (colibri): B windows in a batch, S = ctx tokens each, V vocab;
 n scored tokens of a window, N of the whole text.
@@ -42,6 +44,8 @@ import numpy as np
 from ..errors import ColibriError
 from ..model import DEFAULT_ACTIVATIONS, Model
 from ..tokenizer import NoTokenizerError
+from .fidelity import RoutingFidelity, compare_routing, fidelity_rows
+from .trace import Trace
 
 __all__ = ["perplexity", "plan_windows", "PerplexityResult", "KLStats", "token_logprobs",
            "check_same_vocabulary", "format_markdown", "MIN_CTX"]
@@ -151,6 +155,7 @@ class PerplexityResult:
     windows: list[tuple[int, int]] = field(repr=False)
     nll: np.ndarray = field(repr=False)
     kl: KLStats | None = None
+    routing: RoutingFidelity | None = None      # with a base model that routes (MoE layers)
 
     @property
     def n_scored(self) -> int:
@@ -172,6 +177,7 @@ class PerplexityResult:
                "n_scored": self.n_scored, "ppl": self.ppl, "ppl_stderr": self.ppl_stderr,
                "nll_mean": float(self.nll.mean())}
         out["kl"] = self.kl.to_dict() if self.kl is not None else None
+        out["routing"] = self.routing.to_dict() if self.routing is not None else None
         return out
 
 
@@ -259,11 +265,19 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
         kl: list[np.ndarray] = []
         same: list[np.ndarray] = []
         base_nll: list[np.ndarray] = []
+        routes = b is not None and bool(m.moe_layers)
+        routing: RoutingFidelity | None = None
         for start in range(0, len(windows), batch):
             group = windows[start:start + batch]
             x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (B, S)
-            logits = m.forward(x)                                                  # (B, S, V)
-            blogits = b.forward(x) if b is not None else None
+            if routes:
+                logits, r_m = m.forward(x, return_routing=True)                    # (B, S, V)
+                blogits, r_b = b.forward(x, return_routing=True)
+                part = _compare(r_m, r_b, x.reshape(-1), m, b)
+                routing = part if routing is None else routing + part
+            else:
+                logits = m.forward(x)                                              # (B, S, V)
+                blogits = b.forward(x) if b is not None else None
             for j, (_, first) in enumerate(group):
                 targets = x[j, first:]                                             # (n,)
                 lp = token_logprobs(logits[j, first - 1:ctx - 1])                  # (n, V)
@@ -283,12 +297,24 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
             ppl_base = float(math.exp(bn.mean()))
             res.kl = KLStats(str(b.file.path), np.concatenate(kl),
                              float(np.concatenate(same).mean()), ppl_base, res.ppl / ppl_base)
+            if routing is not None:
+                routing.model, routing.base = res.model, res.kl.base
+            res.routing = routing
         return res
     finally:
         if own_m:
             m.close()
         if own_b:
             b.close()
+
+
+def _compare(r_m, r_b, ids: np.ndarray, m, b) -> RoutingFidelity:
+    """compare_routing of two forward passes' RoutingTraces over the same ids (B*S,)."""
+    try:
+        return compare_routing(Trace.from_routing(r_m, ids, n_experts=m.config.num_experts),
+                               Trace.from_routing(r_b, ids, n_experts=b.config.num_experts))
+    except ValueError as e:
+        raise ColibriError(f"{b.file.path} and {m.file.path}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,4 +358,7 @@ def format_markdown(res: PerplexityResult, source: str | None = None) -> str:
               *(_fmt(k.quantile(q)) for q in QUANTILES), _fmt(k.max), f"{100 * k.same_top:.2f}%",
               f"{k.ppl_ratio:.4f}"]],
             set(range(1, 10)))
+    if res.routing is not None:
+        title, header, rows = fidelity_rows(res.routing)
+        lines += ["", title, ""] + _md_table(header, rows, set(range(1, len(header))))
     return "\n".join(lines)
