@@ -287,7 +287,8 @@ class Model:
     def tokenizer(self):
         """The model's Tokenizer (built on first use from the embedded files), or None."""
         if not self._tokenizer_loaded:
-            self._tokenizer = tokenizer_from_files(self.file.tokenizer_files)
+            self._tokenizer = tokenizer_from_files(self.file.tokenizer_files,
+                                                   str(self.file.path))
             self._tokenizer_loaded = True
         return self._tokenizer
 
