@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,8 @@ from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
+from .guards import (ForeignCacheError, NonFiniteError, check_logits, check_positions,
+                     layer_nan_stage, warn_past_context)
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
@@ -48,7 +51,7 @@ from .ragged import forward_ragged
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
-from .runtime import Timings, blas_on_one_thread, default_threads
+from .runtime import MAX_THREADS, Timings, blas_on_one_thread, default_threads
 from .tokenizer import tokenizer_from_files
 from .weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 
@@ -122,13 +125,15 @@ class Model:
                  activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
                  mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
                  cache_mode: str = "arena", prefetch: str | None = None):
-        if threads is not None and (int(threads) != threads or threads < 1):
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(
+                threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS):
+            raise ValueError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
         if activations not in kernels.ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, "
                              f"got {activations!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
+        self._identity = self.file.identity        # what a KVCache is tagged with (guards)
         self.threads = int(threads) if threads is not None else default_threads()
         c = self.config = self.file.model_config   # typed geometry (colibri.config.ModelConfig)
         self.hf_config = self.file.config         # the checkpoint's config.json, as converted
@@ -305,8 +310,14 @@ class Model:
         """
         if ctx is None:
             ctx = min(self.max_context, DEFAULT_MAX_CTX)
+        for name, val in (("ctx", ctx), ("batch", batch)):
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"new_cache: {name} must be a positive integer, got {val!r}")
         n_layers, heads, k_dim, v_dim = self._cache_dims
-        return KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
+        cache = KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
+        cache.owner = self._identity
+        warn_past_context(self, int(ctx) - 1, f"a KV cache of ctx {ctx}")
+        return cache
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Embedding rows of ids int (B, S) -> float32 (B, S, D); only those rows are decoded."""
@@ -391,6 +402,12 @@ class Model:
             if dims != self._cache_dims:
                 raise ValueError(f"cache made for (layers, kv heads, head dim, value dim) = "
                                  f"{dims}, model has {self._cache_dims}")
+            if cache.owner is None:
+                cache.owner = self._identity
+            elif cache.owner != self._identity:
+                raise ForeignCacheError(f"this KV cache holds keys and values of another model "
+                                        f"file (identity {cache.owner}), not of "
+                                        f"{self.file.path}; make one with model.new_cache()")
             cache.check_room(S)
             past = cache.length
         if attention_mask is None:
@@ -416,17 +433,9 @@ class Model:
                 pos = start[:, None] + np.cumsum(valid, axis=1) - 1
                 pos = np.maximum(pos, 0)
         else:
-            p = np.asarray(positions)
-            if p.dtype.kind not in "iu":
-                raise ValueError(f"positions must be integers, got dtype {p.dtype}")
-            if p.ndim == 1:
-                p = np.broadcast_to(p, (B, p.shape[0]))
-            if p.shape != (B, S):
-                raise ValueError(f"positions must have shape ({S},) or ({B}, {S}), got "
-                                 f"{np.asarray(positions).shape}")
-            if p.size and int(p.min()) < 0:
-                raise ValueError(f"positions must be >= 0, got min {int(p.min())}")
-            pos = p.astype(np.int64)
+            pos = check_positions(positions, B, S)
+        if pos.size:
+            warn_past_context(self, int(pos.max()), "the input")
         return data, squeeze, valid, pos
 
     # -- forward ----------------------------------------------------------------------------------
@@ -439,10 +448,15 @@ class Model:
         last_only: compute the head for the last position only (logits (B, 1, V) / (1, V)),
         which is all a generation step needs.
         """
-        if type(cache) is KVCache and input_embeds is None and attention_mask is None:
-            out = self._decode_call(input_ids, cache, positions, return_routing)
-            if out is not None:
-                return out
+        if type(cache) is KVCache:
+            with cache.claim():                 # one forward pass per cache at a time
+                if input_embeds is None and attention_mask is None:
+                    out = self._decode_call(input_ids, cache, positions, return_routing)
+                    if out is not None:
+                        return out
+                with blas_on_one_thread():
+                    return self._forward(input_ids, cache, positions, return_routing,
+                                         input_embeds, attention_mask, last_only)
         with blas_on_one_thread():
             return self._forward(input_ids, cache, positions, return_routing, input_embeds,
                                  attention_mask, last_only)
@@ -460,6 +474,7 @@ class Model:
         ids = input_ids
         if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
                 or ids.dtype.kind not in "iu" or cache.batch != 1 or cache.length >= cache.ctx
+                or cache.owner is not self._identity
                 or (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
                 != self._cache_dims):
             return None
@@ -511,7 +526,13 @@ class Model:
                 _norm_rows(h, layer.ffn_norm, eps, xf)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+                try:
+                    y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+                except ValueError as e:
+                    if "NaN" not in str(e):
+                        raise
+                    raise NonFiniteError(f"NaN in the forward pass, from "
+                                         f"{layer_nan_stage(i, xa, o, xf)}") from None
                 if trace is not None:
                     trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
             else:
@@ -527,6 +548,7 @@ class Model:
             _norm_rows(h, self.final_norm, eps, xa)
         self._head(xa, logits)
         self._scale_logits(logits)
+        check_logits(logits, self.n_layers, h, xa)
         tm.add("head", t0)
         cache.commit_one(position)
         return logits
@@ -585,7 +607,13 @@ class Model:
             x = self._norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps).reshape(B * S, D)  # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(x, tm)
+                try:
+                    y, ids, wts, gate = layer.ffn(x, tm)
+                except ValueError as e:
+                    if "NaN" not in str(e):
+                        raise
+                    raise NonFiniteError(f"NaN in the forward pass, from "
+                                         f"{layer_nan_stage(i, a, o, x)}") from None
                 if trace is not None:
                     trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
             else:
@@ -594,13 +622,14 @@ class Model:
             t0 = time.perf_counter()
         if last_only:
             h = h[:, -1:]
-        h = self._norm(h, self.final_norm, self.final_norm_bias, eps)
-        n = h.shape[1]
-        logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
+        hn = self._norm(h, self.final_norm, self.final_norm_bias, eps)
+        n = hn.shape[1]
+        logits = kernels.linear(np.ascontiguousarray(hn.reshape(B * n, D)), self.head,
                                 self.head_bias, threads=self.threads,
                                 activations=self.activations
                                 ).reshape(B, n, self.config.vocab_size)
         self._scale_logits(logits)
+        check_logits(logits, self.n_layers, h, hn)
         tm.add("head", t0)
         if cache is not None:
             cache.commit(valid, pos)
@@ -617,7 +646,14 @@ class Model:
         advances by its S_i tokens. Each row gets the values of its own forward through its
         cache (up to the projections' summation order: kernels.linear's GEMM path).
         """
-        return forward_ragged(self, segments, return_routing)
+        with ExitStack() as held:                 # every cache claimed, as forward does
+            claimed = set()                       # (a cache given twice: check_segments says)
+            for seg in segments if isinstance(segments, (list, tuple)) else ():
+                if isinstance(seg, (list, tuple)) and len(seg) == 2 \
+                        and type(seg[0]) is KVCache and id(seg[0]) not in claimed:
+                    claimed.add(id(seg[0]))
+                    held.enter_context(seg[0].claim())
+            return forward_ragged(self, segments, return_routing)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
