@@ -34,6 +34,9 @@ from .routing import RoutingTrace
 from .sampling import Sampler
 from .tools.stats import RoutingStats
 from .tools.trace import Trace, iter_trace, routing_stats, trace
+from .runtime import reserve_blas_buffer
+
+reserve_blas_buffer()       # under RLIMIT_AS: OpenBLAS's buffer mapped now, or a clean error
 
 
 __all__ = [

@@ -32,6 +32,7 @@ from typing import Any
 
 from .chat_template import render_chat_template
 from .errors import ColibriError
+from .resources import TOKENIZER_ADDRESS_SPACE, check_allocation
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "NoTokenizerError", "TokenizerError",
            "tokenizer_from_files", "check_tokenizer", "MAX_TEXT_CHARS"]
@@ -39,6 +40,8 @@ __all__ = ["Tokenizer", "IncrementalDecoder", "NoTokenizerError", "TokenizerErro
 # Longest text encode() takes unless told otherwise: ~2 s of tokenizing on one core (1M
 # characters of English ~ 0.45M tokens, more than any context colibri runs)
 MAX_TEXT_CHARS = 1_000_000
+# address space an encode may take (offsets, pre-token strings, ids on the Rust side)
+_ENCODE_BYTES, _ENCODE_BYTES_PER_CHAR = 16 << 20, 256
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
@@ -181,6 +184,9 @@ class Tokenizer:
         if gen is not None and not isinstance(gen, dict):
             raise TokenizerError(f"{source}: generation_config.json must hold an object, "
                                  f"found {type(gen).__name__}")
+        # the Rust side aborts the process when an allocation fails: size it first
+        check_allocation(TOKENIZER_ADDRESS_SPACE, f"{source}: building the tokenizer",
+                         resident=False)
         return cls(_guarded(source, "being built", _build_hf, files, source), gen, source)
 
     # -- ids <-> text ------------------------------------------------------------------------
@@ -194,6 +200,8 @@ class Tokenizer:
         model's context (for callers that cut it into windows). max_chars: longer texts are
         a TokenizerError before any work (None: no limit, for a corpus the caller chose)."""
         _check_text(text, "the text", max_chars)
+        check_allocation(_ENCODE_BYTES + _ENCODE_BYTES_PER_CHAR * len(text),
+                         f"tokenizing a text of {len(text)} characters", resident=False)
         return list(_guarded(self.source, "encoding a text", self.hf.encode, text,
                              add_special_tokens=add_special_tokens, verbose=verbose))
 

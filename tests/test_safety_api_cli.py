@@ -33,18 +33,11 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *fragments: str) -> st
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def fifo(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fifo") / "model.colibri"
-    os.mkfifo(path)
-    return path
-
-
 CASES = {
     "empty prompt": (["generate", MODEL, "-p", ""], ["prompt is empty"]),
     "blank prompt": (["generate", MODEL, "-p", "   "], ["prompt is empty"]),
     "threads 999": (["generate", MODEL, "-p", "hi", "--threads", "999"], ["--threads", "999"]),
-    "threads 0": (["generate", MODEL, "-p", "hi", "-t", "0"], ["--threads"]),
+    "threads 0": (["generate", MODEL, "-p", "hi", "--threads", "0"], ["--threads"]),
     "bench threads list": (["bench", MODEL, "--threads", "1,999"], ["999"]),
     "non-UTF-8 prompt": (["generate", MODEL, "-p", b"caf\xe9"], ["not valid UTF-8", "xe9"]),
     "surrogate in meta": (["convert", "in", "out", "--meta", b"k=\xed\xa0\x80"],
@@ -64,10 +57,6 @@ CASES = {
 def test_bad_input_is_one_line_and_exit_2(name):
     argv, fragments = CASES[name]
     assert_one_line_error(colibri(*argv), *fragments)
-
-
-def test_a_fifo_as_model_does_not_hang(fifo):
-    assert_one_line_error(colibri("inspect", str(fifo)), str(fifo))
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
