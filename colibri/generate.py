@@ -21,6 +21,7 @@ import numpy as np
 from .batching import SamplingParams, Scheduler, TokenEvent
 from .errors import ColibriError
 from .kv_cache import KVCache
+from .resources import ResourceError
 from .sampling import Sampler
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
@@ -109,7 +110,11 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = n_prompt
     if cache is None:
-        cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
+        try:
+            cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
+        except ResourceError as e:             # say which argument asked for the size
+            raise ResourceError(f"a prompt of {n_prompt} tokens and max_new_tokens="
+                                f"{max_new_tokens}: {e}") from None
     stops = set(int(s) for s in stop_ids)
     model.timings.reset()
     t0 = time.perf_counter()

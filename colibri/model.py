@@ -41,8 +41,8 @@ from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
-from .guards import (ForeignCacheError, NonFiniteError, check_logits, check_positions,
-                     layer_nan_stage, warn_past_context)
+from .guards import NonFiniteError, check_logits, layer_nan_stage, warn_past_context
+from .inputs import check_inputs
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
@@ -351,93 +351,6 @@ class Model:
             state = cache.scratch["decode"] = RunState(*self._state_key)
         return state
 
-    # -- input checking -------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, input_embeds, cache, positions, attention_mask):
-        """-> (x float32 (B, S, D) or ids int64 (B, S), squeeze, valid (B, S), positions (B, S))."""
-        if (input_ids is None) == (input_embeds is None):
-            raise ValueError("give exactly one of input_ids and input_embeds")
-        if input_ids is not None:
-            ids = np.asarray(input_ids)
-            if ids.dtype == object or ids.dtype.kind not in "iu":
-                raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
-            if ids.ndim not in (1, 2):
-                raise ValueError(f"input_ids must have shape (S,) or (B, S), got ndim {ids.ndim} "
-                                 f"(shape {ids.shape})")
-            squeeze = ids.ndim == 1
-            ids = ids.reshape(1, -1) if squeeze else ids
-            if ids.size == 0:
-                raise ValueError(f"input_ids is empty (shape {np.asarray(input_ids).shape})")
-            if ids.size == 1:                                  # a decode step: no reductions
-                lo = hi = int(ids.reshape(-1)[0])
-            else:
-                lo, hi = int(ids.min()), int(ids.max())
-            V = self.config.vocab_size
-            if lo < 0 or hi >= V:
-                raise ValueError(f"input_ids out of range [0, {V}): "
-                                 f"min {lo}, max {hi} (vocab_size {V})")
-            data = ids.astype(np.int64, copy=False)
-        else:
-            x = np.asarray(input_embeds)
-            if x.dtype.kind != "f":
-                raise ValueError(f"input_embeds must be floating point, got dtype {x.dtype}")
-            D = self.config.hidden_size
-            if x.ndim not in (2, 3) or x.shape[-1] != D:
-                raise ValueError(f"input_embeds must have shape (S, {D}) or (B, S, {D}), "
-                                 f"got {x.shape}")
-            squeeze = x.ndim == 2
-            x = x[None] if squeeze else x
-            if x.shape[1] == 0:
-                raise ValueError("input_embeds has no tokens (S = 0)")
-            if not np.isfinite(x).all():
-                raise ValueError(f"input_embeds holds {int((~np.isfinite(x)).sum())} non-finite values")
-            data = np.ascontiguousarray(x, dtype=np.float32)
-        B, S = data.shape[:2]
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise ValueError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
-            if cache.batch != B:
-                raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
-            dims = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
-            if dims != self._cache_dims:
-                raise ValueError(f"cache made for (layers, kv heads, head dim, value dim) = "
-                                 f"{dims}, model has {self._cache_dims}")
-            if cache.owner is None:
-                cache.owner = self._identity
-            elif cache.owner != self._identity:
-                raise ForeignCacheError(f"this KV cache holds keys and values of another model "
-                                        f"file (identity {cache.owner}), not of "
-                                        f"{self.file.path}; make one with model.new_cache()")
-            cache.check_room(S)
-            past = cache.length
-        if attention_mask is None:
-            valid = np.ones((B, S), dtype=bool)
-        else:
-            m = np.asarray(attention_mask)
-            if m.ndim == 1 and squeeze:
-                m = m[None]
-            if m.ndim != 2 or m.shape[0] != B or m.shape[1] not in (S, past + S):
-                raise ValueError(f"attention_mask must have shape ({B}, {S}) or ({B}, {past + S}) "
-                                 f"(past {past} + new {S}), got {np.asarray(attention_mask).shape}")
-            if not np.isin(m, (0, 1)).all():
-                raise ValueError("attention_mask must hold only 0 and 1 (or booleans)")
-            m = m.astype(bool)
-            if m.shape[1] == past + S and past and not np.array_equal(m[:, :past], cache.valid[:, :past]):
-                raise ValueError("attention_mask's first columns disagree with the padding already in the cache")
-            valid = m[:, -S:]
-        if positions is None:
-            start = cache.next_positions() if cache is not None else np.zeros(B, np.int64)
-            if S == 1 and attention_mask is None:             # one real token each: its start
-                pos = start[:, None]
-            else:
-                pos = start[:, None] + np.cumsum(valid, axis=1) - 1
-                pos = np.maximum(pos, 0)
-        else:
-            pos = check_positions(positions, B, S)
-        if pos.size:
-            warn_past_context(self, int(pos.max()), "the input")
-        return data, squeeze, valid, pos
-
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids=None, cache: KVCache | None = None, positions=None,
                 return_routing: bool = False, input_embeds=None, attention_mask=None,
@@ -557,8 +470,8 @@ class Model:
                  attention_mask, last_only):
         """forward after the input checks: the decode step when the call is one, else the
         general path."""
-        data, squeeze, valid, pos = self._check_inputs(input_ids, input_embeds, cache,
-                                                       positions, attention_mask)
+        data, squeeze, valid, pos = check_inputs(self, input_ids, input_embeds, cache,
+                                                 positions, attention_mask)
         trace = RoutingTrace([], [], []) if return_routing else None
         B, S = valid.shape
         if (B == 1 and S == 1 and cache is not None and valid[0, 0]
