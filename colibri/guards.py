@@ -68,7 +68,7 @@ def warn_past_context(model, last: int, what: str) -> None:
     model._warned_context = True
     warnings.warn(f"{what} reaches position {last}, past this model's "
                   f"max_position_embeddings {limit}: its output may degrade there",
-                  stacklevel=4)
+                  stacklevel=3)
 
 
 def _nan(x) -> bool:
