@@ -131,6 +131,13 @@ class Model:
         if activations not in kernels.ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, "
                              f"got {activations!r}")
+        if not isinstance(file, (str, os.PathLike, ColibriFile)):
+            raise TypeError(f"the model must be a path (str or os.PathLike) or a ColibriFile, "
+                            f"got {type(file).__name__}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(
+                memory_budget, (int, np.integer)) or memory_budget < 0):
+            raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
+                             f"{memory_budget!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
         self._identity = self.file.identity        # what a KVCache is tagged with (guards)

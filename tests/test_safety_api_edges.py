@@ -223,3 +223,16 @@ def test_nan_is_named_by_its_stage(tmp_path, tensor, row, stage, path):
     if "router" not in stage:
         assert "router" not in str(e.value)
     m.close()
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda m: colibri.load(123), TypeError, "the model must be a path"),
+    (lambda m: colibri.load(memory_budget="6G"), ValueError, "memory_budget must be None"),
+    (lambda m: colibri.load(memory_budget=-1), ValueError, "memory_budget must be None"),
+    (lambda m: colibri.load(threads=2.5), ValueError, "threads must be an integer in 1..127"),
+    (lambda m: m.generate([1, 2], max_new_tokens=2, stop={"a": 1}), TypeError, "stop must be"),
+    (lambda m: m.generate([1, 2], max_new_tokens=2, stop=[True]), ValueError, "stop must be"),
+])
+def test_other_public_calls_name_the_argument(model, call, error, words):
+    with pytest.raises(error, match=words):
+        call(model)
