@@ -140,7 +140,6 @@ class Model:
                              f"{memory_budget!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
-        self._identity = self.file.identity        # what a KVCache is tagged with (guards)
         self.threads = int(threads) if threads is not None else default_threads()
         c = self.config = self.file.model_config   # typed geometry (colibri.config.ModelConfig)
         self.hf_config = self.file.config         # the checkpoint's config.json, as converted
@@ -153,6 +152,7 @@ class Model:
         self.eps = c.rms_norm_eps
         self.moe_layers = list(c.moe_layer_ids)
         self.timings = Timings()
+        self._identity = self.file.identity        # what a KVCache is tagged with (guards)
         self.last_stats = None          # GenerationStats of the last generate() call
         self._tokenizer = None
         self._tokenizer_loaded = False
