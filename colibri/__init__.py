@@ -21,6 +21,10 @@ docs/architecture.md draws the layers and the path of one token through them.
 __version__ = "0.1.0"   # before the imports: submodules read it
 
 from .errors import ColibriError, ColibriFormatError
+from .resources import check_import_headroom
+
+check_import_headroom()     # before NumPy: OpenBLAS would end the process under a tight RLIMIT_AS
+
 from .format import ColibriFile, open
 from .convert import convert   # binds the function, not the module, to colibri.convert
 from .api import default_model_path, forward, generate, load, stream
@@ -30,6 +34,9 @@ from .routing import RoutingTrace
 from .sampling import Sampler
 from .tools.stats import RoutingStats
 from .tools.trace import Trace, iter_trace, routing_stats, trace
+from .runtime import reserve_blas_buffer
+
+reserve_blas_buffer()       # under RLIMIT_AS: OpenBLAS's buffer mapped now, or a clean error
 
 
 __all__ = [

@@ -3,8 +3,11 @@
 Each module exposes `register(subparsers)`, which adds its parser and sets `func(args) -> int`;
 the arguments several commands take (MODEL with the shipped model as default, --threads,
 --activations, --ctx, --seed, -o) and opening the model come from commands/common.py.
-Errors a user can cause (bad arguments, a missing file, a ColibriError) print one line
-`colibri <cmd>: error: ...` on stderr and exit 2; `--debug` shows the traceback instead.
+Errors a user can cause (bad arguments, an argument that is not UTF-8, a missing file, a
+ColibriError, a ValueError/TypeError naming an argument, a MemoryError) print one line
+`colibri <cmd>: error: ...` on stderr and exit 2; anything else is one line `colibri <cmd>:
+internal error: ...` and exit 1; `--debug` (before or after the command) shows the traceback
+instead.
 """
 from __future__ import annotations
 
@@ -53,8 +56,30 @@ def _one_line_warnings(prog: str) -> None:
     warnings.showwarning = show
 
 
+def _not_utf8(argv: Sequence[str]) -> str | None:
+    """The message for the first argument that is not valid UTF-8, or None. Python gives
+    undecodable bytes of the command line as lone surrogates (PEP 383); no text handling
+    below can take them."""
+    for i, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            try:                            # the bytes as they came, when they were bytes
+                shown = repr(arg.encode("utf-8", "surrogateescape"))
+            except UnicodeEncodeError:      # a lone surrogate that was never a byte
+                shown = ascii(arg)
+            return (f"argument {i} ({shown[:80]}) is not valid UTF-8 (at character "
+                    f"{e.start}); give text as UTF-8")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status (also when called from tests)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bad = _not_utf8(argv)
+    if bad is not None:
+        print(f"colibri: error: {bad}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:   # reported by the subcommand's parser, so the message names the command
@@ -79,11 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout is pointed at devnull so the interpreter's final flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ColibriError, OSError) as e:
+    except (ColibriError, OSError, ValueError, TypeError, MemoryError) as e:
         msg = str(e) if not isinstance(e, OSError) or not e.filename else \
             f"{e.filename}: {e.strerror or e}"
-        print(f"{prog}: error: {' '.join(msg.split())}", file=sys.stderr)
+        if isinstance(e, MemoryError):
+            msg = f"out of memory{': ' + msg if msg else ''}"
+        print(f"{prog}: error: {' '.join(msg.split()) or type(e).__name__}", file=sys.stderr)
         return 2
+    except Exception as e:                  # noqa: BLE001 - a bug: still one line, --debug for more
+        print(f"{prog}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "
+              f"(run with --debug for the traceback)", file=sys.stderr)
+        return 1
     finally:
         warnings.showwarning = saved
 

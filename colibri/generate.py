@@ -21,6 +21,7 @@ import numpy as np
 from .batching import SamplingParams, Scheduler, TokenEvent
 from .errors import ColibriError
 from .kv_cache import KVCache
+from .resources import ResourceError
 from .sampling import Sampler
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
@@ -109,7 +110,11 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = n_prompt
     if cache is None:
-        cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
+        try:
+            cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
+        except ResourceError as e:             # say which argument asked for the size
+            raise ResourceError(f"a prompt of {n_prompt} tokens and max_new_tokens="
+                                f"{max_new_tokens}: {e}") from None
     stops = set(int(s) for s in stop_ids)
     model.timings.reset()
     t0 = time.perf_counter()
@@ -168,7 +173,13 @@ def prompt_ids(model, prompt_or_ids, chat: bool = False) -> tuple[list[int], boo
         return tok.encode(prompt_or_ids), True
     if chat:
         raise ValueError("chat=True needs a text prompt or a list of messages, not token ids")
+    if prompt_or_ids is None or isinstance(prompt_or_ids, (bytes, dict, set)):
+        raise TypeError(f"the prompt must be text, chat messages or token ids, got "
+                        f"{type(prompt_or_ids).__name__}")
     ids = np.asarray(prompt_or_ids)
+    if ids.size == 0:
+        raise ValueError(f"the prompt is empty (shape {ids.shape}): give at least one token "
+                         f"id or some text")
     if ids.dtype.kind not in "iu":
         raise ValueError(f"prompt ids must be integers, got dtype {ids.dtype}")
     if ids.ndim == 2 and ids.shape[0] == 1:
@@ -222,6 +233,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     and input_embeds need one prompt (Scheduler with SamplingParams(return_routing=True)
     gives a batch's routing).
     """
+    _check_lengths(max_new_tokens, ctx)
     if is_batch(prompt_or_ids):
         if return_routing or input_embeds is not None:
             raise ValueError("return_routing and input_embeds work with one prompt; for a "
@@ -269,6 +281,18 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     if is_text:
         return "".join(s.text for s in it)
     return np.fromiter((s.token for s in it), dtype=np.int64)
+
+
+def _check_lengths(max_new_tokens, ctx) -> None:
+    """TypeError / ValueError naming max_new_tokens or ctx when not an integer in range (a
+    float such as 2.5 is refused, not carried into the cache size)."""
+    for name, value, low in (("max_new_tokens", max_new_tokens, 0), ("ctx", ctx, 1)):
+        if value is None and name == "ctx":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def _with_text(model, steps: Iterator[Step], prompt: list[int], stop_texts: list[str],

@@ -20,9 +20,13 @@ Shapes as in the package docstring (P cache slots, S new tokens per sequence).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .errors import ColibriError
+from .guards import CacheBusyError
+from .resources import check_allocation
 
 __all__ = ["KVCache", "CacheOverflowError", "DEFAULT_MAX_CTX"]
 
@@ -36,13 +40,30 @@ class CacheOverflowError(ColibriError, ValueError):
     """Appending the new tokens would run past the cache's context length."""
 
 
+class _Held:
+    """A lock already acquired, released when the `with` block ends."""
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: threading.Lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
 class KVCache:
     """Keys and values of every layer for a batch of B sequences, P = ctx slots each.
 
     Attributes: k, v (lists over layers of float32 (B, Hkv, P, Dh) and (B, Hkv, P, Dv), Dv =
     value_dim, head_dim unless given); valid (B, P) bool;
     pos (B, P) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
-    scratch (a dict in which the model keeps the decode step's RunState, see Model.forward).
+    scratch (a dict in which the model keeps the decode step's RunState, see Model.forward);
+    owner (the identity of the model file that first used it, None before; colibri.guards).
+    The arrays are sized before they are made: a cache that cannot fit the memory available
+    is a ResourceError stating the bytes (colibri.resources).
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int,
@@ -50,10 +71,16 @@ class KVCache:
         value_dim = head_dim if value_dim is None else value_dim
         for name, val in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
                           ("ctx", ctx), ("head_dim", head_dim), ("value_dim", value_dim)):
-            if int(val) != val or val < 1:
+            if (isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer))
+                    or val < 1):
                 raise ValueError(f"KVCache: {name} must be a positive integer, got {val!r}")
         self.n_layers, self.batch, self.n_kv_heads = int(n_layers), int(batch), int(n_kv_heads)
         self.ctx, self.head_dim, self.value_dim = int(ctx), int(head_dim), int(value_dim)
+        check_allocation(self.nbytes + self.batch * self.ctx * 9,       # + valid, pos
+                         f"a KV cache of ctx {self.ctx} for {self.batch} sequence(s) "
+                         f"({self.bytes_per_token} bytes per token)")
+        self.owner = None
+        self._lock = threading.Lock()
         shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, P, Dh)
         self.k = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
         shape = shape[:3] + (self.value_dim,)                           # (B, Hkv, P, Dv)
@@ -174,7 +201,17 @@ class KVCache:
         new.pos = self.pos.copy()
         new.length = self.length
         new.scratch = {}
+        new.owner = self.owner
+        new._lock = threading.Lock()
         return new
+
+    def claim(self) -> "_Held":
+        """The cache's lock, taken (use as `with cache.claim(): ...`, released on exit);
+        CacheBusyError when a forward pass on another thread holds it."""
+        if not self._lock.acquire(blocking=False):
+            raise CacheBusyError("this KVCache is in a forward pass on another thread; give "
+                                 "each thread its own cache (model.new_cache() or cache.copy())")
+        return _Held(self._lock)
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.n_layers}, batch={self.batch}, kv_heads={self.n_kv_heads}, "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,8 @@ from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .generate import generate
+from .guards import NonFiniteError, check_logits, layer_nan_stage, warn_past_context
+from .inputs import check_inputs
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
@@ -48,7 +51,7 @@ from .ragged import forward_ragged
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
 from .run_state import RunState
-from .runtime import Timings, blas_on_one_thread, default_threads
+from .runtime import MAX_THREADS, Timings, blas_on_one_thread, default_threads
 from .tokenizer import tokenizer_from_files
 from .weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 
@@ -122,11 +125,19 @@ class Model:
                  activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
                  mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
                  cache_mode: str = "arena", prefetch: str | None = None):
-        if threads is not None and (int(threads) != threads or threads < 1):
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(
+                threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS):
+            raise ValueError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
         if activations not in kernels.ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(kernels.ACTIVATIONS)}, "
                              f"got {activations!r}")
+        if not isinstance(file, (str, os.PathLike, ColibriFile)):
+            raise TypeError(f"the model must be a path (str or os.PathLike) or a ColibriFile, "
+                            f"got {type(file).__name__}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(
+                memory_budget, (int, np.integer)) or memory_budget < 0):
+            raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
+                             f"{memory_budget!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
         self.threads = int(threads) if threads is not None else default_threads()
@@ -141,6 +152,7 @@ class Model:
         self.eps = c.rms_norm_eps
         self.moe_layers = list(c.moe_layer_ids)
         self.timings = Timings()
+        self._identity = self.file.identity        # what a KVCache is tagged with (guards)
         self.last_stats = None          # GenerationStats of the last generate() call
         self._tokenizer = None
         self._tokenizer_loaded = False
@@ -287,7 +299,8 @@ class Model:
     def tokenizer(self):
         """The model's Tokenizer (built on first use from the embedded files), or None."""
         if not self._tokenizer_loaded:
-            self._tokenizer = tokenizer_from_files(self.file.tokenizer_files)
+            self._tokenizer = tokenizer_from_files(self.file.tokenizer_files,
+                                                   str(self.file.path))
             self._tokenizer_loaded = True
         return self._tokenizer
 
@@ -304,8 +317,14 @@ class Model:
         """
         if ctx is None:
             ctx = min(self.max_context, DEFAULT_MAX_CTX)
+        for name, val in (("ctx", ctx), ("batch", batch)):
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"new_cache: {name} must be a positive integer, got {val!r}")
         n_layers, heads, k_dim, v_dim = self._cache_dims
-        return KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
+        cache = KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
+        cache.owner = self._identity
+        warn_past_context(self, int(ctx) - 1, f"a KV cache of ctx {ctx}")
+        return cache
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Embedding rows of ids int (B, S) -> float32 (B, S, D); only those rows are decoded."""
@@ -339,95 +358,6 @@ class Model:
             state = cache.scratch["decode"] = RunState(*self._state_key)
         return state
 
-    # -- input checking -------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, input_embeds, cache, positions, attention_mask):
-        """-> (x float32 (B, S, D) or ids int64 (B, S), squeeze, valid (B, S), positions (B, S))."""
-        if (input_ids is None) == (input_embeds is None):
-            raise ValueError("give exactly one of input_ids and input_embeds")
-        if input_ids is not None:
-            ids = np.asarray(input_ids)
-            if ids.dtype == object or ids.dtype.kind not in "iu":
-                raise ValueError(f"input_ids must be integers, got dtype {ids.dtype}")
-            if ids.ndim not in (1, 2):
-                raise ValueError(f"input_ids must have shape (S,) or (B, S), got ndim {ids.ndim} "
-                                 f"(shape {ids.shape})")
-            squeeze = ids.ndim == 1
-            ids = ids.reshape(1, -1) if squeeze else ids
-            if ids.size == 0:
-                raise ValueError(f"input_ids is empty (shape {np.asarray(input_ids).shape})")
-            if ids.size == 1:                                  # a decode step: no reductions
-                lo = hi = int(ids.reshape(-1)[0])
-            else:
-                lo, hi = int(ids.min()), int(ids.max())
-            V = self.config.vocab_size
-            if lo < 0 or hi >= V:
-                raise ValueError(f"input_ids out of range [0, {V}): "
-                                 f"min {lo}, max {hi} (vocab_size {V})")
-            data = ids.astype(np.int64, copy=False)
-        else:
-            x = np.asarray(input_embeds)
-            if x.dtype.kind != "f":
-                raise ValueError(f"input_embeds must be floating point, got dtype {x.dtype}")
-            D = self.config.hidden_size
-            if x.ndim not in (2, 3) or x.shape[-1] != D:
-                raise ValueError(f"input_embeds must have shape (S, {D}) or (B, S, {D}), "
-                                 f"got {x.shape}")
-            squeeze = x.ndim == 2
-            x = x[None] if squeeze else x
-            if x.shape[1] == 0:
-                raise ValueError("input_embeds has no tokens (S = 0)")
-            if not np.isfinite(x).all():
-                raise ValueError(f"input_embeds holds {int((~np.isfinite(x)).sum())} non-finite values")
-            data = np.ascontiguousarray(x, dtype=np.float32)
-        B, S = data.shape[:2]
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise ValueError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
-            if cache.batch != B:
-                raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
-            dims = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
-            if dims != self._cache_dims:
-                raise ValueError(f"cache made for (layers, kv heads, head dim, value dim) = "
-                                 f"{dims}, model has {self._cache_dims}")
-            cache.check_room(S)
-            past = cache.length
-        if attention_mask is None:
-            valid = np.ones((B, S), dtype=bool)
-        else:
-            m = np.asarray(attention_mask)
-            if m.ndim == 1 and squeeze:
-                m = m[None]
-            if m.ndim != 2 or m.shape[0] != B or m.shape[1] not in (S, past + S):
-                raise ValueError(f"attention_mask must have shape ({B}, {S}) or ({B}, {past + S}) "
-                                 f"(past {past} + new {S}), got {np.asarray(attention_mask).shape}")
-            if not np.isin(m, (0, 1)).all():
-                raise ValueError("attention_mask must hold only 0 and 1 (or booleans)")
-            m = m.astype(bool)
-            if m.shape[1] == past + S and past and not np.array_equal(m[:, :past], cache.valid[:, :past]):
-                raise ValueError("attention_mask's first columns disagree with the padding already in the cache")
-            valid = m[:, -S:]
-        if positions is None:
-            start = cache.next_positions() if cache is not None else np.zeros(B, np.int64)
-            if S == 1 and attention_mask is None:             # one real token each: its start
-                pos = start[:, None]
-            else:
-                pos = start[:, None] + np.cumsum(valid, axis=1) - 1
-                pos = np.maximum(pos, 0)
-        else:
-            p = np.asarray(positions)
-            if p.dtype.kind not in "iu":
-                raise ValueError(f"positions must be integers, got dtype {p.dtype}")
-            if p.ndim == 1:
-                p = np.broadcast_to(p, (B, p.shape[0]))
-            if p.shape != (B, S):
-                raise ValueError(f"positions must have shape ({S},) or ({B}, {S}), got "
-                                 f"{np.asarray(positions).shape}")
-            if p.size and int(p.min()) < 0:
-                raise ValueError(f"positions must be >= 0, got min {int(p.min())}")
-            pos = p.astype(np.int64)
-        return data, squeeze, valid, pos
-
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, input_ids=None, cache: KVCache | None = None, positions=None,
                 return_routing: bool = False, input_embeds=None, attention_mask=None,
@@ -438,10 +368,15 @@ class Model:
         last_only: compute the head for the last position only (logits (B, 1, V) / (1, V)),
         which is all a generation step needs.
         """
-        if type(cache) is KVCache and input_embeds is None and attention_mask is None:
-            out = self._decode_call(input_ids, cache, positions, return_routing)
-            if out is not None:
-                return out
+        if type(cache) is KVCache:
+            with cache.claim():                 # one forward pass per cache at a time
+                if input_embeds is None and attention_mask is None:
+                    out = self._decode_call(input_ids, cache, positions, return_routing)
+                    if out is not None:
+                        return out
+                with blas_on_one_thread():
+                    return self._forward(input_ids, cache, positions, return_routing,
+                                         input_embeds, attention_mask, last_only)
         with blas_on_one_thread():
             return self._forward(input_ids, cache, positions, return_routing, input_embeds,
                                  attention_mask, last_only)
@@ -459,6 +394,7 @@ class Model:
         ids = input_ids
         if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
                 or ids.dtype.kind not in "iu" or cache.batch != 1 or cache.length >= cache.ctx
+                or cache.owner is not self._identity
                 or (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
                 != self._cache_dims):
             return None
@@ -510,7 +446,13 @@ class Model:
                 _norm_rows(h, layer.ffn_norm, eps, xf)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+                try:
+                    y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+                except ValueError as e:
+                    if "NaN" not in str(e):
+                        raise
+                    raise NonFiniteError(f"NaN in the forward pass, from "
+                                         f"{layer_nan_stage(i, xa, o, xf)}") from None
                 if trace is not None:
                     trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
             else:
@@ -526,6 +468,7 @@ class Model:
             _norm_rows(h, self.final_norm, eps, xa)
         self._head(xa, logits)
         self._scale_logits(logits)
+        check_logits(logits, self.n_layers, h, xa)
         tm.add("head", t0)
         cache.commit_one(position)
         return logits
@@ -534,8 +477,8 @@ class Model:
                  attention_mask, last_only):
         """forward after the input checks: the decode step when the call is one, else the
         general path."""
-        data, squeeze, valid, pos = self._check_inputs(input_ids, input_embeds, cache,
-                                                       positions, attention_mask)
+        data, squeeze, valid, pos = check_inputs(self, input_ids, input_embeds, cache,
+                                                 positions, attention_mask)
         trace = RoutingTrace([], [], []) if return_routing else None
         B, S = valid.shape
         if (B == 1 and S == 1 and cache is not None and valid[0, 0]
@@ -584,7 +527,13 @@ class Model:
             x = self._norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps).reshape(B * S, D)  # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = layer.ffn(x, tm)
+                try:
+                    y, ids, wts, gate = layer.ffn(x, tm)
+                except ValueError as e:
+                    if "NaN" not in str(e):
+                        raise
+                    raise NonFiniteError(f"NaN in the forward pass, from "
+                                         f"{layer_nan_stage(i, a, o, x)}") from None
                 if trace is not None:
                     trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
             else:
@@ -593,13 +542,14 @@ class Model:
             t0 = time.perf_counter()
         if last_only:
             h = h[:, -1:]
-        h = self._norm(h, self.final_norm, self.final_norm_bias, eps)
-        n = h.shape[1]
-        logits = kernels.linear(np.ascontiguousarray(h.reshape(B * n, D)), self.head,
+        hn = self._norm(h, self.final_norm, self.final_norm_bias, eps)
+        n = hn.shape[1]
+        logits = kernels.linear(np.ascontiguousarray(hn.reshape(B * n, D)), self.head,
                                 self.head_bias, threads=self.threads,
                                 activations=self.activations
                                 ).reshape(B, n, self.config.vocab_size)
         self._scale_logits(logits)
+        check_logits(logits, self.n_layers, h, hn)
         tm.add("head", t0)
         if cache is not None:
             cache.commit(valid, pos)
@@ -616,7 +566,14 @@ class Model:
         advances by its S_i tokens. Each row gets the values of its own forward through its
         cache (up to the projections' summation order: kernels.linear's GEMM path).
         """
-        return forward_ragged(self, segments, return_routing)
+        with ExitStack() as held:                 # every cache claimed, as forward does
+            claimed = set()                       # (a cache given twice: check_segments says)
+            for seg in segments if isinstance(segments, (list, tuple)) else ():
+                if isinstance(seg, (list, tuple)) and len(seg) == 2 \
+                        and type(seg[0]) is KVCache and id(seg[0]) not in claimed:
+                    claimed.add(id(seg[0]))
+                    held.enter_context(seg[0].claim())
+            return forward_ragged(self, segments, return_routing)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import kernels
 from .attention import Segment
+from .guards import ForeignCacheError
 from .kv_cache import KVCache
 from .moe import MoE
 from .norms import layer_norm
@@ -51,6 +52,9 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         if found != dims:
             raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim, value "
                              f"dim) = {found}, model has {dims}")
+        if cache.owner is not None and cache.owner != model._identity:
+            raise ForeignCacheError(f"segment {j}: its cache holds keys and values of another "
+                                    f"model file, not of {model.file.path}")
         if id(cache) in seen:
             raise ValueError(f"segment {j}: its cache is already used by another segment")
         seen.add(id(cache))
@@ -63,6 +67,8 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
                              f"max {int(a.max())}")
         cache.check_room(a.size)
         out.append((cache, a.astype(np.int64, copy=False)))
+    for cache, _ in out:
+        cache.owner = model._identity
     return out
 
 

@@ -41,6 +41,8 @@ import numpy as np
 import psutil
 import threadpoolctl
 
+from .resources import ResourceError, address_space_left
+
 from . import _kernels
 
 __all__ = [
@@ -49,7 +51,7 @@ __all__ = [
     "Knob", "KNOBS", "MIN_PARALLEL_BYTES", "GEMM_MIN_TOKENS", "SPIN_US",
     "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
     "spin_us", "set_spin_us", "pool_backoffs",
-    "blas_on_one_thread", "STAGES", "Timings",
+    "blas_on_one_thread", "reserve_blas_buffer", "STAGES", "Timings",
 ]
 
 
@@ -306,6 +308,26 @@ class _BlasOnOneThread:
             lib.set_num_threads(n)
         if _BLAS_OWNERSHIP is not None:
             _BLAS_OWNERSHIP.decrement()
+
+
+# the buffer OpenBLAS maps at its first matrix product (measured: 32 MiB, on 1 or 2 threads)
+BLAS_BUFFER = 40 << 20
+
+
+def reserve_blas_buffer() -> None:
+    """Under an address-space limit (RLIMIT_AS), make OpenBLAS map its work buffer now, at
+    import, while it fits: a failed allocation inside OpenBLAS ends the process with its own
+    message ("Memory allocation still failed after 10 retries"), so a later first product
+    (the attention's) must not be the one to try. ResourceError when it cannot fit."""
+    left = address_space_left()
+    if left is None:
+        return
+    if left < BLAS_BUFFER:
+        raise ResourceError(f"NumPy's BLAS needs about {BLAS_BUFFER} bytes of address space "
+                            f"for its work buffer; the process's limit (RLIMIT_AS) leaves "
+                            f"{left} bytes")
+    a = np.ones((256, 256), dtype=np.float32)
+    a @ a                                          # a product large enough to take the buffer
 
 
 def blas_on_one_thread() -> _BlasOnOneThread:

@@ -42,6 +42,23 @@ __all__ = [
 ]
 
 
+def _real(name: str, value) -> float:
+    """value as a float when it is a real number (not a bool, not a string); TypeError
+    naming the argument otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _integer(name: str, value) -> int:
+    """value as an int when it is an integer (a float such as 2.7 is refused, not truncated);
+    TypeError naming the argument otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def _check_row(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits)
     if x.ndim != 1:
@@ -216,6 +233,14 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
+        temperature, top_p, min_p = (_real("temperature", temperature), _real("top_p", top_p),
+                                     _real("min_p", min_p))
+        repetition_penalty = _real("repetition_penalty", repetition_penalty)
+        presence_penalty = _real("presence_penalty", presence_penalty)
+        frequency_penalty = _real("frequency_penalty", frequency_penalty)
+        top_k = _integer("top_k", top_k)
+        if seed is not None and not 0 <= _integer("seed", seed) < 2**63:
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed}")
         if temperature < 0 or not np.isfinite(temperature):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k < 0:

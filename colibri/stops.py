@@ -24,10 +24,15 @@ def split_stop(stop) -> tuple[list[int], list[str]]:
     """(token ids, strings) of a stop argument: None, an id, a string, or a list of them."""
     if stop is None:
         return [], []
+    if isinstance(stop, (bool, np.bool_)) or not isinstance(
+            stop, (int, str, np.integer, list, tuple, np.ndarray)):
+        raise TypeError(f"stop must be None, a token id, a string or a list of them, got "
+                        f"{type(stop).__name__}")
     items = [stop] if isinstance(stop, (int, str, np.integer)) else list(stop)
     ids = [int(s) for s in items if isinstance(s, (int, np.integer))]
     texts = [s for s in items if isinstance(s, str)]
-    bad = [s for s in items if not isinstance(s, (int, np.integer, str))]
+    bad = [s for s in items if isinstance(s, (bool, np.bool_))
+           or not isinstance(s, (int, np.integer, str))]
     if bad or any(t == "" for t in texts):
         raise ValueError(f"stop must be token ids and/or non-empty strings, got {stop!r}")
     return ids, texts

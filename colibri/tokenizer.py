@@ -9,6 +9,14 @@ implemented here. tokenizers and transformers are imported when a tokenizer is f
 not at `import colibri`: transformers alone takes longer to import (~0.6 s) than the whole
 package, and a model used with token ids never needs it.
 
+Model-supplied code is bounded: the chat template renders in colibri.chat_template's sandbox
+(steps, seconds and characters capped); a text longer than MAX_TEXT_CHARS is refused before
+it is tokenized (2M characters take ~4 s to tokenize on one core, measured in
+docs/safety-api.md); a Rust panic of the tokenizers library (pyo3's PanicException, a
+BaseException: e.g. a backtracking pre-tokenizer regex hitting Oniguruma's retry limit)
+becomes a TokenizerError naming the model file. `check_tokenizer` builds and exercises a
+tokenizer once, for `colibri inspect --validate`.
+
 `IncrementalDecoder` turns a growing list of ids into text pieces for streaming: a piece is
 emitted only once it decodes to complete characters, so a multi-byte character split over
 several byte-level tokens never shows up as U+FFFD.
@@ -22,9 +30,18 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from .chat_template import render_chat_template
 from .errors import ColibriError
+from .resources import TOKENIZER_ADDRESS_SPACE, check_allocation
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "NoTokenizerError", "tokenizer_from_files"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "NoTokenizerError", "TokenizerError",
+           "tokenizer_from_files", "check_tokenizer", "MAX_TEXT_CHARS"]
+
+# Longest text encode() takes unless told otherwise: ~2 s of tokenizing on one core (1M
+# characters of English ~ 0.45M tokens, more than any context colibri runs)
+MAX_TEXT_CHARS = 1_000_000
+# address space an encode may take (offsets, pre-token strings, ids on the Rust side)
+_ENCODE_BYTES, _ENCODE_BYTES_PER_CHAR = 16 << 20, 256
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
@@ -37,6 +54,44 @@ _DROP_KEYS = {"tokenizer_class", "auto_map", "added_tokens_decoder", "name_or_pa
 
 class NoTokenizerError(ColibriError, ValueError):
     """Text was given to a model whose file carries no tokenizer."""
+
+
+class TokenizerError(ColibriError, ValueError):
+    """The model's tokenizer failed (a panic in its Rust code, a broken template, a text it
+    refuses); the message names the model file."""
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException (module pyo3_runtime, not importable by name beforehand)."""
+    return type(exc).__name__ == "PanicException"
+
+
+def _guarded(source: str, what: str, call, *args, **kwargs):
+    """call(*args, **kwargs), a Rust panic or an error of the tokenizer turned into a
+    TokenizerError naming `source` (the model file) and `what` was being done."""
+    try:
+        return call(*args, **kwargs)
+    except ColibriError:
+        raise
+    except BaseException as e:                      # noqa: BLE001 - PanicException is one
+        if not (_is_panic(e) or isinstance(e, Exception)):
+            raise                                   # KeyboardInterrupt, SystemExit
+        kind = "panicked" if _is_panic(e) else f"failed ({type(e).__name__})"
+        raise TokenizerError(f"{source}: the model's tokenizer {kind} while {what}: "
+                             f"{' '.join(str(e).split())[:300]}") from None
+
+
+def _check_text(text, name: str, max_chars: int | None) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    if max_chars is not None and len(text) > max_chars:
+        raise TokenizerError(f"{name} has {len(text)} characters, more than the {max_chars} "
+                             f"colibri tokenizes at once (tokenizer.MAX_TEXT_CHARS)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"{name} is not valid Unicode text: a lone surrogate "
+                             f"{text[e.start]!r} at index {e.start} (undecodable bytes?)") from None
 
 
 def _import_transformers_quietly() -> None:
@@ -80,7 +135,7 @@ def _init_kwargs(files: dict[str, str]) -> dict:
     return kwargs
 
 
-def _build_hf(files: dict[str, str]):
+def _build_hf(files: dict[str, str], source: str = "the model file"):
     """A transformers fast tokenizer from the files (in memory; a temp dir only as a fallback)."""
     from tokenizers import Tokenizer as RustTokenizer
     _import_transformers_quietly()
@@ -99,27 +154,40 @@ def _build_hf(files: dict[str, str]):
                                            f"file name")
                     with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                         f.write(text)
-                return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+                # never remote code (an auto_map in a hostile file would otherwise ask on stdin)
+                return AutoTokenizer.from_pretrained(tmp, local_files_only=True,
+                                                     trust_remote_code=False)
         except Exception as second:                 # noqa: BLE001
-            raise ColibriError(f"cannot build the tokenizer from the embedded files "
+            raise TokenizerError(f"{source}: cannot build the tokenizer from the embedded files "
                                f"{sorted(files)}: {first!r}; fallback: {second!r}") from second
 
 
 class Tokenizer:
     """Encode/decode and chat templates for one model; wraps a transformers fast tokenizer."""
 
-    def __init__(self, hf_tokenizer, generation_config: dict | None = None):
+    def __init__(self, hf_tokenizer, generation_config: dict | None = None,
+                 source: str = "the model file"):
         self.hf = hf_tokenizer
         self.generation_config = generation_config or {}
+        self.source = source            # what errors name: the .colibri file's path
 
     @classmethod
-    def from_files(cls, files: dict[str, str]) -> "Tokenizer":
+    def from_files(cls, files: dict[str, str], source: str = "the model file") -> "Tokenizer":
         if "tokenizer.json" not in files:
-            raise ColibriError(f"the embedded tokenizer has no tokenizer.json "
-                               f"(files: {sorted(files)})")
-        gen = (json.loads(files["generation_config.json"]) if "generation_config.json" in files
-               else None)
-        return cls(_build_hf(files), gen)
+            raise TokenizerError(f"{source}: the embedded tokenizer has no tokenizer.json "
+                                 f"(files: {sorted(files)})")
+        try:
+            gen = (json.loads(files["generation_config.json"])
+                   if "generation_config.json" in files else None)
+        except ValueError as e:
+            raise TokenizerError(f"{source}: generation_config.json is not JSON: {e}") from None
+        if gen is not None and not isinstance(gen, dict):
+            raise TokenizerError(f"{source}: generation_config.json must hold an object, "
+                                 f"found {type(gen).__name__}")
+        # the Rust side aborts the process when an allocation fails: size it first
+        check_allocation(TOKENIZER_ADDRESS_SPACE, f"{source}: building the tokenizer",
+                         resident=False)
+        return cls(_guarded(source, "being built", _build_hf, files, source), gen, source)
 
     # -- ids <-> text ------------------------------------------------------------------------
     @property
@@ -127,14 +195,20 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True,
-               verbose: bool = True) -> list[int]:
+               verbose: bool = True, max_chars: int | None = MAX_TEXT_CHARS) -> list[int]:
         """Token ids of `text`. verbose=False: no warning that the text is longer than the
-        model's context (for callers that cut it into windows)."""
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=verbose))
+        model's context (for callers that cut it into windows). max_chars: longer texts are
+        a TokenizerError before any work (None: no limit, for a corpus the caller chose)."""
+        _check_text(text, "the text", max_chars)
+        check_allocation(_ENCODE_BYTES + _ENCODE_BYTES_PER_CHAR * len(text),
+                         f"tokenizing a text of {len(text)} characters", resident=False)
+        return list(_guarded(self.source, "encoding a text", self.hf.encode, text,
+                             add_special_tokens=add_special_tokens, verbose=verbose))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
-                              clean_up_tokenization_spaces=False)
+        return _guarded(self.source, "decoding ids", self.hf.decode, [int(i) for i in ids],
+                        skip_special_tokens=skip_special_tokens,
+                        clean_up_tokenization_spaces=False)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for traces), special tokens included."""
@@ -156,11 +230,25 @@ class Tokenizer:
                                "chat mode")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, return_dict=False)
-        if isinstance(out, dict) or hasattr(out, "keys"):      # BatchEncoding in some versions
-            out = out["input_ids"]
-        return [int(i) for i in out]
+        return self.encode(self.render_chat(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The text of a conversation rendered with the chat template (colibri.chat_template:
+        sandboxed and bounded), as transformers renders it: the special tokens visible."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TypeError(f"messages must be a list of dicts ({{'role', 'content'}}), got "
+                            f"{type(messages).__name__}")
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if isinstance(value, str):
+                    _check_text(value, f"message {i} {key!r}", MAX_TEXT_CHARS)
+        special = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        try:
+            return render_chat_template(self.hf.chat_template, messages,
+                                        add_generation_prompt, **special)
+        except ColibriError as e:
+            raise TokenizerError(f"{self.source}: {e}") from None
 
     # -- special ids ---------------------------------------------------------------------------
     @property
@@ -183,11 +271,49 @@ class Tokenizer:
                 f"chat_template={'yes' if self.has_chat_template else 'no'})")
 
 
-def tokenizer_from_files(files: dict[str, str] | None) -> Tokenizer | None:
-    """Tokenizer for the embedded files, or None when the file carries none."""
+def tokenizer_from_files(files: dict[str, str] | None,
+                         source: str = "the model file") -> Tokenizer | None:
+    """Tokenizer for the embedded files, or None when the file carries none; source: the
+    file the errors name."""
     if not files or "tokenizer.json" not in files:
         return None
-    return Tokenizer.from_files(files)
+    return Tokenizer.from_files(files, source)
+
+
+# a text that walks the usual paths of a tokenizer: ASCII, digits, spaces, punctuation,
+# multi-byte characters, an emoji, a newline and a tab
+_PROBE = "Hello, world! 123  spaces\n\ttab é → 世界 🙂 don't"
+
+
+def check_tokenizer(files: dict[str, str], source: str = "the model file",
+                    vocab_size: int | None = None) -> None:
+    """Build the tokenizer of `files` and exercise it once, as generation would: encode and
+    decode a probe text, the special and end-of-sequence ids inside the vocabulary, and the
+    chat template (if any) rendered for a short conversation and encoded.
+
+    Raises TokenizerError (a ColibriError) naming `source` and what failed; None when fine.
+    """
+    tok = Tokenizer.from_files(files, source)
+    ids = tok.encode(_PROBE, verbose=False)
+    if not ids:
+        raise TokenizerError(f"{source}: the tokenizer encodes a non-empty text to no tokens")
+    tok.decode(ids)
+    n = vocab_size if vocab_size is not None else tok.vocab_size
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad:
+        raise TokenizerError(f"{source}: the tokenizer gives ids outside the model's "
+                             f"vocabulary [0, {n}): {bad[:5]}")
+    for what, i in [("eos", e) for e in tok.eos_token_ids] + [("bos", tok.bos_token_id)]:
+        if i is not None and not 0 <= int(i) < n:
+            raise TokenizerError(f"{source}: the {what} token id {i} is outside the model's "
+                                 f"vocabulary [0, {n})")
+    if tok.has_chat_template:
+        chat = [{"role": "user", "content": _PROBE},     # no system turn: some refuse one
+                {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": "Again?"}]
+        if not tok.apply_chat_template(chat):
+            raise TokenizerError(f"{source}: the chat template renders a conversation to "
+                                 f"no tokens")
 
 
 class IncrementalDecoder:

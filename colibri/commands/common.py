@@ -19,6 +19,7 @@ from ..expert_cache import DEFAULT_POLICY, MODES
 from ..kernels import ACTIVATIONS
 from ..model import DEFAULT_ACTIVATIONS, Model
 from ..prefetch import PREDICTORS
+from ..runtime import MAX_THREADS
 
 MODEL_HELP = ".colibri file (default: the bundled tiny-moe.colibri)"
 SHIPPED_MODEL = "Without MODEL, the small model shipped with colibri is used."
@@ -31,19 +32,34 @@ ACTIVATIONS_HELP = ("activations of the q4/q8 matmuls: int16 (16-bit codes per 3
 
 # --- argparse types ---------------------------------------------------------------------------
 
-def int_list(minimum: int) -> Callable[[str], list[int]]:
-    """argparse type: '128' or '1,2,4' -> [ints], each >= minimum (llama-bench's list syntax)."""
+def int_list(minimum: int, maximum: int | None = None) -> Callable[[str], list[int]]:
+    """argparse type: '128' or '1,2,4' -> [ints], each >= minimum (and <= maximum when
+    given; llama-bench's list syntax)."""
     def parse(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated "
                                              f"list of integers") from None
-        bad = [v for v in values if v < minimum]
+        bad = [v for v in values if v < minimum or (maximum is not None and v > maximum)]
         if bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: values must be >= {minimum}")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: values must be >= {minimum}"
+                + (f" and <= {maximum}" if maximum is not None else ""))
         return values
     return parse
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a thread count in 1..MAX_THREADS (the kernels' pool)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{n} threads: must be in 1..{MAX_THREADS} (the "
+                                         f"kernels' thread pool)")
+    return n
 
 
 def activation_list(text: str) -> list[str]:
@@ -67,7 +83,8 @@ def add_threads_arg(p: argparse.ArgumentParser, *flags: str, lists: bool = False
                     help: str = THREADS_HELP) -> None:
     """--threads N (None: physical cores); lists: '1,2' runs each count (bench)."""
     p.add_argument(*(flags or ("--threads",)), dest="threads", default=None,
-                   type=int_list(1) if lists else int, metavar="T" if lists else "N", help=help)
+                   type=int_list(1, MAX_THREADS) if lists else thread_count,
+                   metavar="T" if lists else "N", help=help)
 
 
 def add_activations_arg(p: argparse.ArgumentParser, *flags: str, help: str,

@@ -57,6 +57,8 @@ def _check(args) -> None:
         raise ColibriError("give a prompt with -p PROMPT (or --embeddings FILE.npy)")
     if args.prompt is not None and args.embeddings is not None:
         raise ColibriError("give either -p PROMPT or --embeddings FILE.npy, not both")
+    if args.prompt is not None and not args.prompt.strip() and not args.chat:
+        raise ColibriError(f"the prompt is empty ({args.prompt!r}): give some text with -p")
     if args.embeddings is not None and args.chat:
         raise ColibriError("--chat needs a text prompt, not --embeddings")
     for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= 0),
@@ -69,6 +71,8 @@ def _check(args) -> None:
                             ("--ctx", args.ctx, args.ctx is None or args.ctx >= 1)):
         if not ok:
             raise ColibriError(f"{name} {value} is out of range")
+    if args.temp != args.temp or args.top_p != args.top_p or args.min_p != args.min_p:
+        raise ColibriError("--temp, --top-p and --min-p must be numbers, not nan")
 
 
 def _load_embeddings(path: str, hidden: int) -> np.ndarray:

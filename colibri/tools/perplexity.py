@@ -212,8 +212,9 @@ def _token_ids(model, data) -> np.ndarray:
         if tok is None:
             raise NoTokenizerError(f"{model.file.path} carries no tokenizer, so text cannot be "
                                    f"scored; give token ids instead")
-        # verbose=False: no "longer than the maximum length" warning, the windows cut it
-        ids = np.asarray(tok.encode(data, verbose=False), dtype=np.int64)
+        # verbose=False: no "longer than the maximum length" warning, the windows cut it;
+        # max_chars=None: a corpus the caller chose, of any length
+        ids = np.asarray(tok.encode(data, verbose=False, max_chars=None), dtype=np.int64)
     else:
         ids = np.asarray(data)
         if ids.dtype.kind not in "iu" or ids.ndim != 1:

@@ -320,7 +320,7 @@ def _encode(model, text: str, first: bool = True) -> np.ndarray:
                                f"pass token ids instead of text")
     # a long piece of a file is meant to exceed the model's context (it runs in windows), so
     # the tokenizer's warning about that would be noise here
-    ids = tok.encode(text, add_special_tokens=first, verbose=False)
+    ids = tok.encode(text, add_special_tokens=first, verbose=False, max_chars=None)
     return np.asarray(ids, dtype=np.int64)
 
 
