@@ -39,6 +39,7 @@ from .attention import Attention, build_mask
 from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
+from .validation import check_loadable
 from .generate import generate
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .mla import MLA, softmax_scale
@@ -129,8 +130,10 @@ class Model:
                              f"got {activations!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
+        self.file.check_unchanged()      # an already-open file rewritten in place: refuse
         self.threads = int(threads) if threads is not None else default_threads()
-        c = self.config = self.file.model_config   # typed geometry (colibri.config.ModelConfig)
+        # typed geometry (colibri.config.ModelConfig), refused when it contradicts the tensors
+        c = self.config = check_loadable(self.file)
         self.hf_config = self.file.config         # the checkpoint's config.json, as converted
         self.vocab_size = c.vocab_size                                       # V
         self.hidden_size = c.hidden_size                                     # D
