@@ -137,7 +137,8 @@ def validate(cf: ColibriFile, progress: bool = False) -> list[str]:
     arch = cf.arch
     config = None
     if isinstance(arch, dict) and arch:
-        if arch.get("family") not in FAMILIES:
+        family = arch.get("family")
+        if not isinstance(family, str) or family not in FAMILIES:
             problems.append(f"metadata arch names unknown family {arch.get('family')!r}")
         else:
             try:

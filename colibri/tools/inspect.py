@@ -153,7 +153,8 @@ def check_arch(cf: ColibriFile) -> list[str]:
     """Problems between the metadata's arch dict and the tensor table (missing / extra tensors,
     shapes, layer and expert counts); nothing when the arch names no known family."""
     arch = cf.arch
-    if not isinstance(arch, dict) or arch.get("family") not in FAMILIES:
+    family = arch.get("family") if isinstance(arch, dict) else None
+    if not isinstance(family, str) or family not in FAMILIES:
         return [] if not arch else [f"metadata arch names unknown family "
                                     f"{arch.get('family')!r}"]
     try:
