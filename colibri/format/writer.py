@@ -6,7 +6,10 @@ The destination is never opened for writing: the bytes go to a temporary file in
 that is renamed over it at the end (a new inode), so a process that maps the old file (a
 server) keeps reading the old bytes and never sees a truncated or half-written file (SIGBUS).
 Each writer holds an exclusive flock on its temporary file; the temporary files of writers
-that were killed hold none, and the next writer of the same destination removes them.
+that were killed hold none, and the next writer of the same destination removes them. The
+header is written last, after an fsync of everything else: a file cut short at any moment
+starts with 128 zero bytes and no reader takes it for a finished one. Free space is checked
+before anything is created (ColibriError naming the bytes needed; docs/safety.md).
 
 The layout is docs/format.md §1: routers, then dense tensors, then the expert blocks (one
 page-aligned block per (layer, expert)), every tensor 64-aligned.
@@ -166,9 +169,11 @@ class _Planned:
 class ColibriWriter:
     """Writes a .colibri file atomically.
 
-    The layout is planned from the specs up front; header, table, expert index and metadata
-    are written at once; the caller then streams tensors in any order with write(). finish()
-    fills in the CRCs, checks that every tensor was written, fsyncs and renames the temp file
+    The layout is planned from the specs up front; table, expert index and metadata are
+    written at once, the header's 128 bytes left zero; the caller then streams tensors in any
+    order with write(). finish() fills in the CRCs, checks that every tensor was written,
+    fsyncs, writes the header last (so an unfinished file is never a colibri file), fsyncs,
+    optionally verifies, and renames the temp file
     (.NAME.tmp-XXXXXXXX in the destination folder) onto the destination. On any exception
     inside `with`, abort() deletes the temp file and the destination is untouched. The
     destination itself is never opened for writing (see the module docstring); a replaced
