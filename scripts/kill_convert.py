@@ -5,8 +5,9 @@ destinations, temporary files left, files that validate, and whether the next ru
 
 The checkpoint is a tiny random Mixtral made with tests/hf_factory.py (8 experts, hidden 128);
 a fifth of the moments are uniform over [0, 1.2 x] the time one conversion takes (start-up
-included), the rest uniform over [0, 1.2 x] its write phase after the temp file appears: most
-kills land while the file is written, some after the rename.
+included), the rest uniform over [0, 1.2 x] the life of its temp file (write, fsyncs, validation)
+after the temp file appears: most kills land while the file is written, some after the
+rename.
 A CI subset with K=3 per signal is tests/test_safety_file_convert.py.
 """
 from __future__ import annotations
@@ -54,15 +55,18 @@ def wait_for_temp(folder: Path, dst: Path, proc, limit: float) -> float:
 
 
 def timing(src: Path, folder: Path) -> tuple[float, float]:
-    """(seconds of one conversion in a subprocess, seconds of its write phase)."""
+    """(seconds of one conversion in a subprocess, seconds its temp file exists: the write,
+    the fsyncs and the validation before the rename)."""
     folder.mkdir()
     dst = folder / "m.colibri"
     t0 = time.monotonic()
     proc = subprocess.Popen(CONVERT + [str(src), str(dst)])
     to_temp = wait_for_temp(folder, dst, proc, 600)
+    while temps(folder, dst) and proc.poll() is None:     # until the rename
+        time.sleep(0.0005)
+    lifetime = time.monotonic() - t0 - to_temp
     proc.wait()
-    total = time.monotonic() - t0
-    return total, max(total - to_temp, 0.01)
+    return time.monotonic() - t0, max(lifetime, 0.01)
 
 
 def main() -> int:
@@ -108,7 +112,7 @@ def main() -> int:
             left_after_next += len(temps(folder, dst))
             assert valid(dst)
     print(f"kill_convert: SIG{args.signal} x {args.kills} kills (one conversion takes "
-          f"{seconds:.2f} s, its write {writing:.2f} s): " + ", ".join(f"{v} {k}" for k, v in phases.items()))
+          f"{seconds:.2f} s, its temp file lives {writing:.2f} s): " + ", ".join(f"{v} {k}" for k, v in phases.items()))
     print(f"  partial destinations {partial}, temp files left {left}, of which validate "
           f"{validating_temps}, temp files after the next run {left_after_next}")
     return 1 if partial or validating_temps or left_after_next else 0
