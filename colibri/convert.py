@@ -51,11 +51,11 @@ import numpy as np
 from . import __version__, dtypes, mxfp4, safe_json, validation
 from . import quant as qmod
 from .config import ConfigError, ModelConfig
+from .convert_guard import ConversionInterrupted, signals_raise, verify_converted  # noqa: F401
 from .errors import ColibriError
 from .families import Family, canonical_tensors, get_family
 from .families.base import IGNORABLE_SUFFIXES, Source
 from .families.tensors import CanonicalTensor
-from .convert_guard import ConversionInterrupted, signals_raise, verify_converted  # noqa: F401
 from .format import ColibriWriter, TensorSpec
 
 DTYPES = ("auto", "f32", "f16", "bf16")

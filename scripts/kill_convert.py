@@ -60,7 +60,7 @@ def timing(src: Path, folder: Path) -> tuple[float, float]:
     folder.mkdir()
     dst = folder / "m.colibri"
     t0 = time.monotonic()
-    proc = subprocess.Popen(CONVERT + [str(src), str(dst)])
+    proc = subprocess.Popen(CONVERT + [str(src), str(dst)], cwd=folder)
     to_temp = wait_for_temp(folder, dst, proc, 600)
     while temps(folder, dst) and proc.poll() is None:     # until the rename
         time.sleep(0.0005)
@@ -89,7 +89,7 @@ def main() -> int:
             folder = tmp / f"k{k}"
             folder.mkdir()
             dst = folder / "m.colibri"
-            proc = subprocess.Popen(CONVERT + [str(src), str(dst)],
+            proc = subprocess.Popen(CONVERT + [str(src), str(dst)], cwd=folder,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if rng.uniform() < 0.2:                    # anywhere, start-up included
                 time.sleep(float(rng.uniform(0, 1.2)) * seconds)

@@ -194,7 +194,7 @@ def campaign(seeds: int, work: Path, every: int = 1) -> dict:
                 continue
             try:
                 resave(SHIPPED, path, edit)
-            except (ValueError, TypeError) as e:           # the writer refused it: fine too
+            except (ValueError, TypeError):           # the writer refused it: fine too
                 by.setdefault(case.split(".")[0], Counter())["refused by writer"] += 1
                 continue
             o = outcome(path)

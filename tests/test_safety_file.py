@@ -58,7 +58,7 @@ def test_non_regular_paths_fail_at_once(tmp_path, kind):
 def test_cli_on_a_fifo_exits_with_one_line_not_a_hang(tmp_path, command):
     fifo = _fifo(tmp_path)
     argv = [sys.executable, "-m", "colibri", command[0], str(fifo), *command[1:]]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode != 0
     assert "FIFO" in r.stdout + r.stderr and "Traceback" not in r.stderr, r.stderr
 

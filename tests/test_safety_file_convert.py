@@ -101,7 +101,7 @@ CONVERT = [sys.executable, "-m", "colibri", "convert", "-q", "--force"]
 
 def _kill_at(src: Path, dst: Path, sig: int, delay: float) -> int:
     proc = subprocess.Popen(CONVERT + [str(src), str(dst)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=dst.parent)
     time.sleep(delay)
     proc.send_signal(sig)
     return proc.wait(timeout=120)
@@ -118,7 +118,8 @@ def timed(tmp_path_factory):
                              hidden_size=128, intermediate_size=256, num_local_experts=8)
     dst = tmp_path_factory.mktemp("t") / "m.colibri"
     start = time.monotonic()
-    subprocess.run(CONVERT + [str(src), str(dst)], check=True)
+    # (away from the checkout: `python -m colibri` there would import the source folder)
+    subprocess.run(CONVERT + [str(src), str(dst)], check=True, cwd=dst.parent)
     return src, time.monotonic() - start
 
 
@@ -164,7 +165,7 @@ def test_a_temp_file_killed_mid_write_never_validates(timed, tmp_path):
     src, seconds = timed
     dst = tmp_path / "m.colibri"
     proc = subprocess.Popen(CONVERT + [str(src), str(dst)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=tmp_path)
     deadline = time.monotonic() + 5 * seconds + 30
     while not _temps(tmp_path, dst) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)

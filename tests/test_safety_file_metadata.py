@@ -19,7 +19,6 @@ from colibri.errors import ColibriFormatError
 from colibri.format import ColibriFile, ColibriWriter, TensorSpec
 from colibri.safe_json import nesting_depth
 from colibri.tools.inspect import validate
-from format_helpers import set_header
 from safety_helpers import SHIPPED, resave
 
 

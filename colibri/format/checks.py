@@ -8,7 +8,6 @@ saying what was expected and what was found. The full-read checks return problem
 from __future__ import annotations
 
 import itertools
-import json
 import zlib
 from typing import Any, Callable, Iterable, NoReturn
 
@@ -63,8 +62,8 @@ def check_header(path: str, head: bytes, size: int) -> dict:
     if 0 < len(head) < 4 and MAGIC.startswith(head):
         fail(path, f"truncated header: file is {size} bytes")
     if len(head) == HEADER_SIZE and head.count(0) == HEADER_SIZE:
-        fail(path, f"the header is all zeros: an unfinished file (the writer writes the "
-                   f"header last; a conversion killed before it finished leaves this)")
+        fail(path, "the header is all zeros: an unfinished file (the writer writes the "
+                   "header last; a conversion killed before it finished leaves this)")
     if len(head) < 4 or head[:4] != MAGIC:
         found = repr(head[:4]) if head else "an empty file"
         fail(path, f"not a colibri file: expected magic {MAGIC!r} at offset 0, found "
