@@ -678,7 +678,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                         bar.update(t.source_nbytes)
                 finally:
                     reader.close()
-            writer.finish(verify=lambda tmp: verify_converted(tmp, dst))
+            writer.finish(verify=lambda tmp, header: verify_converted(tmp, dst, header))
     except (FileExistsError, IsADirectoryError) as e:
         raise ColibriError(str(e)) from None
     finally:

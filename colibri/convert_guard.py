@@ -46,10 +46,10 @@ def signals_raise():
             signal.signal(sig, old)
 
 
-def verify_converted(tmp: str, dst: str | os.PathLike) -> None:
+def verify_converted(tmp: str, dst: str | os.PathLike, header: bytes) -> None:
     """The finished temporary file read back and validated in full before it is renamed
     onto dst (colibri.validation.validate): ColibriError listing the first problems."""
-    with ColibriFile(tmp) as cf:
+    with ColibriFile(tmp, pending_header=header) as cf:
         problems = validation.validate(cf)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

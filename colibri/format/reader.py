@@ -129,8 +129,12 @@ class ColibriFile:
     touched. Views stay valid after close() (they keep the mapping alive).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, pending_header: bytes | None = None):
+        """pending_header: the 128 header bytes of a file still being written, whose header on
+        disk is zero until its writer commits it (ColibriWriter.finish verifies the file this
+        way, so no complete-looking file exists before the rename)."""
         self.path = os.fspath(path)
+        self._pending_header = pending_header
         self._mm: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self.buffer: memoryview | None = None
@@ -202,7 +206,9 @@ class ColibriFile:
         """The checks of §8, in its order; then the parsed header, table and metadata.
         Each section is read on its own, sized by check_regions' limits first."""
         path = self.path
-        h = checks.check_header(path, self._read(fd, 0, min(size, HEADER_SIZE)), size)
+        head = self._pending_header if self._pending_header is not None else \
+            self._read(fd, 0, min(size, HEADER_SIZE))
+        h = checks.check_header(path, head, size)
         self.header = h
         self.version = h["version"]
         self.n_layers = h["n_layers"]

@@ -420,13 +420,16 @@ class ColibriWriter:
                              f"{p.nbytes}")
         p.crc32, p.written = crc, True
 
-    def finish(self, verify: Callable[[str], None] | None = None) -> None:
+    def finish(self, verify: Callable[[str, bytes], None] | None = None) -> None:
         """Patch CRCs into the table, fsync, write the header, fsync, rename onto the
         destination, fsync the folder. The header goes last: until it is on disk the file
         starts with 128 zero bytes, which no reader takes for a colibri file.
 
-        verify(temp path), when given, runs on the complete temporary file before the
-        rename and may raise to refuse it (the temp file is then removed)."""
+        verify(temp path, header bytes), when given, runs on the temporary file before its
+        header is written (open it with ColibriFile(path, pending_header=header)) and may
+        raise to refuse it (the temp file is then removed). A kill during verification
+        leaves a file whose header is still zero: only the header write, one fsync and the
+        rename separate a complete-looking file from the destination."""
         if self._finished:
             return
         if self._fd is None:
@@ -443,10 +446,10 @@ class ColibriWriter:
                 raise ColibriError(f"{self.path}: temp file is {size} bytes, expected "
                                    f"{self.file_size}")
             os.fsync(self._fd)               # every other byte is durable before the header
+            if verify is not None:
+                verify(self._tmp, preamble[:HEADER_SIZE])
             self._pwrite(preamble[:HEADER_SIZE], 0)
             os.fsync(self._fd)
-            if verify is not None:
-                verify(self._tmp)
             if not self.overwrite and os.path.lexists(self.path):
                 raise FileExistsError(f"{self.path}: appeared while writing (pass "
                                       f"overwrite=True to replace it)")
