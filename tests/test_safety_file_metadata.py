@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import tracemalloc
 import zlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import colibri
 from colibri.config import ConfigError
 from colibri.errors import ColibriFormatError
 from colibri.format import ColibriFile, ColibriWriter, TensorSpec
+from colibri import safe_json
 from colibri.safe_json import nesting_depth
 from colibri.tools.inspect import validate
 from safety_helpers import SHIPPED, resave
@@ -240,3 +244,64 @@ def test_an_unfinished_writers_file_is_not_a_colibri_file(tmp_path):
     assert os.path.getsize(copy) == w.file_size
     with pytest.raises(ColibriFormatError, match="all zeros: an unfinished file"):
         ColibriFile(copy)
+
+
+def _reference_depth(text: str) -> int:
+    depth = deepest = 0
+    inside = escaped = False
+    for c in text:
+        if inside:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                inside = False
+        elif c == '"':
+            inside = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+_json_doc = st.recursive(st.none() | st.text(alphabet='ab"\\[]{}', max_size=6),
+                         lambda c: st.lists(c, max_size=3)
+                         | st.dictionaries(st.text(alphabet='k"\\[{', max_size=3), c,
+                                           max_size=3), max_leaves=12)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 1 << 20])
+@settings(max_examples=80, deadline=None)
+@given(doc=_json_doc)
+def test_nesting_depth_matches_a_plain_scanner_across_chunk_boundaries(chunk, doc):
+    text = json.dumps(doc)
+    old, safe_json._CHUNK = safe_json._CHUNK, chunk
+    try:
+        assert nesting_depth(text) == _reference_depth(text)
+    finally:
+        safe_json._CHUNK = old
+
+
+def test_opening_under_a_tight_address_space_limit_is_a_clean_error(tmp_path):
+    """RLIMIT_AS a few MB above what the process uses: the mapping (4.7 MB) cannot be made,
+    or the checks' buffers cannot; either way a ColibriError naming the file (no bare OSError
+    or MemoryError)."""
+    code = (
+        "import re, resource, colibri, colibri.validation\n"
+        "from colibri.format import ColibriFile\n"
+        "vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    ColibriFile(colibri.default_model_path()); print('opened')\n"
+        "except colibri.ColibriError as e:\n"
+        "    print('clean', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(("clean", "opened")), r.stdout
+    if r.stdout.startswith("clean"):
+        assert "tiny-moe.colibri" in r.stdout, r.stdout
+        assert "cannot map" in r.stdout or "out of memory" in r.stdout, r.stdout

@@ -8,6 +8,7 @@ saying what was expected and what was found. The full-read checks return problem
 from __future__ import annotations
 
 import itertools
+import json
 import zlib
 from typing import Any, Callable, Iterable, NoReturn
 
@@ -529,8 +530,9 @@ def parse_metadata(path: str, raw: bytes) -> dict:
     the checksum when present). The checksum key is removed from the result."""
     try:
         text = raw.decode("utf-8")
-        meta = safe_json.loads(text, "metadata JSON", object_pairs_hook=_no_duplicate_keys,
-                               parse_constant=_reject_constant)
+        safe_json.check_depth(raw, "metadata JSON")       # on the bytes: no second copy
+        meta = json.loads(text, object_pairs_hook=_no_duplicate_keys,
+                          parse_constant=_reject_constant)
         check_metadata(meta)
     except UnicodeDecodeError as e:
         fail(path, f"metadata is not valid UTF-8 ({e.reason} at byte {e.start})")

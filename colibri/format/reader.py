@@ -153,6 +153,11 @@ class ColibriFile:
             except OSError as e:     # ENOMEM (address-space limit), ENODEV (no mmap here)
                 raise ColibriError(f"{self.path}: cannot map {self.file_size} bytes read-only "
                                    f"({e.strerror or e})") from None
+        except MemoryError as e:       # an address-space or memory limit: say which file
+            os.close(fd)
+            detail = str(e) or "no detail"
+            raise ColibriError(f"{self.path}: out of memory while opening it ({detail}): "
+                               f"raise the memory limit") from None
         except BaseException:
             os.close(fd)
             raise
