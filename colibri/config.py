@@ -31,6 +31,13 @@ NORMS = ("rms_norm", "layer_norm")          # the model's norms: RMSNorm | Layer
 EXPERT_ACTIVATIONS = ("silu", "swigluoai")   # silu(g) * u | GPT-OSS's clamped (u + 1) * g * sigmoid(a g)
 
 
+# Ranges beyond the types: values no released model uses and that a corrupted file or a
+# hand-edited config.json produce (docs/safety.md).
+MAX_DIM = (1 << 31) - 1                             # every size and count fits an int32 index
+MAX_NORM_EPS = 1e-2                                 # released models use 1e-12 .. 1e-5
+MIN_WINDOW = 2                                      # a window of 1 attends to the token alone
+
+
 class ConfigError(ColibriError, ValueError):
     """A model config field is missing, has the wrong type or an impossible value."""
 
@@ -281,6 +288,20 @@ def _check(c: ModelConfig) -> None:
         v = getattr(c, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ConfigError(f"{name} must be a finite number, found {v!r}")
+    for name in _INT + _COUNT:
+        if getattr(c, name) > MAX_DIM:
+            raise ConfigError(f"{name} {getattr(c, name)} is out of range (at most {MAX_DIM})")
+    if not 0 < c.rms_norm_eps <= MAX_NORM_EPS:
+        raise ConfigError(f"rms_norm_eps must be in (0, {MAX_NORM_EPS}], found "
+                          f"{c.rms_norm_eps!r}")
+    if not c.rope_theta > 0:
+        raise ConfigError(f"rope_theta must be positive, found {c.rope_theta!r}")
+    if not 0 < c.partial_rotary_factor <= 1:
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], found "
+                          f"{c.partial_rotary_factor!r}")
+    for name in ("embedding_multiplier", "residual_multiplier"):
+        if getattr(c, name) == 0:
+            raise ConfigError(f"{name} must not be 0 (it would erase the model's input)")
     if c.num_attention_heads % c.num_key_value_heads:
         raise ConfigError(f"num_attention_heads {c.num_attention_heads} is not a multiple of "
                           f"num_key_value_heads {c.num_key_value_heads}")
@@ -316,9 +337,10 @@ def _check(c: ModelConfig) -> None:
         raise ConfigError(f"router_jitter_noise must be >= 0, found {c.router_jitter_noise!r}")
     if c.clip_qkv is not None and not (math.isfinite(c.clip_qkv) and c.clip_qkv > 0):
         raise ConfigError(f"clip_qkv must be a positive number or null, found {c.clip_qkv!r}")
-    if c.sliding_window is not None and (not _is_int(c.sliding_window) or c.sliding_window < 1):
-        raise ConfigError(f"sliding_window must be a positive integer or null, found "
-                          f"{c.sliding_window!r}")
+    if c.sliding_window is not None and (not _is_int(c.sliding_window)
+                                         or not MIN_WINDOW <= c.sliding_window <= MAX_DIM):
+        raise ConfigError(f"sliding_window must be an integer in [{MIN_WINDOW}, {MAX_DIM}] or "
+                          f"null, found {c.sliding_window!r}")
     n = c.num_hidden_layers
     if c.moe_layers is not None:
         bad = [i for i in c.moe_layers if not 0 <= i < n]

@@ -48,9 +48,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from . import __version__, dtypes, mxfp4
+from . import __version__, dtypes, mxfp4, safe_json, validation
 from . import quant as qmod
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
+from .convert_guard import ConversionInterrupted, signals_raise, verify_converted  # noqa: F401
 from .errors import ColibriError
 from .families import Family, canonical_tensors, get_family
 from .families.base import IGNORABLE_SUFFIXES, Source
@@ -101,10 +102,10 @@ class CheckpointTensor:
 def read_json(path: Path, what: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return safe_json.loads(f.read(), what)
     except FileNotFoundError:
         raise ColibriError(f"{path}: {what} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:      # JSONDecodeError, too deep
         raise ColibriError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
@@ -437,7 +438,13 @@ def plan(src: str | os.PathLike, *, dtype: str = "auto", quant: str = "none",
     if not isinstance(hf_config, dict):
         raise ColibriError(f"{src / 'config.json'}: expected a JSON object")
     family = get_family(hf_config.get("model_type"))
-    cfg = family.model_config(hf_config)
+    try:
+        cfg = family.model_config(hf_config)
+    except ConfigError as e:
+        raise ConfigError(f"{src / 'config.json'}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:   # a field of another type
+        raise ColibriError(f"{src / 'config.json'}: cannot be read as a {family.model_type} "
+                           f"config ({type(e).__name__}: {e})") from None
     ckpt = scan_checkpoint(src)
 
     matched, used, fp8_scales = [], set(), {}
@@ -649,6 +656,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
              router_dtype=router_dtype)
     dst = _resolve_dst(p, dst, force)
     p.tokenizer = read_tokenizer(src)
+    if p.tokenizer is not None:              # refused before any byte is written
+        problems = validation.tokenizer_problems(p.tokenizer["files"], p.config.vocab_size)
+        if problems:
+            raise ColibriError(f"{src}: {'; '.join(problems[:3])}")
     metadata = p.metadata(user)
 
     by_shard: dict[str, list[PlannedTensor]] = {}
@@ -661,9 +672,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"convert {src.name}", disable=not progress, leave=False)
     try:
-        with ColibriWriter(dst, p.specs(), metadata, n_layers=p.config.num_hidden_layers,
-                           n_experts=p.config.num_experts, checksums=checksums,
-                           overwrite=force) as writer:
+        with signals_raise(), \
+                ColibriWriter(dst, p.specs(), metadata, n_layers=p.config.num_hidden_layers,
+                              n_experts=p.config.num_experts, checksums=checksums,
+                              overwrite=force) as writer:
             for shard, todo in by_shard.items():
                 reader = _ShardReader(src / shard, budget=max(largest, 64 << 20))
                 try:
@@ -690,6 +702,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
                         bar.update(t.source_nbytes)
                 finally:
                     reader.close()
+            writer.finish(verify=lambda tmp, header: verify_converted(tmp, dst, header))
     except (FileExistsError, IsADirectoryError) as e:
         raise ColibriError(str(e)) from None
     finally:

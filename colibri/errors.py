@@ -10,3 +10,8 @@ class ColibriFormatError(ColibriError, ValueError):
 
     The message names the file and says what was expected and what was found.
     """
+
+
+class ColibriFileChangedError(ColibriFormatError):
+    """A mapped .colibri file was changed in place (resized or rewritten) after it was opened:
+    its pages may fault (SIGBUS) or hold other weights. Replace model files by rename."""

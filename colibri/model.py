@@ -40,6 +40,7 @@ from .attention import Attention, build_mask
 from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
+from .validation import check_loadable
 from .generate import generate
 from .guards import NonFiniteError, check_logits, layer_nan_stage, warn_past_context
 from .inputs import check_inputs
@@ -140,8 +141,10 @@ class Model:
                              f"{memory_budget!r}")
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
+        self.file.check_unchanged()      # an already-open file rewritten in place: refuse
         self.threads = int(threads) if threads is not None else default_threads()
-        c = self.config = self.file.model_config   # typed geometry (colibri.config.ModelConfig)
+        # typed geometry (colibri.config.ModelConfig), refused when it contradicts the tensors
+        c = self.config = check_loadable(self.file)
         self.hf_config = self.file.config         # the checkpoint's config.json, as converted
         self.vocab_size = c.vocab_size                                       # V
         self.hidden_size = c.hidden_size                                     # D

@@ -42,7 +42,12 @@ def test_layout(model_path, model_bytes):
     assert h["expert_count"] == L * E
     assert h["metadata_offset"] == h["expert_index_offset"] + 32 * L * E
     meta = buf[h["metadata_offset"]: h["metadata_offset"] + h["metadata_size"]]
-    assert json.loads(meta.decode()) == METADATA
+    stored = json.loads(meta.decode())
+    assert list(stored)[-1] == "metadata_crc32"          # §5: last, the CRC32 of the bytes before it
+    suffix = f'"metadata_crc32": "{stored.pop("metadata_crc32")}"}}'.encode()
+    assert meta.endswith(suffix)
+    assert f"{zlib.crc32(meta[:-len(suffix)]):08x}" == suffix.decode()[19:27]
+    assert stored == METADATA
     assert h["data_offset"] == -(-(h["metadata_offset"] + h["metadata_size"]) // 4096) * 4096
     assert not any(buf[h["metadata_offset"] + h["metadata_size"]: h["data_offset"]])
     assert h["file_size"] == len(buf) and h["flags"] == 1 and h["reserved"] == bytes(20)

@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                 out.update(valid=not problems, problems=problems)
             else:
                 text.append(f"{cf.path}: " + ("valid (structure, checksums, finite values, "
-                                               "tensors match the arch)" if not problems else
+                                               "tensors match the arch and config.json, "
+                                               "tokenizer and chat template work)" if not problems else
                                                f"INVALID, {len(problems)} problems"))
                 text += [f"  {p}" for p in problems[:50]]
                 if len(problems) > 50:

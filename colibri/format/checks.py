@@ -14,13 +14,14 @@ from typing import Any, Callable, Iterable, NoReturn
 
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, safe_json
 from ..dtypes import BLOCK, DTYPE_NAMES, DTYPES
 from ..errors import ColibriFormatError
 from .spec import (
     ALIGNMENT, EXPERT_RE, EXPERT_RECORD_SIZE, FORMAT_VERSION, HEADER_FIELDS, HEADER_FLAG_CRC,
-    HEADER_SIZE, HEADER_STRUCT, MAGIC, PAGE_SIZE, PROJS, RECORD_FLAG_CRC, RECORD_SIZE,
-    ROUTER_RE, expert_name, layer_count, round_up,
+    HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_METADATA_BYTES, MAX_PREFIX_PADDING, MAX_TENSORS,
+    METADATA_CRC_KEY, PAGE_SIZE, PROJS, RECORD_FLAG_CRC, RECORD_SIZE, ROUTER_RE, expert_name,
+    layer_count, round_up,
 )
 
 # Per on-disk code: bits per element and whether the format is quantized (vector lookups).
@@ -61,6 +62,9 @@ def check_header(path: str, head: bytes, size: int) -> dict:
     as a dict of its fields (magic decoded)."""
     if 0 < len(head) < 4 and MAGIC.startswith(head):
         fail(path, f"truncated header: file is {size} bytes")
+    if len(head) == HEADER_SIZE and head.count(0) == HEADER_SIZE:
+        fail(path, "the header is all zeros: an unfinished file (the writer writes the "
+                   "header last; a conversion killed before it finished leaves this)")
     if len(head) < 4 or head[:4] != MAGIC:
         found = repr(head[:4]) if head else "an empty file"
         fail(path, f"not a colibri file: expected magic {MAGIC!r} at offset 0, found "
@@ -124,6 +128,15 @@ def check_regions(path: str, h: dict) -> list[tuple[int, int, str]]:
                        f"fit between the header end {HEADER_SIZE} and data_offset {data} "
                        f"(file has {size} bytes)")
         regions.append((off, off + nbytes, what))
+    if h["tensor_count"] > MAX_TENSORS:
+        fail(path, f"tensor_count {h['tensor_count']} exceeds the reader's limit of "
+                   f"{MAX_TENSORS} tensors")
+    if h["metadata_size"] > MAX_METADATA_BYTES:
+        fail(path, f"metadata_size {h['metadata_size']} exceeds the reader's limit of "
+                   f"{MAX_METADATA_BYTES} bytes")
+    if 3 * h["expert_count"] > h["tensor_count"]:
+        fail(path, f"expert_count {h['expert_count']} needs {3 * h['expert_count']} expert "
+                   f"tensors, the table has {h['tensor_count']}")
     regions.sort()
     for (s0, e0, w0), (s1, e1, w1) in zip(regions, regions[1:]):
         if s1 < e0:
@@ -132,17 +145,49 @@ def check_regions(path: str, h: dict) -> list[tuple[int, int, str]]:
     if data != want:
         fail(path, f"data_offset {data} should be the first multiple of {PAGE_SIZE} after "
                    f"the metadata, table and index: {want}")
+    padding = data - HEADER_SIZE - sum(e - s for s, e, _ in regions)
+    if padding > MAX_PREFIX_PADDING:
+        fail(path, f"{padding} padding bytes between the header and data_offset {data} "
+                   f"(at most {MAX_PREFIX_PADDING}: the sections follow each other)")
     return regions
 
 
-def check_padding(path: str, prefix: bytes, regions: list[tuple[int, int, str]]) -> None:
-    """§8 step 8. Bytes of [header end, data_offset) outside the three regions must be zero:
-    no room for a second payload (a polyglot file) between the sections."""
-    start = HEADER_SIZE
-    for s0, e0, what in regions + [(len(prefix), len(prefix), "data")]:
-        if prefix.count(0, start, s0) != s0 - start:
-            fail(path, f"non-zero bytes in the padding [{start}, {s0}) before the {what}")
+def gaps(regions: list[tuple[int, int, str]], data_offset: int) -> list[tuple[int, int, str]]:
+    """The padding [start, end, before what) of [header end, data_offset) outside the
+    regions (at most MAX_PREFIX_PADDING bytes in all, check_regions)."""
+    out, start = [], HEADER_SIZE
+    for s0, e0, what in regions + [(data_offset, data_offset, "data")]:
+        if s0 > start:
+            out.append((start, s0, what))
         start = max(start, e0)
+    return out
+
+
+def check_gap(path: str, start: int, raw: bytes, what: str) -> None:
+    """§8 step 8 for one gap: no room for a second payload (a polyglot file) between the
+    sections."""
+    if raw.count(0) != len(raw):
+        fail(path, f"non-zero bytes in the padding [{start}, {start + len(raw)}) before the "
+                   f"{what}")
+
+
+def scan_table_chunk(path: str, chunk: bytes, start: int, table_offset: int) -> None:
+    """While reading the table: a record whose name starts with NUL is empty (§8 step 9),
+    so a sparse or zeroed table fails at its first chunk, before the rest is read."""
+    first = chunk[::RECORD_SIZE]
+    k = first.find(0)
+    if k >= 0:
+        fail(path, f"tensor record {(start - table_offset) // RECORD_SIZE + k}: empty name "
+                   f"(a zeroed or sparse table?)")
+
+
+def scan_metadata_chunk(path: str, chunk: bytes, start: int, metadata_offset: int) -> None:
+    """While reading the metadata: JSON text never holds a NUL byte, so a zeroed or sparse
+    metadata region fails at its first chunk."""
+    k = chunk.find(0)
+    if k >= 0:
+        fail(path, f"metadata holds a NUL byte at offset {start + k} (byte "
+                   f"{start + k - metadata_offset} of the metadata): not JSON text")
 
 
 # ----------------------------------------------------------------------------- tensor table
@@ -446,10 +491,47 @@ def check_metadata(meta: Any) -> None:
                              "{\"files\": {filename: text, ...}}")
 
 
+def metadata_suffix(crc: int) -> bytes:
+    """The last bytes of the metadata JSON colibri writes: its CRC32 key, value and the
+    closing brace (a fixed length, so a reader finds the covered bytes without parsing)."""
+    return f'"{METADATA_CRC_KEY}": "{crc:08x}"}}'.encode("ascii")
+
+
+_SUFFIX_LEN = len(metadata_suffix(0))
+
+
+def with_metadata_crc(body: bytes) -> bytes:
+    """JSON object bytes `{...}` (json.dumps output) -> the same object with METADATA_CRC_KEY
+    as its last key, holding the CRC32 of every byte before that key."""
+    head = body.rstrip()[:-1]
+    covered = head + (b"" if head.rstrip() == b"{" else b", ")
+    return covered + metadata_suffix(zlib.crc32(covered))
+
+
+def _check_metadata_crc(path: str, raw: bytes, meta: dict) -> None:
+    """A file whose metadata carries METADATA_CRC_KEY (colibri writes it since the safety
+    work; older files have none and are read as before) must match it byte for byte."""
+    if METADATA_CRC_KEY not in meta:
+        return
+    stored = meta[METADATA_CRC_KEY]
+    if not (isinstance(stored, str) and len(stored) == 8
+            and all(c in "0123456789abcdef" for c in stored)
+            and raw[-_SUFFIX_LEN:] == metadata_suffix(int(stored, 16))):
+        fail(path, f"metadata key {METADATA_CRC_KEY!r} is malformed or not the last key "
+                   f"(found {stored!r})")
+    crc = zlib.crc32(raw[:-_SUFFIX_LEN])
+    if f"{crc:08x}" != stored:
+        fail(path, f"metadata checksum mismatch (stored {stored}, computed {crc:08x}): the "
+                   f"metadata is corrupted")
+
+
 def parse_metadata(path: str, raw: bytes) -> dict:
-    """§8 step 14: the metadata bytes as a dict (strict JSON, the §5 shape)."""
+    """§8 step 14: the metadata bytes as a dict (strict JSON of bounded depth, the §5 shape,
+    the checksum when present). The checksum key is removed from the result."""
     try:
-        meta = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys,
+        text = raw.decode("utf-8")
+        safe_json.check_depth(raw, "metadata JSON")       # on the bytes: no second copy
+        meta = json.loads(text, object_pairs_hook=_no_duplicate_keys,
                           parse_constant=_reject_constant)
         check_metadata(meta)
     except UnicodeDecodeError as e:
@@ -458,6 +540,8 @@ def parse_metadata(path: str, raw: bytes) -> dict:
         fail(path, "metadata JSON is nested too deeply")
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         fail(path, f"metadata is not a valid colibri JSON object: {e}")
+    _check_metadata_crc(path, raw, meta)
+    meta.pop(METADATA_CRC_KEY, None)
     return meta
 
 

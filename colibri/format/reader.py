@@ -22,11 +22,23 @@ import numpy as np
 from .. import dtypes, mxfp4, quant
 from ..config import ConfigError, ModelConfig
 from ..dtypes import DTYPE_NAMES
-from ..errors import ColibriError, ColibriFormatError
+from ..errors import ColibriError, ColibriFileChangedError, ColibriFormatError
 from . import checks
 from .spec import (
-    EXPERT_DTYPE, HEADER_SIZE, PROJS, RECORD_DTYPE, RECORD_FLAG_CRC, expert_name,
+    EXPERT_DTYPE, HEADER_SIZE, PROJS, RECORD_DTYPE, RECORD_FLAG_CRC, RECORD_SIZE, expert_name,
 )
+
+_READ_CHUNK = RECORD_SIZE * 6554      # ~1 MB, whole table records
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for the error message."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 @dataclass(frozen=True)
@@ -117,18 +129,19 @@ class ColibriFile:
     touched. Views stay valid after close() (they keep the mapping alive).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, pending_header: bytes | None = None):
+        """pending_header: the 128 header bytes of a file still being written, whose header on
+        disk is zero until its writer commits it (ColibriWriter.finish verifies the file this
+        way, so no complete-looking file exists before the rename)."""
         self.path = os.fspath(path)
+        self._pending_header = pending_header
         self._mm: mmap.mmap | None = None
         self._base: np.ndarray | None = None
         self.buffer: memoryview | None = None
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._fd: int | None = None
+        fd = self._open_regular()
         try:
             st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                self._fail("is a directory, not a colibri file")
-            if not stat.S_ISREG(st.st_mode):
-                self._fail("is not a regular file")
             # Identity of what was mapped: a hot reload compares it to decide to reopen.
             self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
             self._parse(fd, st.st_size)
@@ -137,8 +150,20 @@ class ColibriFile:
                 self._mm = mmap.mmap(fd, self.file_size, access=mmap.ACCESS_READ)
             except ValueError as e:  # the file shrank since fstat
                 self._fail(f"cannot map {self.file_size} bytes: {e}")
-        finally:
-            os.close(fd)  # the mapping keeps its own reference to the file
+            except OSError as e:     # ENOMEM (address-space limit), ENODEV (no mmap here)
+                raise ColibriError(f"{self.path}: cannot map {self.file_size} bytes read-only "
+                                   f"({e.strerror or e})") from None
+        except MemoryError as e:       # an address-space or memory limit: say which file
+            os.close(fd)
+            detail = str(e) or "no detail"
+            raise ColibriError(f"{self.path}: out of memory while opening it ({detail}): "
+                               f"raise the memory limit") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # Kept open: check_unchanged() fstat()s the mapped inode, not whatever the path
+        # names now. (The mapping holds its own reference to the file.)
+        self._fd = fd
         self.buffer = memoryview(self._mm)
         self._base = np.frombuffer(self._mm, np.uint8)   # (file_size,) read-only
 
@@ -147,39 +172,72 @@ class ColibriFile:
     def _fail(self, problem: str) -> NoReturn:
         checks.fail(self.path, problem)
 
-    def _read(self, fd: int, offset: int, size: int) -> bytes:
+    def _open_regular(self) -> int:
+        """A read-only descriptor of the path, a regular file: anything else (a FIFO, a
+        device, a socket, a directory) is refused before it is opened (opening a FIFO
+        blocks until a writer comes; opening a device can have effects). O_NONBLOCK keeps
+        the open itself from blocking if the path is swapped for a FIFO in between, and the
+        descriptor is checked again. Symlinks are followed (model folders use them)."""
+        st = os.stat(self.path)                       # FileNotFoundError as before
+        if not stat.S_ISREG(st.st_mode):
+            self._fail(f"is {_kind(st.st_mode)}, not a regular file (a .colibri model file "
+                       f"must be a regular file)")
+        flags = (os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(self.path, flags)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._fail(f"is {_kind(st.st_mode)}, not a regular file (it changed while "
+                       f"being opened)")
+        return fd
+
+    def _read(self, fd: int, offset: int, size: int, scan=None) -> bytes:
+        """size bytes at offset, read 1 MB at a time; scan(chunk, chunk offset) may refuse
+        the bytes early (a zeroed region of a sparse file fails at its first chunk)."""
         out = bytearray()
         while len(out) < size:
-            chunk = os.pread(fd, min(size - len(out), 1 << 30), offset + len(out))
+            want = min(size - len(out), _READ_CHUNK)
+            chunk = os.pread(fd, want, offset + len(out))
             if not chunk:
                 self._fail(f"unexpected end of file reading {size} bytes at offset {offset} "
                            f"(file changed while opening?)")
+            if scan is not None:
+                scan(chunk, offset + len(out))
             out += chunk
         return bytes(out)
 
     def _parse(self, fd: int, size: int) -> None:
-        """The checks of §8, in its order; then the parsed header, table and metadata."""
+        """The checks of §8, in its order; then the parsed header, table and metadata.
+        Each section is read on its own, sized by check_regions' limits first."""
         path = self.path
-        h = checks.check_header(path, self._read(fd, 0, min(size, HEADER_SIZE)), size)
+        head = self._pending_header if self._pending_header is not None else \
+            self._read(fd, 0, min(size, HEADER_SIZE))
+        h = checks.check_header(path, head, size)
         self.header = h
         self.version = h["version"]
         self.n_layers = h["n_layers"]
         self.n_experts = h["n_experts"]
         self.file_size = size
         regions = checks.check_regions(path, h)
-        prefix = self._read(fd, 0, h["data_offset"])
-        checks.check_padding(path, prefix, regions)
-        table = np.frombuffer(prefix, RECORD_DTYPE, h["tensor_count"], h["table_offset"])
-        index = np.frombuffer(prefix, EXPERT_DTYPE, h["expert_count"],
-                              h["expert_index_offset"])
+        for start, end, what in checks.gaps(regions, h["data_offset"]):
+            checks.check_gap(path, start, self._read(fd, start, end - start), what)
+        t_off, m_off = h["table_offset"], h["metadata_offset"]
+        table_raw = self._read(fd, t_off, h["tensor_count"] * RECORD_DTYPE.itemsize,
+                               lambda c, at: checks.scan_table_chunk(path, c, at, t_off))
+        index_raw = self._read(fd, h["expert_index_offset"],
+                               h["expert_count"] * EXPERT_DTYPE.itemsize)
+        meta_raw = self._read(fd, m_off, h["metadata_size"],
+                              lambda c, at: checks.scan_metadata_chunk(path, c, at, m_off))
+        table = np.frombuffer(table_raw, RECORD_DTYPE, h["tensor_count"])
+        index = np.frombuffer(index_raw, EXPERT_DTYPE, h["expert_count"])
         names = checks.check_names(path, table, self.n_layers)
         self._pos = dict(zip(names, range(len(names))))
         order = checks.check_records(path, table, names, h)
         checks.check_routing(path, table, names, h)
         self._blocks, self._stride = checks.check_expert_index(
             path, index, table, names, self._pos, order, self.n_layers, self.n_experts)
-        self.metadata = checks.parse_metadata(
-            path, prefix[h["metadata_offset"]: h["metadata_offset"] + h["metadata_size"]])
+        self.metadata = checks.parse_metadata(path, meta_raw)
         self.config = self.metadata.get("config", {})
         self.arch = self.metadata.get("arch", {})
         self._model_config: ModelConfig | None = None
@@ -187,6 +245,29 @@ class ColibriFile:
         tok = self.metadata.get("tokenizer")
         self.tokenizer_files = tok["files"] if tok is not None else None
         self.tensors = TensorTable(names, self._pos, table)
+
+    def check_unchanged(self) -> None:
+        """ColibriFileChangedError if the mapped file was changed in place since it was
+        opened: another size (a truncated file's pages raise SIGBUS when touched, which no
+        exception can catch) or another modification time (same-size overwrites change the
+        weights under the model). Cheap (one fstat); load and reload call it, and so should
+        anything about to run a long operation over the mapping. Replacing the file by
+        rename (what colibri convert and ColibriWriter do) leaves the mapped inode alone and
+        passes. docs/safety.md."""
+        if self._fd is None:
+            raise ColibriError(f"{self.path}: file is closed")
+        st = os.fstat(self._fd)
+        if st.st_size != self.file_size:
+            raise ColibriFileChangedError(
+                f"{self.path}: the mapped file changed size in place ({self.file_size} -> "
+                f"{st.st_size} bytes) since it was opened; reading it could crash the process "
+                f"(SIGBUS). Replace model files by rename, never rewrite them in place "
+                f"(docs/safety.md)")
+        if st.st_mtime_ns != self.identity[3]:
+            raise ColibriFileChangedError(
+                f"{self.path}: the mapped file was rewritten in place since it was opened "
+                f"(modification time changed): its weights may differ from what was checked. "
+                f"Replace model files by rename (docs/safety.md)")
 
     @property
     def model_config(self) -> ModelConfig:
@@ -312,6 +393,7 @@ class ColibriFile:
         tensors, non-finite floats or scales, and "arch" metadata that is not a valid
         ModelConfig (the ConfigError's message). Empty list = healthy. (Structure was
         already checked at open.)"""
+        self.check_unchanged()
         problems = [f"tensor {n!r}: crc32 mismatch" for n in self.verify_checksums(progress)]
         problems += checks.gap_problems(
             self._mapping(), self.header["data_offset"],
@@ -340,6 +422,9 @@ class ColibriFile:
 
     def close(self) -> None:
         """Drop the mapping. Views handed out earlier keep it alive until they go away."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._base = None  # views made from it keep it (and the mapping) alive
         if self.buffer is not None:
             try:
@@ -353,6 +438,14 @@ class ColibriFile:
             except BufferError:
                 pass  # numpy views exist: the mapping is unmapped when the last one dies
             self._mm = None
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self) -> "ColibriFile":
         return self

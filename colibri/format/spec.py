@@ -21,6 +21,14 @@ ALIGNMENT = 64           # every tensor starts at a multiple of this
 PAGE_SIZE = 4096         # data_offset and every expert block start at a multiple of this
 MAX_NAME_BYTES = 95      # the name field is 96 bytes, NUL-terminated
 
+# Reader limits (docs/format.md §8 step 7): what a reader reads before mapping is bounded by
+# these, whatever a (possibly sparse, possibly hostile) file declares.
+MAX_TENSORS = 1 << 20                 # DeepSeek-V3: ~47k tensors
+MAX_METADATA_BYTES = 128 << 20        # the largest tokenizer.json files are ~35 MB
+MAX_PREFIX_PADDING = 2 * PAGE_SIZE    # zero bytes of [128, data_offset) outside the sections
+# The last key of the metadata JSON colibri writes: the CRC32 of the bytes before it (§5).
+METADATA_CRC_KEY = "metadata_crc32"
+
 HEADER_FLAG_CRC = 1  # header flags bit 0: per-tensor CRC32s present
 RECORD_FLAG_CRC = 1  # record flags bit 0: this record's crc32 is valid
 

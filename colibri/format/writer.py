@@ -6,13 +6,17 @@ The destination is never opened for writing: the bytes go to a temporary file in
 that is renamed over it at the end (a new inode), so a process that maps the old file (a
 server) keeps reading the old bytes and never sees a truncated or half-written file (SIGBUS).
 Each writer holds an exclusive flock on its temporary file; the temporary files of writers
-that were killed hold none, and the next writer of the same destination removes them.
+that were killed hold none, and the next writer of the same destination removes them. The
+header is written last, after an fsync of everything else: a file cut short at any moment
+starts with 128 zero bytes and no reader takes it for a finished one. Free space is checked
+before anything is created (ColibriError naming the bytes needed; docs/safety.md).
 
 The layout is docs/format.md §1: routers, then dense tensors, then the expert blocks (one
 page-aligned block per (layer, expert)), every tensor 64-aligned.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -20,6 +24,7 @@ import stat
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 try:
     import fcntl
@@ -31,11 +36,12 @@ import numpy as np
 from .. import dtypes, quant
 from ..dtypes import DTYPE_NAMES, DTYPES
 from ..errors import ColibriError
-from .checks import check_metadata, first_missing
+from .checks import check_metadata, first_missing, with_metadata_crc
 from .spec import (
     ALIGNMENT, EXPERT_RE, EXPERT_RECORD_SIZE, EXPERT_STRUCT, FORMAT_VERSION, HEADER_FLAG_CRC,
     HEADER_SIZE, HEADER_STRUCT, LAYER_RE, MAGIC, MAX_NAME_BYTES, PAGE_SIZE, PROJS,
-    RECORD_FLAG_CRC, RECORD_SIZE, RECORD_STRUCT, ROUTER_RE, layer_count, round_up,
+    METADATA_CRC_KEY, RECORD_FLAG_CRC, RECORD_SIZE, RECORD_STRUCT, ROUTER_RE, layer_count,
+    round_up,
 )
 
 ROLES = ("router", "dense", "expert")
@@ -163,9 +169,11 @@ class _Planned:
 class ColibriWriter:
     """Writes a .colibri file atomically.
 
-    The layout is planned from the specs up front; header, table, expert index and metadata
-    are written at once; the caller then streams tensors in any order with write(). finish()
-    fills in the CRCs, checks that every tensor was written, fsyncs and renames the temp file
+    The layout is planned from the specs up front; table, expert index and metadata are
+    written at once, the header's 128 bytes left zero; the caller then streams tensors in any
+    order with write(). finish() fills in the CRCs, checks that every tensor was written,
+    fsyncs, writes the header last (so an unfinished file is never a colibri file), fsyncs,
+    optionally verifies, and renames the temp file
     (.NAME.tmp-XXXXXXXX in the destination folder) onto the destination. On any exception
     inside `with`, abort() deletes the temp file and the destination is untouched. The
     destination itself is never opened for writing (see the module docstring); a replaced
@@ -192,16 +200,38 @@ class ColibriWriter:
         self.n_layers, self.n_experts = n_layers, n_experts
         self._plan(list(specs), metadata)
         self.stale_removed = remove_stale_temps(self.path)
+        self._check_space()
         self._create_temp()
         try:
             if overwrite and os.path.exists(self.path):
                 os.fchmod(self._fd, stat.S_IMODE(os.stat(self.path).st_mode))
             # Sized up front: the gaps between tensors read back as zeros (holes).
             os.ftruncate(self._fd, self.file_size)
-            self._pwrite(self._preamble(), 0)
+            # Everything but the header, whose bytes stay zero until finish() writes them
+            # last: a file cut short anywhere before that is not a colibri file at all.
+            self._pwrite(self._preamble()[HEADER_SIZE:], HEADER_SIZE)
         except BaseException:
             self.abort()
             raise
+
+    def _check_space(self) -> None:
+        """ColibriError naming the bytes needed when the destination's filesystem has fewer
+        free (checked before anything is created; a write that still hits ENOSPC says the
+        same and the temp file is removed)."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            st = os.statvfs(folder)
+        except (OSError, AttributeError):   # no statvfs (Windows): the writes will tell
+            return
+        free = st.f_bavail * st.f_frsize
+        if free < self.file_size:
+            raise ColibriError(self._space_message(free))
+
+    def _space_message(self, free: int | None) -> str:
+        folder = os.path.dirname(os.path.abspath(self.path))
+        have = f"{folder} has {free} bytes free" if free is not None else f"{folder} is full"
+        return (f"{self.path}: not enough disk space: the file needs {self.file_size} bytes "
+                f"({self.file_size / 2**20:.1f} MiB), {have}; nothing was written")
 
     def _create_temp(self) -> None:
         """Create and lock a fresh temp file beside the destination."""
@@ -236,8 +266,11 @@ class ColibriWriter:
             raise ValueError(f"n_layers is {self.n_layers} but the tensor names use "
                              f"{layer_count(seen)} layers (layers.0 .. layers.N-1)")
         check_metadata(metadata)
-        self._meta = json.dumps(metadata, ensure_ascii=False, sort_keys=False,
-                                allow_nan=False).encode("utf-8")
+        # The checksum key is the writer's own (the reader drops it): last, over the rest.
+        metadata = {k: v for k, v in metadata.items() if k != METADATA_CRC_KEY}
+        self._meta = with_metadata_crc(json.dumps(metadata, ensure_ascii=False,
+                                                  sort_keys=False, allow_nan=False
+                                                  ).encode("utf-8"))
         routers = sorted((s for s in specs if s.role == "router"), key=lambda s: s.layer)
         dense = [s for s in specs if s.role == "dense"]
         experts: dict[int, dict[int, dict[str, TensorSpec]]] = {}
@@ -325,7 +358,18 @@ class ColibriWriter:
     def _pwrite(self, data, offset: int) -> None:
         mv = memoryview(data).cast("B")
         while len(mv):
-            n = os.pwrite(self._fd, mv, offset)
+            try:
+                n = os.pwrite(self._fd, mv, offset)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    free = None
+                    try:
+                        st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+                        free = st.f_bavail * st.f_frsize
+                    except (OSError, AttributeError):
+                        pass
+                    raise ColibriError(self._space_message(free)) from None
+                raise
             mv, offset = mv[n:], offset + n
 
     def write(self, name: str, array: np.ndarray, raw: bool = False) -> None:
@@ -376,8 +420,16 @@ class ColibriWriter:
                              f"{p.nbytes}")
         p.crc32, p.written = crc, True
 
-    def finish(self) -> None:
-        """Patch CRCs into the table, fsync, rename onto the destination, fsync the folder."""
+    def finish(self, verify: Callable[[str, bytes], None] | None = None) -> None:
+        """Patch CRCs into the table, fsync, write the header, fsync, rename onto the
+        destination, fsync the folder. The header goes last: until it is on disk the file
+        starts with 128 zero bytes, which no reader takes for a colibri file.
+
+        verify(temp path, header bytes), when given, runs on the temporary file before its
+        header is written (open it with ColibriFile(path, pending_header=header)) and may
+        raise to refuse it (the temp file is then removed). A kill during verification
+        leaves a file whose header is still zero: only the header write, one fsync and the
+        rename separate a complete-looking file from the destination."""
         if self._finished:
             return
         if self._fd is None:
@@ -387,11 +439,16 @@ class ColibriWriter:
             if missing:
                 raise ValueError(f"{self.path}: {len(missing)} tensors never written: "
                                  f"{missing[:5]}")
-            self._pwrite(self._preamble(), 0)
+            preamble = self._preamble()
+            self._pwrite(preamble[HEADER_SIZE:], HEADER_SIZE)
             size = os.fstat(self._fd).st_size
             if size != self.file_size:
                 raise ColibriError(f"{self.path}: temp file is {size} bytes, expected "
                                    f"{self.file_size}")
+            os.fsync(self._fd)               # every other byte is durable before the header
+            if verify is not None:
+                verify(self._tmp, preamble[:HEADER_SIZE])
+            self._pwrite(preamble[:HEADER_SIZE], 0)
             os.fsync(self._fd)
             if not self.overwrite and os.path.lexists(self.path):
                 raise FileExistsError(f"{self.path}: appeared while writing (pass "

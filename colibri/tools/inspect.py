@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import quant
+from .. import quant, validation
 from ..config import ConfigError, ModelConfig
 from ..errors import ColibriError
-from ..families import FAMILIES, canonical_tensors
+from ..families import FAMILIES
 from ..format import ColibriFile, QuantizedTensor
 
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w_gate|w_up|w_down)")
@@ -151,38 +151,24 @@ def tensor_rows(cf: ColibriFile, name: str, rows: int = 4) -> np.ndarray:
 
 def check_arch(cf: ColibriFile) -> list[str]:
     """Problems between the metadata's arch dict and the tensor table (missing / extra tensors,
-    shapes); nothing when the arch names no known family."""
+    shapes, layer and expert counts); nothing when the arch names no known family."""
     arch = cf.arch
-    if not isinstance(arch, dict) or arch.get("family") not in FAMILIES:
+    family = arch.get("family") if isinstance(arch, dict) else None
+    if not isinstance(family, str) or family not in FAMILIES:
         return [] if not arch else [f"metadata arch names unknown family "
                                     f"{arch.get('family')!r}"]
     try:
         config = cf.model_config
-        expected = {t.name: t.shape for t in canonical_tensors(config)}
     except (KeyError, TypeError, ValueError) as e:       # ConfigError is a ValueError
         return [f"metadata arch is incomplete ({type(e).__name__}: {e})"]
-    problems = []
-    for name, shape in expected.items():
-        if name not in cf.tensors:
-            problems.append(f"tensor {name!r} missing (the arch implies it, shape {shape})")
-        elif cf.tensors[name].shape != shape:
-            problems.append(f"tensor {name!r} has shape {cf.tensors[name].shape}, the arch "
-                            f"implies {shape}")
-    extra = [n for n in cf.tensors if n not in expected]
-    problems += [f"tensor {n!r} is not part of a {config.family} model" for n in extra[:10]]
-    if cf.n_experts != config.num_experts:
-        problems.append(f"header n_experts {cf.n_experts} != arch num_experts "
-                        f"{config.num_experts}")
-    if cf.n_layers != config.num_hidden_layers:
-        problems.append(f"header n_layers {cf.n_layers} != arch num_hidden_layers "
-                        f"{config.num_hidden_layers}")
-    return problems
+    return validation.config_vs_tensors(cf, config)
 
 
 def validate(cf: ColibriFile, progress: bool = False) -> list[str]:
-    """Every problem a full read finds: checksums, padding, non-finite values, arch vs table.
-    (Structure is checked when the file is opened.)"""
-    return cf.validate(progress=progress) + check_arch(cf)
+    """Every problem a full read and a trial use find (colibri.validation.validate):
+    checksums, padding, non-finite values, the typed config against the tensors and against
+    config.json, the tokenizer and chat template. (Structure is checked at open.)"""
+    return validation.validate(cf, progress=progress)
 
 
 # --- text -------------------------------------------------------------------------------------
