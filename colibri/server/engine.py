@@ -30,6 +30,7 @@ from ..batching import Scheduler
 from ..errors import ColibriError
 from ..format import ColibriFile
 from ..model import Model
+from ..validation import validate
 from .settings import Settings
 
 __all__ = ["Engine", "ModelHolder", "ReloadResult", "version_of"]
@@ -93,10 +94,12 @@ class ReloadResult:
 
 
 def open_checked(path: str) -> ColibriFile:
-    """Open `path` and validate every byte (checksums, gaps, non-finite values, the typed
-    config): ColibriError listing the first problems when the file is not healthy."""
+    """Open `path` and validate it as `colibri inspect --validate` does (every byte:
+    checksums, gaps, non-finite values; the typed config against the tensors and
+    config.json; the tokenizer and chat template built and run once): ColibriError listing
+    the first problems when the file is not healthy."""
     f = ColibriFile(path)
-    problems = f.validate()
+    problems = validate(f)
     if problems:
         f.close()
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
