@@ -238,7 +238,6 @@ class Attention:
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.project_qkv(x[None])          # (1, H, T, Dh), (1, Hkv, T, Dh) x 2
         o = np.empty((x.shape[0], H * Dh), dtype=np.float32)                  # (T, H*Dh)
-        scale = np.float32(self.scale)
         for seg in segments:
             a, b = seg.start, seg.start + seg.n
             cache = seg.cache
@@ -250,7 +249,7 @@ class Attention:
                 start = slot + 1 - self.window if self.window and slot >= self.window else 0
                 out = o[a].reshape(H, Dh)
                 _attend_cached(qk[:H], cache.k[layer], cache.v[layer], qk[H:], vh,
-                               slot, start, scale, out, self.threads)
+                               slot, start, self._scale32, out, self.threads)
                 if self.sinks is not None:
                     self._sink_rescale(qk[:H], out, cache.k[layer][0, :, start:slot + 1])
                 continue

@@ -37,7 +37,6 @@ import numpy as np
 
 from . import kernels, quant
 from .attention import Attention, build_mask
-from .errors import ColibriError
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
@@ -201,15 +200,6 @@ class Model:
             return c.num_hidden_layers, 1, c.kv_lora_rank, c.head_dim
         return c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.head_dim
 
-    def _dense_f32(self, name: str) -> np.ndarray:
-        """Tensor `name` of the file decoded to a new float32 array (any format)."""
-        t = self.file.tensor(name)
-        if isinstance(t, QuantizedTensor):
-            return t.dequantize()
-        if t.dtype == np.uint16:                                             # bf16 bits
-            return quant.bf16_to_f32(t)
-        return np.array(t, dtype=np.float32)
-
     def _mla(self, i: int, proj) -> MLA:
         """Layer i's latent attention (colibri/mla.py); proj(name) -> _Linear."""
         f, c, p = self.file, self.config, f"layers.{i}."
@@ -221,7 +211,7 @@ class Model:
             wq_b=proj("attn.wq_b", "attn.bq_b") if lora else None,
             wkv_a=proj("attn.wkv_a", "attn.bkv_a"), kv_a_norm=vector(f, p + "attn.kv_a_norm"),
             wkv_b=proj("attn.wkv_b", "attn.bkv_b"), wo=proj("attn.wo", "attn.bo"),
-            kv_b=self._dense_f32(p + "attn.wkv_b"), n_heads=c.num_attention_heads,
+            kv_b=f.to_float32(p + "attn.wkv_b"), n_heads=c.num_attention_heads,
             nope_dim=c.qk_nope_head_dim, rope_dim=c.head_dim, v_dim=c.v_head_dim,
             kv_rank=c.kv_lora_rank, scale=softmax_scale(c))
 
@@ -275,6 +265,15 @@ class Model:
         if self._layer_norm:
             return layer_norm(x, weight, bias, eps)
         return rms_norm(x, weight, eps)
+
+    def _norm_rows_into(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                        eps: np.float32, out: np.ndarray) -> None:
+        """The model's norm of rows x float32 (N, D) into out (N, D), compiled for RMSNorm:
+        what the decode step and the ragged step use."""
+        if self._layer_norm:
+            layer_norm(x, weight, bias, eps, out=out)
+        else:
+            _norm_rows(x, weight, eps, out)
 
     def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
         """logits / logits_scaling in place (Granite's muP), when the model has one."""
@@ -429,24 +428,18 @@ class Model:
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
         tm, eps, h = self.timings, state.eps, state.h          # eps: float32
         xa, xf = state.xa, state.xf
-        ln, rm = self._layer_norm, self._residual_mult
+        norm, rm = self._norm_rows_into, self._residual_mult
         if self._embedding_mult is not None:
             np.multiply(h, self._embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)
         for i, layer in enumerate(self.layers):
-            if ln:
-                layer_norm(h, layer.attn_norm, layer.attn_norm_bias, eps, out=xa)
-            else:
-                _norm_rows(h, layer.attn_norm, eps, xa)
+            norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
             o = layer.attn.decode(xa, cos, sin, cache, i, state)
             if rm is not None:
                 np.multiply(o, rm, out=o)
             np.add(h, o, out=h)
-            if ln:
-                layer_norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, out=xf)
-            else:
-                _norm_rows(h, layer.ffn_norm, eps, xf)
+            norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
                 try:
@@ -465,10 +458,7 @@ class Model:
             np.add(h, y, out=h)
             t0 = time.perf_counter()
         logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        if ln:
-            layer_norm(h, self.final_norm, self.final_norm_bias, eps, out=xa)
-        else:
-            _norm_rows(h, self.final_norm, eps, xa)
+        norm(h, self.final_norm, self.final_norm_bias, eps, xa)
         self._head(xa, logits)
         self._scale_logits(logits)
         check_logits(logits, self.n_layers, h, xa)

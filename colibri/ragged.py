@@ -19,17 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import kernels
 from .attention import Segment
 from .guards import ForeignCacheError
 from .kv_cache import KVCache
 from .moe import MoE
-from .norms import layer_norm
 from .runtime import blas_on_one_thread
 
 __all__ = ["forward_ragged", "check_segments"]
-
-_norm_rows = kernels.rms_norm_rows_into        # (x (N, C), weight (C,), eps, out (N, C))
 
 
 def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]]:
@@ -70,15 +66,6 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
     for cache, _ in out:
         cache.owner = model._identity
     return out
-
-
-def _norm(model, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps, out
-          ) -> None:
-    """The model's norm of rows x float32 (T, D) into out, as its decode step does it."""
-    if model._layer_norm:
-        layer_norm(x, weight, bias, eps, out=out)
-    else:
-        _norm_rows(x, weight, eps, out)
 
 
 def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]:
@@ -134,10 +121,10 @@ def _run(model, checked, return_routing: bool):
     routing = []                                              # per MoE layer: ids (T, K)
     t0 = tm.add("embed", t0)
     for i, layer in enumerate(model.layers):
-        _norm(model, h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        model._norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
         o = layer.attn.forward_segments(xa, segs, i)
         h += o if rm is None else o * rm
-        _norm(model, h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
+        model._norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
         t0 = tm.add("attention", t0)
         if isinstance(layer.ffn, MoE):
             y, chosen, _, _ = layer.ffn(xf, tm)
@@ -149,7 +136,7 @@ def _run(model, checked, return_routing: bool):
         t0 = time.perf_counter()
     last = np.array([s.start + s.n - 1 for s in segs])                             # (N,)
     hl = np.ascontiguousarray(h[last])                                            # (N, D)
-    _norm(model, hl, model.final_norm, model.final_norm_bias, eps, hl)
+    model._norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
     logits = np.empty((len(segs), c.vocab_size), dtype=np.float32)
     model._head(hl, logits)
     model._scale_logits(logits)
