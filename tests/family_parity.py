@@ -21,6 +21,7 @@ as torch tensors (T, K); the hooks capture them per MoE layer.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -29,6 +30,11 @@ from colibri.convert import convert
 from colibri.tools.trace import trace
 from hf_factory import make_tokenizer
 from test_model import BOUNDS, F32_TOL, LENGTHS, _positions, _prompts, _rel_err, quality
+
+__all__ = ["FORMATS", "FamilyRef", "test_full_prompt_batch_with_padding", "test_cached_decode",
+           "test_decode_step", "test_ragged_step", "test_routing_matches_transformers",
+           "test_greedy_tokens_identical", "test_format_within_bounds",
+           "test_format_path_is_exact", "test_routes_command"]
 
 FORMATS = {"f16": dict(dtype="f16"), "bf16": dict(dtype="bf16"),
            "q8": dict(dtype="f32", quant="q8"), "q4": dict(dtype="f32", quant="q4")}
@@ -59,8 +65,9 @@ def _sorted_by_expert(ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.nd
 class FamilyRef:
     """A family's transformers model, its converted colibri files and the oracle outputs."""
 
-    def __init__(self, config, out_dir, routers, seed: int = 0):
+    def __init__(self, config, out_dir, routers, seed: int = 0, bounds: dict | None = None):
         self.dir = out_dir
+        self.bounds = bounds          # the family's own format bounds (check_format)
         self.path = make_checkpoint(out_dir / "hf", config, seed)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(
             self.path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -263,3 +270,45 @@ class FamilyRef:
         tr = trace(self.model(), prompt)
         assert out.startswith(tr.format_table() + "\n\n")
         assert tr.experts.shape[1] == len(self.routing)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests every family file runs (`from family_parity import *` with its own `ref` fixture)
+# ---------------------------------------------------------------------------------------------
+
+def test_full_prompt_batch_with_padding(ref):
+    ref.check_full_prompt()
+
+
+def test_cached_decode(ref):
+    ref.check_cached_decode()
+
+
+def test_decode_step(ref):
+    ref.check_decode_step()
+
+
+def test_ragged_step(ref):
+    ref.check_ragged()
+
+
+def test_routing_matches_transformers(ref):
+    ref.check_routing()
+
+
+def test_greedy_tokens_identical(ref):
+    ref.check_greedy()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_format_within_bounds(ref, fmt):
+    ref.check_format(fmt, ref.bounds)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_format_path_is_exact(ref, fmt):
+    ref.check_same_weights(fmt)
+
+
+def test_routes_command(ref, capsys):
+    ref.check_routes_command(capsys)

@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 from colibri.config import ConfigError  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from family_parity import FORMATS, FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef  # noqa: E402
 
 CLIP = 1.5          # small enough that the clamp bites on these random weights
 
@@ -62,40 +63,3 @@ def test_clip_bites(ref):
         qkv = attn.attn.Wqkv(attn.norm_1(x))
     assert float(qkv.abs().max()) > CLIP
 
-
-def test_full_prompt_batch_with_padding(ref):
-    ref.check_full_prompt()
-
-
-def test_cached_decode(ref):
-    ref.check_cached_decode()
-
-
-def test_decode_step(ref):
-    ref.check_decode_step()
-
-
-def test_ragged_step(ref):
-    ref.check_ragged()
-
-
-def test_routing_matches_transformers(ref):
-    ref.check_routing()
-
-
-def test_greedy_tokens_identical(ref):
-    ref.check_greedy()
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_within_bounds(ref, fmt):
-    ref.check_format(fmt)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_path_is_exact(ref, fmt):
-    ref.check_same_weights(fmt)
-
-
-def test_routes_command(ref, capsys):
-    ref.check_routes_command(capsys)

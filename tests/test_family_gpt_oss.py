@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from colibri.families import get_family  # noqa: E402
 from colibri.moe import swigluoai  # noqa: E402
-from family_parity import FORMATS, FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef  # noqa: E402
 
 WINDOW = 6           # shorter than the prompts (11): the sliding layers must honour it
 
@@ -63,43 +64,6 @@ def test_swigluoai_matches_transformers():
     g, u = gate_up[:, ::2].numpy(), gate_up[:, 1::2].numpy()
     np.testing.assert_allclose(swigluoai(g, u, 1.702, 7.0), want, rtol=1e-6, atol=1e-6)
 
-
-def test_full_prompt_batch_with_padding(ref):
-    ref.check_full_prompt()
-
-
-def test_cached_decode(ref):
-    ref.check_cached_decode()
-
-
-def test_decode_step(ref):
-    ref.check_decode_step()
-
-
-def test_ragged_step(ref):
-    ref.check_ragged()
-
-
-def test_routing_matches_transformers(ref):
-    ref.check_routing()
-
-
-def test_greedy_tokens_identical(ref):
-    ref.check_greedy()
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_within_bounds(ref, fmt):
-    ref.check_format(fmt)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_path_is_exact(ref, fmt):
-    ref.check_same_weights(fmt)
-
-
-def test_routes_command(ref, capsys):
-    ref.check_routes_command(capsys)
 
 
 # --- the released layout: MXFP4 experts, kept as they ship ------------------------------------

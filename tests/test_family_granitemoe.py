@@ -9,7 +9,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from colibri.families import get_family  # noqa: E402
-from family_parity import FORMATS, FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef  # noqa: E402
 
 BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
@@ -53,40 +54,3 @@ def test_config_reads_the_multipliers(ref):
     else:
         assert cfg.shared_expert_intermediate_size == 64 and not cfg.shared_expert_gate
 
-
-def test_full_prompt_batch_with_padding(ref):
-    ref.check_full_prompt()
-
-
-def test_cached_decode(ref):
-    ref.check_cached_decode()
-
-
-def test_decode_step(ref):
-    ref.check_decode_step()
-
-
-def test_ragged_step(ref):
-    ref.check_ragged()
-
-
-def test_routing_matches_transformers(ref):
-    ref.check_routing()
-
-
-def test_greedy_tokens_identical(ref):
-    ref.check_greedy()
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_within_bounds(ref, fmt):
-    ref.check_format(fmt)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_path_is_exact(ref, fmt):
-    ref.check_same_weights(fmt)
-
-
-def test_routes_command(ref, capsys):
-    ref.check_routes_command(capsys)

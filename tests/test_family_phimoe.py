@@ -14,7 +14,8 @@ from colibri import kernels  # noqa: E402
 from colibri._reference import route_topk_ref, sparsemixer_ref  # noqa: E402
 from colibri.families import get_family  # noqa: E402
 from colibri.rope import Rope  # noqa: E402
-from family_parity import FORMATS, FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef  # noqa: E402
 
 ORIGINAL = 64        # LongRoPE's original context: the test prompts stay within it
 ROPE = {"rope_type": "longrope", "rope_theta": 1e4,
@@ -60,7 +61,8 @@ def phimoe_routers(hf):
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def ref(request, tmp_path_factory):
     cfg = transformers.PhimoeConfig(**BASE, **VARIANTS[request.param])
-    r = FamilyRef(cfg, tmp_path_factory.mktemp("phimoe"), phimoe_routers)
+    r = FamilyRef(cfg, tmp_path_factory.mktemp("phimoe"), phimoe_routers,
+                  bounds=PHIMOE_BOUNDS)
     yield r
     r.close()
 
@@ -73,26 +75,6 @@ def test_config(ref):
     assert cfg.attention_out_bias == cfg.attention_bias == ref.hf.config.attention_bias
     hf = json.loads((ref.path / "config.json").read_text())
     assert get_family("phimoe").model_config(hf) == cfg
-
-
-def test_full_prompt_batch_with_padding(ref):
-    ref.check_full_prompt()
-
-
-def test_cached_decode(ref):
-    ref.check_cached_decode()
-
-
-def test_decode_step(ref):
-    ref.check_decode_step()
-
-
-def test_ragged_step(ref):
-    ref.check_ragged()
-
-
-def test_routing_matches_transformers(ref):
-    ref.check_routing()
 
 
 def test_routing_is_not_the_top2_softmax(ref):
@@ -108,23 +90,6 @@ def test_routing_is_not_the_top2_softmax(ref):
     assert np.abs(np.sort(approx, -1) - got).max() > 1e-2
     assert ((got > 0.05) & (got < 0.999)).mean() > 0.5      # the masks keep other experts
 
-
-def test_greedy_tokens_identical(ref):
-    ref.check_greedy()
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_within_bounds(ref, fmt):
-    ref.check_format(fmt, PHIMOE_BOUNDS)
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_format_path_is_exact(ref, fmt):
-    ref.check_same_weights(fmt)
-
-
-def test_routes_command(ref, capsys):
-    ref.check_routes_command(capsys)
 
 
 # --- the pieces against their specifications --------------------------------------------------
