@@ -12,6 +12,15 @@ Models (geometry; parameters total / active per token):
   olmoe-16L      the OLMoE-1B-7B geometry: hidden 2048, expert intermediate 1024 (set
                  explicitly: OlmoeConfig's default is 2048), 16 layers, 16 heads, 64 experts
                  top-8, q/k norms, vocab 50304, untied head              (6.92 B / 1.18 B)
+  deepseek-v2-lite-8L
+                 DeepSeek-V2-Lite's geometry, 8 of its 27 layers: hidden 2048, MLA (16 heads,
+                 kv_lora_rank 512, q without LoRA, nope 128 + rope 64, v 128), layer 0 dense
+                 (intermediate 10944), then 64 routed experts top-6 (intermediate 1408) plus 2
+                 shared, greedy softmax routing, vocab 102400            (3.87 B / 0.90 B)
+  gpt-oss-20b-8L GPT-OSS-20B's geometry, 8 of its 24 layers: hidden 2880, 64 heads of 64 / 8
+                 KV heads with sinks, sliding (128) and full layers alternating, 32 experts
+                 top-4 (intermediate 2880) stored as released, MXFP4 blocks + E8M0 scales,
+                 vocab 201088                                            (7.5 B / 2.5 B)
   tiny-moe       the shipped model's geometry (hidden 256, intermediate 512, 6 layers, 8 heads
                  / 2 KV, 8 experts top-2, vocab 4096, tied): the small-matrix case
   --small        mixtral-mini-small / olmoe-small: the same families and routing at a size a
@@ -67,6 +76,20 @@ MODELS: dict[str, tuple[str, dict]] = {
         num_attention_heads=16, num_key_value_heads=16, num_experts=64,
         num_experts_per_tok=8, vocab_size=50304, tie_word_embeddings=False,
         max_position_embeddings=4096)),
+    "deepseek-v2-lite-8L": ("DeepseekV2Config", dict(
+        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+        n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", norm_topk_prob=False,
+        routed_scaling_factor=1.0, vocab_size=102400, tie_word_embeddings=False,
+        max_position_embeddings=4096, bos_token_id=100000, eos_token_id=100001)),
+    "gpt-oss-20b-8L": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=8,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)),
     "tiny-moe": ("MixtralConfig", dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=6,
         num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
@@ -110,6 +133,10 @@ def make_config(name: str):
     cfg = getattr(transformers, cls_name)(**kwargs)
     cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
     cfg.dtype = "bfloat16"
+    if cfg.model_type == "gpt_oss":     # the experts ship as MXFP4 (what converters look for)
+        cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
     return cfg
 
 
@@ -185,9 +212,43 @@ def _tensor_plan(cfg) -> list[tuple[str, tuple[int, ...], int | None]]:
     return [(keys[t.name], t.shape, t.layer) for t in canonical_tensors(model_config)]
 
 
+# MXFP4 experts as released: random FP4 codes (uniform bytes: both nibbles uniform over the
+# 16 codes, symmetric about 0, RMS 2.93) times 2^(MX_SCALE - 127), so std ~ 0.023 ~ INIT_STD
+MX_SCALE = 120
+
+
+def _mxfp4_plan(cfg, plan):
+    """GPT-OSS: each fused expert key of the plan (listed once per expert slice) once, in the
+    released layout, uint8 blocks (E, R, C/32, 16) and scales (E, R, C/32) per projection."""
+    E, D, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    mx = {"gate_up_proj": (2 * I, D), "down_proj": (D, I)}
+    out, seen = [], set()
+    for key, shape, layer in plan:
+        if key in seen:
+            continue
+        seen.add(key)
+        name = key.rsplit(".", 1)[-1]
+        for proj, (rows, cols) in mx.items():
+            if name in (proj, proj + "_blocks"):
+                stem = key.rsplit(".", 1)[0] + "." + proj
+                out.append((stem + "_blocks", (E, rows, cols // 32, 16), layer))
+                out.append((stem + "_scales", (E, rows, cols // 32), layer))
+                break
+        else:
+            if name == "gate_up_proj_bias":      # the plan holds one interleaved half
+                shape = (E, 2 * I)
+            out.append((key, shape, layer))
+    return out
+
+
 def _draw(rng: np.random.Generator, key: str, shape: tuple[int, ...]) -> np.ndarray:
-    """bf16 values of one tensor: norm weights 1, everything else N(0, INIT_STD)."""
+    """bf16 values of one tensor: norm weights 1, everything else N(0, INIT_STD); MXFP4
+    blocks uniform bytes and scales MX_SCALE (see MX_SCALE)."""
     import ml_dtypes
+    if key.endswith("_blocks"):
+        return rng.integers(0, 256, size=shape, dtype=np.uint8)
+    if key.endswith("_scales"):
+        return np.full(shape, MX_SCALE, dtype=np.uint8)
     if key.endswith("norm.weight") or "layernorm" in key:
         return np.ones(shape, dtype=ml_dtypes.bfloat16)
     a = rng.standard_normal(shape, dtype=np.float32)
@@ -201,6 +262,8 @@ def write_weights(cfg, folder: Path, seed: int) -> int:
     from safetensors.numpy import save_file
 
     plan = _tensor_plan(cfg)
+    if cfg.model_type == "gpt_oss":
+        plan = _mxfp4_plan(cfg, plan)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for key, shape, layer in plan:
         group = f"layer{layer:03d}" if layer is not None else (
