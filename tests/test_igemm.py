@@ -1,6 +1,8 @@
 """The integer GEMM path (csrc/igemm.h): q4 / q8 matrices on int8 / int16 activation codes from
 runtime.igemm_min_tokens() tokens per matrix (linear: the call's tokens; the expert FFN: one
-expert's), panels of 48 rows decoded once per 256-column chunk.
+expert's), panels of 48 rows decoded once per 256-column chunk. By default (0) each ISA path
+takes its measured crossover (runtime.igemm_crossover; none on avx2 / avx512); the tests force
+a number, so that every path's body runs.
 
 Every body (scalar spec, AVX2, AVX-VNNI, AVX-512 VNNI; the avx512 path runs the AVX2 one) is
 compared bit for bit with colibri._reference.linear_igemm_ref, which does the float part in
@@ -23,7 +25,7 @@ from test_kernels_activations import assert_iact_ffn_close, iact_magnitude
 
 QFORMATS = ["q4", "q8"]
 ACTS = [("int8", 8), ("int16", 16)]
-IGEMM_MIN = runtime.igemm_min_tokens()
+IGEMM_MIN = 6                        # the crossover the tests force (igemm_min_tokens) ...
 # (R, C, G): R below / not a multiple of the 48-row panel, the 16- and 8-row vectors; C a
 # multiple of 32, not of the 256-column chunk (one block, a partial chunk, several chunks);
 # groups 32, 64, 96 and 160 (groups straddling a chunk), 512 (two chunks per group)
@@ -34,10 +36,12 @@ SHAPES = [(53, 320, 32), (97, 544, 32), (48, 256, 64), (7, 288, 96), (26, 320, 1
 TOKENS = [1, 2, 3, 5, 7, 64, 65, 130]
 
 
-@pytest.fixture
-def gemm_from(request):
-    """Set igemm_min_tokens for the test (restored after)."""
+@pytest.fixture(autouse=True)
+def gemm_from():
+    """igemm_min_tokens IGEMM_MIN on every path for the test (restored after); the test may
+    set another value with the setter it gets."""
     previous = runtime.igemm_min_tokens()
+    runtime.set_igemm_min_tokens(IGEMM_MIN)
     yield runtime.set_igemm_min_tokens
     runtime.set_igemm_min_tokens(previous)
 
@@ -174,14 +178,11 @@ def test_igemm_expert_ffn(isa, threads, fmt, act, bits):
         y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=threads, activations=act)
         ref = R.expert_ffn_iact_ref(x, ids, weights, wg, wu, wd, bits=bits)
         assert_iact_ffn_close(y, ref, what, bits)
-        previous = runtime.igemm_min_tokens()
         runtime.set_igemm_min_tokens(10 ** 9)
-        try:
-            rows = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=threads, activations=act)
-            dense_rows = K.swiglu(x, wg.expert(1), wu.expert(1), wd.expert(1), threads=threads,
-                                  activations=act)
-        finally:
-            runtime.set_igemm_min_tokens(previous)
+        rows = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=threads, activations=act)
+        dense_rows = K.swiglu(x, wg.expert(1), wu.expert(1), wd.expert(1), threads=threads,
+                              activations=act)
+        runtime.set_igemm_min_tokens(IGEMM_MIN)
         assert not np.array_equal(y, rows), what + ": the GEMM path was not taken"
         assert_iact_ffn_close(y, rows, what + " vs row kernel", bits)
         for n in (1, 2, 3):
@@ -208,11 +209,31 @@ def test_igemm_model_prefill_within_accuracy_bounds(act, tol, top):
     scale = float(np.abs(exact).max())
     assert np.abs(y - exact).max() <= tol * scale
     assert (y.argmax(-1) == exact.argmax(-1)).mean() >= top
-    previous = runtime.igemm_min_tokens()
     runtime.set_igemm_min_tokens(10 ** 9)
-    try:
-        rows = model.forward(ids)
-    finally:
-        runtime.set_igemm_min_tokens(previous)
+    rows = model.forward(ids)
     assert not np.array_equal(y, rows)
     assert np.abs(y - rows).max() <= tol * scale
+
+
+def test_igemm_default_crossover_per_path(isa, gemm_from):
+    """igemm_min_tokens 0 (the default): each path's measured crossover; a path without one
+    (avx2, avx512, scalar; avxvnni int16) keeps the row kernel at any token count."""
+    gemm_from(0)
+    rng = rng_for("igemm-default", isa)
+    w, _ = make_weight(rng, (50, 320), "q4", 32)
+    x = rng.standard_normal((40, 320)).astype(F32)
+    for act, bits in ACTS:
+        n = runtime.igemm_crossover(isa, act)
+        assert n is None or 1 <= n <= 16
+        for T in (1, 3, 4, 6, 7, 40):
+            y = K.linear(x[:T], w, threads=1, activations=act)
+            if n is not None and T >= n:
+                assert np.array_equal(y, R.linear_igemm_ref(x[:T], w, bits=bits)), (act, T)
+            else:
+                alone = np.stack([K.linear(x[t], w, threads=1, activations=act)
+                                  for t in range(T)])
+                assert np.array_equal(y, alone), (act, T)
+    with pytest.raises(ValueError, match="igemm_min_tokens"):
+        runtime.set_igemm_min_tokens(-1)
+    with pytest.raises(ValueError, match="activations"):
+        runtime.igemm_crossover(isa, "f32")

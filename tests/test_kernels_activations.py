@@ -328,8 +328,9 @@ VNNI_ISAS = [name for name in ("avxvnni", "avx512vnni") if name in runtime.ISAS]
 @pytest.mark.parametrize("name", VNNI_ISAS)
 @pytest.mark.parametrize("fmt", QFORMATS)
 @pytest.mark.parametrize("act, bits", ACTS)
-def test_vnni_paths_equal_avx2_bitwise(name, fmt, act, bits):
-    """The VNNI bodies (vpdpbusd / vpdpwssd, csrc/vnni.h) give the AVX2 bodies' bits: the same
+def test_vnni_paths_equal_avx2_bitwise(row_kernel, name, fmt, act, bits):
+    """The VNNI row-kernel bodies (vpdpbusd / vpdpwssd, csrc/vnni.h; the integer GEMM path
+    off) give the AVX2 bodies' bits: the same
     exact integer block sums and the same float text. Every scale mode, partial last chunks,
     odd block counts, 1..7 tokens; q8 with the extreme codes (-128 weights against -127 / 127
     activations, the largest vpmaddubsw pairs) and q4 with all-15 nibbles."""

@@ -153,6 +153,31 @@ COLIBRI_AVX2_INLINE void colibri_itranspose8x4_avx2(const uint8_t *const p[8], p
     u[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
+/* The 8 f16 scales at p[r] + off of 8 rows as f32, transposed: sc[j * NR + r] = scale j of
+ * row r (group 32: a chunk's 8 blocks). */
+COLIBRI_AVX2_INLINE void colibri_iscales8x8_avx2(const uint8_t *const p[8], ptrdiff_t off,
+                                                 float *sc)
+{
+    __m256 a[8], t[8], u[8];
+    int r;
+    for (r = 0; r < 8; r++) a[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[r] + off)));
+    for (r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_ps(a[r], a[r + 1]);
+        t[r + 1] = _mm256_unpackhi_ps(a[r], a[r + 1]);
+    }
+    for (r = 0; r < 8; r += 4) {
+        u[r] = _mm256_shuffle_ps(t[r], t[r + 2], 0x44);
+        u[r + 1] = _mm256_shuffle_ps(t[r], t[r + 2], 0xEE);
+        u[r + 2] = _mm256_shuffle_ps(t[r + 1], t[r + 3], 0x44);
+        u[r + 3] = _mm256_shuffle_ps(t[r + 1], t[r + 3], 0xEE);
+    }
+    for (r = 0; r < 4; r++) {
+        _mm256_storeu_ps(sc + r * COLIBRI_IGEMM_NR, _mm256_permute2f128_ps(u[r], u[r + 4], 0x20));
+        _mm256_storeu_ps(sc + (r + 4) * COLIBRI_IGEMM_NR,
+                         _mm256_permute2f128_ps(u[r], u[r + 4], 0x31));
+    }
+}
+
 /* Blocks b0 .. b0 + kb - 1 (kb <= 8) of rows 0 .. nv8 * 8 - 1 (rows past nr repeat row nr -
  * 1: decoded, never stored) into the panel (KIND) and their scales sc[j * NR + row]. */
 COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, const uint8_t *row0,
@@ -163,14 +188,19 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
     const __m256i m15 = _mm256_set1_epi8(15), m80 = _mm256_set1_epi8((char)0x80);
     const __m256i eight = _mm256_set1_epi8(8);
     const ptrdiff_t soff = fmt == COLIBRI_Q8 ? cols : cols / 2, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
+    ptrdiff_t gi[8];                                   /* block j's group */
     int g, r, j, k;
+    for (j = 0; j < kb; j++) gi[j] = 32 * (b0 + j) / group;
     for (g = 0; g < nv8; g++) {
         const uint8_t *p[8];
         for (r = 0; r < 8; r++) p[r] = row0 + (8 * g + r < nr ? 8 * g + r : nr - 1) * rs;
-        for (r = 0; r < 8; r++)
-            for (j = 0; j < kb; j++)
-                sc[j * COLIBRI_IGEMM_NR + 8 * g + r] = _cvtsh_ss(colibri_ld_u16(
-                    p[r] + soff + 2 * ((32 * (b0 + j)) / group)));
+        if (group == 32 && kb == 8)                    /* 8 rows x 8 scales, transposed */
+            colibri_iscales8x8_avx2(p, soff + 2 * b0, sc + 8 * g);
+        else
+            for (r = 0; r < 8; r++)
+                for (j = 0; j < kb; j++)
+                    sc[j * COLIBRI_IGEMM_NR + 8 * g + r] =
+                        _cvtsh_ss(colibri_ld_u16(p[r] + soff + 2 * gi[j]));
         for (j = 0; j < kb; j++) {
             __m256i st[8], u[4];
             const ptrdiff_t off = (b0 + j) * bpb;
@@ -468,6 +498,20 @@ static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
 #endif
 #undef COLIBRI_IGEMM_PICK
     return NULL;
+}
+
+/* From how many tokens per matrix the integer GEMM body of (isa, wide) beats the idot row
+ * kernel, measured (docs/performance.md change 25: mixtral-mini's expert shapes, 1 thread,
+ * scripts/bench_igemm.py); 0: at no token count measured (the AVX2 body, on the avx2 and
+ * avx512 paths: vpmaddubsw + vpmaddwd on 8-row vectors with 16 registers do no fewer
+ * instructions per multiply-add than the row kernel, which decodes q4 cheaply; AVX-VNNI
+ * int16, 16 steps per block in 16 registers). The path's default unless
+ * runtime.igemm_min_tokens forces one number for every path. */
+static ptrdiff_t colibri_igemm_crossover(int isa, int wide)
+{
+    if (isa == COLIBRI_ISA_AVX512VNNI) return wide ? 6 : 4;
+    if (isa == COLIBRI_ISA_AVXVNNI) return wide ? 0 : 6;
+    return 0;
 }
 
 #endif /* COLIBRI_IGEMM_H */

@@ -67,6 +67,7 @@ cdef extern from "_simd.h" nogil:
                                       Py_ssize_t ds, Py_ssize_t n, float *y, Py_ssize_t ys,
                                       float *scratch) noexcept nogil
     colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
+    Py_ssize_t colibri_igemm_crossover(int isa, int wide)
 
 cdef extern from "csrc/attend.h" nogil:
     void colibri_attend(int isa, const float *q, int G, int Dh, const float *k, const float *v,

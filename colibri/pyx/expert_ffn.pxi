@@ -15,7 +15,7 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     if g.gemm_scratch != NULL and n >= _gemm_min and not g.iact and not u.iact:
         _gateup_rows_gemm(g, u, e, x, xs, n, h, r0, r1)
         return
-    if g.gemm_scratch != NULL and n >= _igemm_min and g.iact and u.iact:
+    if g.gemm_scratch != NULL and g.iact and u.iact and n >= _gemm_min_for(g):
         _gateup_rows_igemm(g, u, e, n, a, h, r0, r1)
         return
     cdef const uint8_t *bg = g.base + e * g.expert_stride

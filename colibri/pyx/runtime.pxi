@@ -85,16 +85,18 @@ def get_gemm_min_tokens():
     return _gemm_min
 
 
-# set at import by colibri.runtime (IGEMM_MIN_TOKENS): the same for int8 / int16 activations
-cdef Py_ssize_t _igemm_min = 8
+# set at import by colibri.runtime (IGEMM_MIN_TOKENS); 0: each path's measured crossover
+cdef Py_ssize_t _igemm_min = 0
+cdef Py_ssize_t _NEVER = 1 << 62
 
 
 def set_igemm_min_tokens(Py_ssize_t n):
     """Tokens per matrix from which a q8 / q4 matrix on int8 / int16 activations uses the
-    integer GEMM path (csrc/igemm.h); a huge value turns it off. >= 1."""
+    integer GEMM path (csrc/igemm.h), on every ISA path; 0: each path's own measured
+    crossover (igemm_crossover). A huge value turns the path off. >= 0."""
     global _igemm_min
-    if n < 1:
-        raise ValueError(f"igemm_min_tokens must be >= 1, found {n}")
+    if n < 0:
+        raise ValueError(f"igemm_min_tokens must be >= 0, found {n}")
     _igemm_min = n
 
 
@@ -102,10 +104,21 @@ def get_igemm_min_tokens():
     return _igemm_min
 
 
+def igemm_crossover(int isa, bint wide):
+    """The tokens per matrix from which ISA path `isa` runs the integer GEMM path by default
+    (igemm_min_tokens 0) for int16 (wide) or int8 codes; None: never."""
+    cdef Py_ssize_t n = colibri_igemm_crossover(isa, wide)
+    return n if n > 0 else None
+
+
 cdef inline Py_ssize_t _gemm_min_for(const Wmat *m) noexcept nogil:
     """Tokens from which matrix m takes a GEMM path: the integer one for int8 / int16
     activations (m.iact), the f32 one otherwise."""
-    return _igemm_min if m.iact else _gemm_min
+    if not m.iact:
+        return _gemm_min
+    if _igemm_min > 0:
+        return _igemm_min
+    return m.igemm_min if m.igemm_min > 0 else _NEVER
 
 
 # GEMM tiles (linear, w_down): GEMM_TILE_PANELS panels of rows, whatever the format: each
