@@ -427,7 +427,11 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
         for (v = 0; v < MRV; v++) fa[t][v] = _mm512_loadu_ps(acc + t * COLIBRI_IGEMM_NR + 16 * v);
     for (j = 0; j < kb; j++) {
         const int dp = (int)colibri_dpos(j);
+        /* each token's codes of block j (the step offsets below are constants) */
+        const ptrdiff_t jo = WIDE ? COLIBRI_IQ16_OFF(j, 0) : COLIBRI_IQ8_OFF(j, 0);
+        const int8_t *qb[4];
         __m512i ia[4][3];
+        for (t = 0; t < MT; t++) qb[t] = q + t * qs + jo;
         for (t = 0; t < MT; t++)
             for (v = 0; v < MRV; v++) ia[t][v] = _mm512_setzero_si512();
         if (!WIDE) {
@@ -437,7 +441,7 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
                 for (v = 0; v < MRV; v++) w[v] = _mm512_load_si512((const void *)(pw + 64 * v));
                 for (t = 0; t < MT; t++) {
                     const __m512i a = _mm512_set1_epi32(
-                        colibri_ld_i32(q + t * qs + COLIBRI_IQ8_OFF(j, k)));
+                        colibri_ld_i32(qb[t] + COLIBRI_IQ8_OFF(0, k)));
                     for (v = 0; v < MRV; v++) ia[t][v] = _mm512_dpbusd_epi32(ia[t][v], w[v], a);
                 }
             }
@@ -448,7 +452,7 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
                 for (v = 0; v < MRV; v++) w[v] = _mm512_load_si512((const void *)(pw + 64 * v));
                 for (t = 0; t < MT; t++) {
                     const __m512i a = _mm512_set1_epi32(
-                        colibri_ld_i32(q + t * qs + COLIBRI_IQ16_OFF(j, k)));
+                        colibri_ld_i32(qb[t] + COLIBRI_IQ16_OFF(0, k)));
                     for (v = 0; v < MRV; v++) ia[t][v] = _mm512_dpwssd_epi32(ia[t][v], w[v], a);
                 }
             }
