@@ -36,7 +36,9 @@
  *   AVX2 int8 (vpmaddubsw + vpmaddwd with ones): q4 as VNNI (pairs <= 2 * 15 * 127); q8
  *     holds signed codes and multiplies |w| by sign(code_a, w) (pairs <= 2 * 128 * 127 <
  *     2^15: never saturates), no correction.
- *   int16 (vpdpwssd / vpmaddwd, s16 x s16): the panel holds signed codes (q4 nibble - 8);
+ *   AVX-512 VNNI int16: each code split into two s8 halves against the u8 panel, two
+ *     vpdpbusd (colibri_irepack_avx512 has the arithmetic).
+ *   256-bit int16 (vpdpwssd / vpmaddwd, s16 x s16): the panel holds signed codes (q4 nibble - 8);
  *     the pair products never reach vpmaddwd's one inexact case (-32768^2 twice), and
  *     |isum| <= 32 * 128 * 32767 < 2^31. (float)isum then rounds (|isum| may pass 2^24) the
  *     same way in every body: round to nearest even (C conversion, vcvtdq2ps).
@@ -53,11 +55,13 @@
 #define COLIBRI_IGEMM_KC 256   /* columns per K-chunk: 8 blocks, one chunk of the d, s order */
 #define COLIBRI_IGEMM_NB 64    /* tokens per pass (callers split longer calls into passes) */
 /* Bytes of the decoded panel (int16 codes: 2 bytes per weight), and the floats of a
- * thread's scratch: the panel, the scales (NR per block of the chunk), the accumulators
- * (NB x NR), then an NB x NR tile for the caller (the expert FFN's up rows). */
+ * thread's scratch: the panel, the scales (NR per block of the chunk), the panel's code
+ * sums (NR per block: the split int16 scheme of the AVX-512 VNNI body), that body's
+ * repacked codes of a token block (4 x 512 bytes), the accumulators (NB x NR), then an NB x
+ * NR tile for the caller (the expert FFN's up rows). */
 #define COLIBRI_IGEMM_PANEL_BYTES (COLIBRI_IGEMM_NR * COLIBRI_IGEMM_KC * 2)
 #define COLIBRI_IGEMM_SCRATCH (COLIBRI_IGEMM_PANEL_BYTES / 4 + \
-                               COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32) + \
+                               2 * COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32) + 4 * 128 + \
                                2 * COLIBRI_IGEMM_NB * COLIBRI_IGEMM_NR)
 
 /* The callers give each thread COLIBRI_GEMM_SCRATCH floats, for either GEMM path. */
@@ -183,8 +187,9 @@ COLIBRI_AVX2_INLINE void colibri_iscales8x8_avx2(const uint8_t *const p[8], ptrd
 COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, const uint8_t *row0,
                                              ptrdiff_t rs, int nr, int nv8, ptrdiff_t cols,
                                              ptrdiff_t group, ptrdiff_t b0, int kb,
-                                             uint8_t *panel, float *sc)
+                                             uint8_t *panel, float *sc, int32_t *ns)
 {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     const __m256i m15 = _mm256_set1_epi8(15), m80 = _mm256_set1_epi8((char)0x80);
     const __m256i eight = _mm256_set1_epi8(8);
     const ptrdiff_t soff = fmt == COLIBRI_Q8 ? cols : cols / 2, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
@@ -233,11 +238,16 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
                 }
             } else {
                 uint8_t *o = panel + ((ptrdiff_t)8 * j * COLIBRI_IGEMM_NR + 8 * g) * 4;
+                __m256i sum16 = _mm256_setzero_si256();       /* |.| <= 8 * 2 * 255 */
                 for (k = 0; k < 8; k++) {
                     __m256i v = KIND == COLIBRI_IPANEL_U8 && fmt == COLIBRI_Q8
                                     ? _mm256_xor_si256(st[k], m80) : st[k];
                     _mm256_store_si256((__m256i *)(void *)(o + k * 4 * COLIBRI_IGEMM_NR), v);
+                    if (ns) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(v, ones8));
                 }
+                if (ns)                      /* the row's block sum of u8 codes, per lane */
+                    _mm256_storeu_si256((__m256i *)(void *)(ns + j * COLIBRI_IGEMM_NR + 8 * g),
+                                        _mm256_madd_epi16(sum16, ones16));
             }
         }
     }
@@ -254,7 +264,8 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
  * every token block of up to MTMAX tokens against every micro-panel of up to MRVMAX
  * vectors of VROWS rows (MK: the micro-kernel dispatcher, acc[t * NR + row] += the chunk's
  * blocks). The accumulators start at 0 and live in scratch between chunks. */
-#define COLIBRI_DEF_IGEMM_SIMD(NAME, ATTR, FMT, WIDE, KIND8, MK, VROWS, MRVMAX, MTMAX)       \
+#define COLIBRI_DEF_IGEMM_SIMD(NAME, ATTR, FMT, WIDE, KIND8, MK, VROWS, MRVMAX, MTMAX,       \
+                               SPLIT16, REPACK)                                             \
     ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, int nr, ptrdiff_t cols,               \
                    ptrdiff_t group, const int8_t *q, ptrdiff_t qs, const float *d,          \
                    const int32_t *s, ptrdiff_t ds, ptrdiff_t n, float *y, ptrdiff_t ys,     \
@@ -262,7 +273,10 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
     {                                                                                       \
         uint8_t *panel = (uint8_t *)(void *)scratch;                                       \
         float *sc = scratch + COLIBRI_IGEMM_PANEL_BYTES / 4;                                \
-        float *acc = sc + COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32);                       \
+        int32_t *ns = (int32_t *)(void *)(sc + COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32));   \
+        int8_t *rq = (int8_t *)(void *)(ns + COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32));    \
+        float *acc = (float *)(void *)(rq + 4 * 512);                                      \
+        const int split = WIDE && SPLIT16;   /* int16 codes as two bytes, u8 panel */       \
         const ptrdiff_t nb = cols / 32, qb = WIDE ? 64 : 32;      /* code bytes per block */ \
         const int nv = (nr + VROWS - 1) / VROWS;                                            \
         ptrdiff_t b0, t0, t;                                                                \
@@ -270,14 +284,17 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
         memset(acc, 0, sizeof(float) * COLIBRI_IGEMM_NR * n);                               \
         for (b0 = 0; b0 < nb; b0 += 8) {                                                    \
             const int kb = nb - b0 < 8 ? (int)(nb - b0) : 8;                                \
-            colibri_ipanel_avx2(FMT, WIDE ? COLIBRI_IPANEL_S16 : KIND8, row0, rs, nr,       \
-                                (nv * VROWS + 7) / 8, cols, group, b0, kb, panel, sc);      \
+            colibri_ipanel_avx2(FMT, WIDE && !split ? COLIBRI_IPANEL_S16 : KIND8, row0, rs, \
+                                nr, (nv * VROWS + 7) / 8, cols, group, b0, kb, panel, sc,   \
+                                split ? ns : NULL);                                         \
             for (t0 = 0; t0 < n; t0 += MTMAX) {                                             \
                 const int mt = n - t0 < MTMAX ? (int)(n - t0) : MTMAX;                      \
+                if (split) REPACK(q + t0 * qs + qb * b0, qs, mt, kb, rq);                   \
                 for (v0 = 0; v0 < nv; v0 += MRVMAX) {                                       \
                     const int mrv = nv - v0 < MRVMAX ? nv - v0 : MRVMAX;                    \
                     MK(FMT, WIDE, panel + 4 * VROWS * v0, sc + VROWS * v0, kb,              \
-                       q + t0 * qs + qb * b0, qs, d + t0 * ds + b0, s + t0 * ds + b0, ds,   \
+                       split ? rq : q + t0 * qs + qb * b0, split ? 512 : qs,                \
+                       d + t0 * ds + b0, s + t0 * ds + b0, ds,                              \
                        acc + t0 * COLIBRI_IGEMM_NR + VROWS * v0, mt, mrv);                  \
                 }                                                                           \
             }                                                                               \
@@ -285,6 +302,8 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
         for (t = 0; t < n; t++)                                                             \
             for (i = 0; i < nr; i++) y[t * ys + i] = acc[t * COLIBRI_IGEMM_NR + i];         \
     }
+
+#define colibri_irepack_none(q, qs, mt, kb, rq) ((void)0)
 
 /* A micro-kernel dispatcher: the body NAME##_body with compile-time MT (1..MTMAX) and MRV
  * (1..MRVMAX). */
@@ -387,7 +406,7 @@ COLIBRI_DEF_IMK(colibri_imk_avx2, COLIBRI_AVX2_INLINE, colibri_imk_avx2_body, 2,
 
 #define COLIBRI_DEF_IGEMM_AVX2(NAME, FMT, WIDE)                                              \
     COLIBRI_DEF_IGEMM_SIMD(NAME, COLIBRI_AVX2_FN, FMT, WIDE, COLIBRI_IPANEL_S8,             \
-                           colibri_imk_avx2, 8, 2, 2)
+                           colibri_imk_avx2, 8, 2, 2, 0, colibri_irepack_none)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm_q8_avx2, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm_q4_avx2, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm16_q8_avx2, COLIBRI_Q8, 1)
@@ -405,7 +424,7 @@ COLIBRI_DEF_IMK(colibri_imk_avxvnni, COLIBRI_AVXVNNI_INLINE, colibri_imk_avxvnni
 
 #define COLIBRI_DEF_IGEMM_AVXVNNI(NAME, FMT, WIDE)                                           \
     COLIBRI_DEF_IGEMM_SIMD(NAME, COLIBRI_AVXVNNI_FN, FMT, WIDE, COLIBRI_IPANEL_U8,          \
-                           colibri_imk_avxvnni, 8, 2, 3)
+                           colibri_imk_avxvnni, 8, 2, 3, 0, colibri_irepack_none)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm_q8_avxvnni, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm_q4_avxvnni, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_q8_avxvnni, COLIBRI_Q8, 1)
@@ -414,13 +433,41 @@ COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_q4_avxvnni, COLIBRI_Q4, 1)
 /* ------------------------------------------------------------------------------------------
  * AVX-512 VNNI (EVEX, 32 registers): vectors of 16 rows, up to 4 tokens x 3 vectors (the
  * whole 48-row panel): 12 int32 and 12 f32 accumulators, 3 weight vectors; per step 3
- * weight loads and 4 broadcast operands ({1to16}) feed 12 vpdpbusd / vpdpwssd.
+ * weight loads and 4 broadcasts feed 12 vpdpbusd (int16 codes: two steps per 4 columns,
+ * the split scheme below; it measured as fast as vpdpwssd on 2-column steps from 32
+ * tokens and faster below, its u8 panel needing no widening).
  */
+/* The split int16 scheme (AVX-512 VNNI; vpdpwssd does half of vpdpbusd's products per
+ * instruction at no higher throughput): a = 256 hi + lo' + 128 with hi = a >> 8 and lo' =
+ * (a & 255) - 128, both s8, so against the u8 panel codes u (the int8 panel: q4 nibble, q8
+ * w + 128), sum u a = 256 sum u hi + sum u lo' + 128 N (N = sum u, the decoder's code sums),
+ * and the signed block sum is that less s (q4) or 16 s (q8), as for int8 codes. |256 sum u
+ * hi| <= 256 * 32 * 255 * 128 < 2^31: exact. Per token the chunk's codes are split once per
+ * token block into hi bytes (rq + 512 t) and lo' bytes (+ 256), at the int16 positions of
+ * the packed row (4 consecutive codes of a step stay 4 consecutive bytes). */
+COLIBRI_AVX512VNNI_INLINE void colibri_irepack_avx512(const int8_t *q, ptrdiff_t qs, int mt,
+                                                      int kb, int8_t *rq)
+{
+    const __m256i m80 = _mm256_set1_epi8((char)0x80);
+    int t, i;
+    for (t = 0; t < mt; t++) {
+        const int16_t *src = (const int16_t *)(const void *)(q + t * qs);
+        for (i = 0; i < 64 * ((kb + 1) / 2); i += 32) {
+            const __m512i v = _mm512_loadu_si512((const void *)(src + i));
+            _mm256_storeu_si256((__m256i *)(void *)(rq + 512 * t + i),
+                                _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+            _mm256_storeu_si256((__m256i *)(void *)(rq + 512 * t + 256 + i),
+                                _mm256_xor_si256(_mm512_cvtepi16_epi8(v), m80));
+        }
+    }
+}
+
 COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
     const int fmt, const int WIDE, const uint8_t *panel, const float *sc, int kb,
     const int8_t *q, ptrdiff_t qs, const float *d, const int32_t *s, ptrdiff_t ds, float *acc,
     const int MT, const int MRV)
 {
+    const int32_t *ns = (const int32_t *)(const void *)(sc + COLIBRI_IGEMM_NR * (COLIBRI_IGEMM_KC / 32));
     __m512 fa[4][3];
     int j, k, t, v;
     for (t = 0; t < MT; t++)
@@ -428,7 +475,7 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
     for (j = 0; j < kb; j++) {
         const int dp = (int)colibri_dpos(j);
         /* each token's codes of block j (the step offsets below are constants) */
-        const ptrdiff_t jo = WIDE ? COLIBRI_IQ16_OFF(j, 0) : COLIBRI_IQ8_OFF(j, 0);
+        const ptrdiff_t jo = WIDE ? COLIBRI_IQ16_OFF(j, 0) / 2 : COLIBRI_IQ8_OFF(j, 0);
         const int8_t *qb[4];
         __m512i ia[4][3];
         for (t = 0; t < MT; t++) qb[t] = q + t * qs + jo;
@@ -445,24 +492,34 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
                     for (v = 0; v < MRV; v++) ia[t][v] = _mm512_dpbusd_epi32(ia[t][v], w[v], a);
                 }
             }
-        } else {
-            for (k = 0; k < 16; k++) {
-                const uint8_t *pw = panel + (16 * j + k) * 4 * COLIBRI_IGEMM_NR;
-                __m512i w[3];
-                for (v = 0; v < MRV; v++) w[v] = _mm512_load_si512((const void *)(pw + 64 * v));
-                for (t = 0; t < MT; t++) {
-                    const __m512i a = _mm512_set1_epi32(
-                        colibri_ld_i32(qb[t] + COLIBRI_IQ16_OFF(0, k)));
-                    for (v = 0; v < MRV; v++) ia[t][v] = _mm512_dpwssd_epi32(ia[t][v], w[v], a);
+        } else {                 /* split int16: 256 x (u . hi) then + u . lo', in ia */
+            int h;
+            for (h = 0; h < 2; h++) {
+                if (h)
+                    for (t = 0; t < MT; t++)
+                        for (v = 0; v < MRV; v++) ia[t][v] = _mm512_slli_epi32(ia[t][v], 8);
+                for (k = 0; k < 8; k++) {
+                    const uint8_t *pw = panel + (8 * j + k) * 4 * COLIBRI_IGEMM_NR;
+                    __m512i w[3];
+                    for (v = 0; v < MRV; v++) w[v] = _mm512_load_si512((const void *)(pw + 64 * v));
+                    for (t = 0; t < MT; t++) {
+                        const __m512i a = _mm512_set1_epi32(colibri_ld_i32(
+                            qb[t] + 256 * h + COLIBRI_IQ16_OFF(0, 2 * k) / 2));
+                        for (v = 0; v < MRV; v++) ia[t][v] = _mm512_dpbusd_epi32(ia[t][v], w[v], a);
+                    }
                 }
             }
+            for (t = 0; t < MT; t++)                              /* + 128 N */
+                for (v = 0; v < MRV; v++)
+                    ia[t][v] = _mm512_add_epi32(ia[t][v], _mm512_slli_epi32(_mm512_loadu_si512(
+                        (const void *)(ns + j * COLIBRI_IGEMM_NR + 16 * v)), 7));
         }
         for (t = 0; t < MT; t++) {
             const int corr = fmt == COLIBRI_Q4 ? s[t * ds + dp] : 16 * s[t * ds + dp];
             const __m512 dv = _mm512_set1_ps(d[t * ds + dp]);
             for (v = 0; v < MRV; v++) {
                 __m512i i = ia[t][v];
-                if (!WIDE) i = _mm512_sub_epi32(i, _mm512_set1_epi32(corr));
+                i = _mm512_sub_epi32(i, _mm512_set1_epi32(corr));
                 fa[t][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
                     _mm512_mul_ps(_mm512_loadu_ps(sc + j * COLIBRI_IGEMM_NR + 16 * v), dv),
                     fa[t][v]);
@@ -477,7 +534,7 @@ COLIBRI_DEF_IMK(colibri_imk_avx512vnni, COLIBRI_AVX512VNNI_INLINE, colibri_imk_a
 
 #define COLIBRI_DEF_IGEMM_AVX512VNNI(NAME, FMT, WIDE)                                        \
     COLIBRI_DEF_IGEMM_SIMD(NAME, COLIBRI_AVX512VNNI_FN, FMT, WIDE, COLIBRI_IPANEL_U8,       \
-                           colibri_imk_avx512vnni, 16, 3, 4)
+                           colibri_imk_avx512vnni, 16, 3, 4, 1, colibri_irepack_avx512)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm_q8_avx512vnni, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm_q4_avx512vnni, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm16_q8_avx512vnni, COLIBRI_Q8, 1)
@@ -513,7 +570,7 @@ static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
  * runtime.igemm_min_tokens forces one number for every path. */
 static ptrdiff_t colibri_igemm_crossover(int isa, int wide)
 {
-    if (isa == COLIBRI_ISA_AVX512VNNI) return wide ? 6 : 4;
+    if (isa == COLIBRI_ISA_AVX512VNNI) return 4;
     if (isa == COLIBRI_ISA_AVXVNNI) return wide ? 0 : 6;
     return 0;
 }
