@@ -311,6 +311,10 @@ def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.n
     return _kernels.quantize_activations(x, bits)
 
 
+# The storage dtypes of a KV cache plane the attention kernels read (bf16 as uint16 bits).
+_KV_STORAGE = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
+
+
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
                   out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """Attention of one new token over a KV cache slice (what a decode step computes).
@@ -318,9 +322,11 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     Parameters
     ----------
     q : float32 (H, Dh), the token's query heads (after RoPE)
-    k, v : float32 (Hkv, n, Dh), the keys and values attended (n >= 1), rows contiguous,
-        heads and positions may be strided (a slice of a cache is read in place); H must be
-        a multiple of Hkv: query head h reads kv head h // (H / Hkv)
+    k, v : (Hkv, n, Dh), the keys and values attended (n >= 1), both of one KV cache storage
+        dtype: float32, float16, or uint16 holding bf16 bits (KVCache's "f32" / "f16" /
+        "bf16"), widened exactly as they are read; rows contiguous, heads and positions may
+        be strided (a slice of a cache is read in place); H must be a multiple of Hkv: query
+        head h reads kv head h // (H / Hkv)
     scale : float, the score scale (usually Dh ** -0.5)
     out : float32 (H, Dh) to write into (not overlapping q), or None
     threads : int or None; parallel over kv heads when the work is large (long contexts)
@@ -339,10 +345,12 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     k = np.asarray(k)
     v = np.asarray(v)
     for name, a in (("k", k), ("v", v)):
-        if a.dtype != np.float32 or a.ndim != 3:
-            raise ValueError(f"{name} must be float32 (Hkv, n, Dh), found {a.dtype} with "
-                             f"shape {a.shape}")
-    if k.strides[2] != 4 or v.strides != k.strides:       # rows must be contiguous
+        if a.dtype not in _KV_STORAGE or a.ndim != 3:
+            raise ValueError(f"{name} must be float32, float16 or uint16 (bf16 bits) "
+                             f"(Hkv, n, Dh), found {a.dtype} with shape {a.shape}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"k and v must have the same dtype, found {k.dtype} and {v.dtype}")
+    if k.strides[2] != k.itemsize or v.strides != k.strides:     # rows must be contiguous
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     y = _out(out, q.shape)
     _kernels.attend_decode(q, k, v, float(scale), y, resolve_threads(threads))
@@ -456,7 +464,9 @@ rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, si
 # KVCache.write_one and attend_decode in one call (the same kernel, the same bits):
 # (q (H, Dh), k_cache, v_cache (B, Hkv, S, Dh), k_new, v_new (Hkv, Dh), slot, start, scale,
 # out (H, Dh), threads): the new key / value go to slot `slot` of sequence 0, then out =
-# attention over slots start..slot. Every array float32 C-contiguous (ValueError otherwise).
+# attention over slots start..slot. The caches float32, float16 or uint16 (bf16 bits), the
+# new rows rounded into them to nearest-even; every other array float32; all C-contiguous
+# (ValueError otherwise).
 attend_cached_into: Callable[..., None] = _kernels.attend_cached
 
 

@@ -59,9 +59,10 @@ cdef extern from "_simd.h" nogil:
     colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
 
 cdef extern from "csrc/attend.h" nogil:
-    void colibri_attend(int isa, const float *q, int G, int Dh, const float *k, const float *v,
-                        Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale, float *s,
-                        float *out, int h0, int h1)
+    void colibri_attend(int isa, int fmt, const float *q, int G, int Dh, const void *k,
+                        const void *v, Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale,
+                        float *s, float *out, int h0, int h1)
+    void colibri_kv_store(int fmt, void *dst, const float *src, Py_ssize_t n)
 
 # The thread pool (csrc/pool.h): colibri_pool_run(nth, fn, ctx, n) calls fn(ctx, i) for i < n on
 # up to nth threads and returns when all have returned; colibri_worker_num() is the running
