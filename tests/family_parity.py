@@ -104,7 +104,7 @@ class FamilyRef:
             dst = self.dir / f"model-{fmt}.colibri"
             convert(self.path, dst, progress=False,
                     **(dict(dtype="f32") if fmt == "f32" else FORMATS[fmt]))
-            self.models[fmt] = api.load(dst, threads=1, activations="f32")
+            self.models[fmt] = api.load(dst, threads=1, activations="f32", kv_dtype="f32")
         return self.models[fmt]
 
     def close(self) -> None:
