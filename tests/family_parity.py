@@ -265,7 +265,8 @@ class FamilyRef:
         from cli_helpers import run
         path = self.model().file.path
         prompt = "Hello world! Tokens, experts"
-        code, out, err = run(capsys, "routes", path, "-p", prompt, "--threads", "1")
+        code, out, err = run(capsys, "routes", path, "-p", prompt, "--threads", "1",
+                             "--kv-dtype", "f32")
         assert code == 0 and err == "", err
         tr = trace(self.model(), prompt)
         assert out.startswith(tr.format_table() + "\n\n")
