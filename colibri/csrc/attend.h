@@ -13,8 +13,9 @@
  * caller's choice of k, v and n.
  *
  * Scalar: dot products and sums in index order, libm expf. AVX2: 8-lane partial sums and an
- * exp polynomial (Cephes' expf, ~1 ulp). The paths agree to ~1e-6 relative, not bit for
- * bit; each gives the same bits for any thread count (a head is one call's work).
+ * exp polynomial (Cephes' expf, ~1 ulp); AVX-512: 16-lane sums, the same polynomial. The
+ * paths agree to ~1e-6 relative, not bit for bit; each gives the same bits for any thread
+ * count (a head is one call's work).
  * A NaN or inf in q or k gives NaN scores and a NaN head, as in NumPy.
  *
  * colibri_kv_store rounds float32 rows into the storage format (to nearest, ties to even,
@@ -24,7 +25,7 @@
 #ifndef COLIBRI_ATTEND_H
 #define COLIBRI_ATTEND_H
 
-#include "avx2.h"   /* the path codes, COLIBRI_AVX2_FN, colibri_exp_neg_avx2 */
+#include "avx512.h"  /* the path codes, COLIBRI_AVX2_FN / AVX512_FN, colibri_exp_neg_avx2 */
 
 /* Query heads per kv head the AVX2 body handles (more: the scalar body). */
 #define COLIBRI_ATTEND_MAX_G 64
@@ -329,10 +330,160 @@ COLIBRI_DEF_ATTEND_AVX2(colibri_attend_f32_avx2, COLIBRI_F32)
 COLIBRI_DEF_ATTEND_AVX2(colibri_attend_f16_avx2, COLIBRI_F16)
 COLIBRI_DEF_ATTEND_AVX2(colibri_attend_bf16_avx2, COLIBRI_BF16)
 
+/* ------------------------------------------------------------------------------------------
+ * AVX-512 (Dh a multiple of 16): 16 floats per vector. Scores as the AVX2 body, 8 keys per
+ * reduction, each dot product over 512-bit halves of the row; the weighted values with up
+ * to 4 query heads at once: a value row is loaded (and widened) once for the G heads of its
+ * kv head instead of once per head (4 heads x 4 vectors of 16 = 64 columns per pass, 16
+ * accumulators). The softmax is the AVX2 one, so the paths differ only in summation order.
+ */
+
+/* Elements i .. i + 15 of a cache row of format fmt, widened to float32. */
+COLIBRI_AVX512_INLINE __m512 colibri_kv_load16(const int fmt, const char *p, ptrdiff_t i)
+{
+    __m256i h;
+    if (fmt == COLIBRI_F32) return _mm512_loadu_ps((const float *)(const void *)p + i);
+    h = _mm256_loadu_si256((const __m256i *)(const void *)(p + 2 * i));
+    if (fmt == COLIBRI_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+COLIBRI_AVX512_INLINE __m256 colibri_fold512(__m512 v)
+{
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* 8 dot products q . k_j (rows rb bytes apart), Dh a multiple of 16, times scale. */
+COLIBRI_AVX512_INLINE __m256 colibri_scores8_avx512(const int fmt, const float *q, const char *k,
+                                                    ptrdiff_t rb, int Dh, float scale)
+{
+    __m512 a[8];
+    __m256 t0, t2;
+    int l, i;
+    for (l = 0; l < 8; l++) a[l] = _mm512_setzero_ps();
+    for (i = 0; i < Dh; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (l = 0; l < 8; l++)
+            a[l] = _mm512_fmadd_ps(qv, colibri_kv_load16(fmt, k + l * rb, i), a[l]);
+    }
+    t0 = _mm256_hadd_ps(_mm256_hadd_ps(colibri_fold512(a[0]), colibri_fold512(a[1])),
+                        _mm256_hadd_ps(colibri_fold512(a[2]), colibri_fold512(a[3])));
+    t2 = _mm256_hadd_ps(_mm256_hadd_ps(colibri_fold512(a[4]), colibri_fold512(a[5])),
+                        _mm256_hadd_ps(colibri_fold512(a[6]), colibri_fold512(a[7])));
+    return _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20),
+                                       _mm256_permute2f128_ps(t0, t2, 0x31)),
+                         _mm256_set1_ps(scale));
+}
+
+COLIBRI_AVX512_INLINE float colibri_score1_avx512(const int fmt, const float *q, const char *k,
+                                                  int Dh, float scale)
+{
+    __m512 a = _mm512_setzero_ps();
+    int i;
+    for (i = 0; i < Dh; i += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), colibri_kv_load16(fmt, k, i), a);
+    return colibri_hsum512(a) * scale;
+}
+
+/* Heads per pass and 16-column vectors per head of the weighted values. */
+#define COLIBRI_ATTEND_HEADS 4
+#define COLIBRI_ATTEND_VECS 4
+
+COLIBRI_AVX512_INLINE void colibri_attend_avx512_body(const int fmt, const float *q, int G,
+                                                      int Dh, const void *k, const void *v,
+                                                      ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n,
+                                                      float scale, float *s, float *out,
+                                                      int h0, int h1)
+{
+    const ptrdiff_t es = colibri_kv_size(fmt), rb = rs * es, nb = Dh * es;
+    int g, h, i, t, c;
+    ptrdiff_t j, jb, je;
+    for (g = h0 / G; g * G < h1; g++) {
+        const char *kg = (const char *)k + g * hs * es, *vg = (const char *)v + g * hs * es;
+        float inv[COLIBRI_ATTEND_MAX_G];
+        for (jb = 0; jb < n; jb += COLIBRI_ATTEND_BLOCK) {          /* scores */
+            je = jb + COLIBRI_ATTEND_BLOCK < n ? jb + COLIBRI_ATTEND_BLOCK : n;
+            for (h = 0; h < G; h++) {
+                const float *qh = q + (ptrdiff_t)(g * G + h) * Dh;
+                float *sh = s + h * n;
+                for (j = jb; j + 8 <= je; j += 8) {
+                    if (h == 0)
+                        colibri_prefetch_rows(kg, j + COLIBRI_ATTEND_AHEAD, 8, n, rb, nb);
+                    _mm256_storeu_ps(sh + j, colibri_scores8_avx512(fmt, qh, kg + j * rb, rb,
+                                                                    Dh, scale));
+                }
+                for (; j < je; j++)
+                    sh[j] = colibri_score1_avx512(fmt, qh, kg + j * rb, Dh, scale);
+            }
+        }
+        for (h = 0; h < G; h++)                                      /* softmax numerators */
+            inv[h] = 1.0f / colibri_softmax_num_avx2(s + h * n, n);
+        for (h = 0; h < G; h++)
+            for (i = 0; i < Dh; i += 16)
+                _mm512_storeu_ps(out + (ptrdiff_t)(g * G + h) * Dh + i, _mm512_setzero_ps());
+        for (jb = 0; jb < n; jb += COLIBRI_ATTEND_BLOCK) {          /* values */
+            je = jb + COLIBRI_ATTEND_BLOCK < n ? jb + COLIBRI_ATTEND_BLOCK : n;
+            for (h = 0; h < G; h += COLIBRI_ATTEND_HEADS) {
+                const int hn = G - h < COLIBRI_ATTEND_HEADS ? G - h : COLIBRI_ATTEND_HEADS;
+                for (i = 0; i < Dh; i += 16 * COLIBRI_ATTEND_VECS) {
+                    const int nv = (Dh - i) / 16 < COLIBRI_ATTEND_VECS ? (Dh - i) / 16
+                                                                       : COLIBRI_ATTEND_VECS;
+                    __m512 o[COLIBRI_ATTEND_HEADS][COLIBRI_ATTEND_VECS];
+                    for (t = 0; t < COLIBRI_ATTEND_HEADS; t++)
+                        for (c = 0; c < COLIBRI_ATTEND_VECS; c++)
+                            o[t][c] = t < hn && c < nv
+                                ? _mm512_loadu_ps(out + (ptrdiff_t)(g * G + h + t) * Dh + i
+                                                  + 16 * c)
+                                : _mm512_setzero_ps();
+                    for (j = jb; j < je; j++) {
+                        const char *vj = vg + j * rb;
+                        __m512 x[COLIBRI_ATTEND_VECS];
+                        if (h == 0 && i == 0)
+                            colibri_prefetch_rows(vg, j + COLIBRI_ATTEND_AHEAD, 1, n, rb, nb);
+                        for (c = 0; c < COLIBRI_ATTEND_VECS; c++)
+                            x[c] = c < nv ? colibri_kv_load16(fmt, vj, i + 16 * c)
+                                          : _mm512_setzero_ps();
+                        for (t = 0; t < COLIBRI_ATTEND_HEADS; t++) {
+                            if (t < hn) {
+                                const __m512 p = _mm512_set1_ps(s[(h + t) * n + j]);
+                                for (c = 0; c < COLIBRI_ATTEND_VECS; c++)
+                                    o[t][c] = _mm512_fmadd_ps(p, x[c], o[t][c]);
+                            }
+                        }
+                    }
+                    for (t = 0; t < hn; t++)
+                        for (c = 0; c < nv; c++)
+                            _mm512_storeu_ps(out + (ptrdiff_t)(g * G + h + t) * Dh + i + 16 * c,
+                                             o[t][c]);
+                }
+            }
+        }
+        for (h = 0; h < G; h++) {
+            float *oh = out + (ptrdiff_t)(g * G + h) * Dh;
+            const __m512 iv = _mm512_set1_ps(inv[h]);
+            for (i = 0; i < Dh; i += 16)
+                _mm512_storeu_ps(oh + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), iv));
+        }
+    }
+}
+
+#define COLIBRI_DEF_ATTEND_AVX512(name, FMT)                                                 \
+    COLIBRI_AVX512_FN void name(const float *q, int G, int Dh, const void *k, const void *v,\
+                                ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n, float scale,       \
+                                float *s, float *out, int h0, int h1)                        \
+    {                                                                                        \
+        colibri_attend_avx512_body(FMT, q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);  \
+    }
+COLIBRI_DEF_ATTEND_AVX512(colibri_attend_f32_avx512, COLIBRI_F32)
+COLIBRI_DEF_ATTEND_AVX512(colibri_attend_f16_avx512, COLIBRI_F16)
+COLIBRI_DEF_ATTEND_AVX512(colibri_attend_bf16_avx512, COLIBRI_BF16)
+
 #endif /* COLIBRI_X86 */
 
 /* Heads h0 .. h1 - 1 on path isa over a cache of format fmt (COLIBRI_F32 / F16 / BF16;
- * every wider path runs the AVX2 bodies); hs, rs in elements. */
+ * avx512 and avx512vnni run the AVX-512 bodies when Dh is a multiple of 16, every other
+ * SIMD case the AVX2 bodies); hs, rs in elements. */
 static inline void colibri_attend(int isa, int fmt, const float *q, int G, int Dh,
                                   const void *k, const void *v, ptrdiff_t hs, ptrdiff_t rs,
                                   ptrdiff_t n, float scale, float *s, float *out, int h0, int h1)
@@ -340,6 +491,15 @@ static inline void colibri_attend(int isa, int fmt, const float *q, int G, int D
 #if COLIBRI_X86
     if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR && Dh % 8 == 0 &&
         G <= COLIBRI_ATTEND_MAX_G && h0 % G == 0 && h1 % G == 0) {
+        if (colibri_isa_base(isa) == COLIBRI_ISA_AVX512 && Dh % 16 == 0) {
+            if (fmt == COLIBRI_F16)
+                colibri_attend_f16_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+            else if (fmt == COLIBRI_BF16)
+                colibri_attend_bf16_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+            else
+                colibri_attend_f32_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+            return;
+        }
         if (fmt == COLIBRI_F16)
             colibri_attend_f16_avx2(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
         else if (fmt == COLIBRI_BF16)
