@@ -160,8 +160,8 @@ def test_perplexity_kl_base_reports_the_same_routing(files, tmp_path, capsys):
         format_markdown(res)
     np.save(tmp_path / "ids.npy", ids)
     code, out, _ = run_cli(capsys, "perplexity", str(files.q4), "-f", str(tmp_path / "ids.npy"),
-                           "--ctx", "16", "--kl-base", str(files.f32), "-a", "f32", "--kv-dtype", "f32",
-                           "-o", "json")
+                           "--ctx", "16", "--kl-base", str(files.f32), "-a", "f32",
+                           "--kv-dtype", "f32", "-o", "json")
     assert code == 0
     routing = json.loads(out)["routing"]
     np.testing.assert_allclose(routing["set_agreement"], res.routing.set_agreement)

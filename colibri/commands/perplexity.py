@@ -14,8 +14,8 @@ import numpy as np
 from ..errors import ColibriError
 from ..tools.perplexity import MIN_CTX, format_markdown, perplexity
 from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_kv_dtype_arg,
-                     add_memory_args, add_model_arg, add_output_arg, add_threads_arg, check_at_least,
-                     memory_options, model_path, open_model)
+                     add_memory_args, add_model_arg, add_output_arg, add_threads_arg,
+                     check_at_least, memory_options, model_path, open_model)
 
 
 def register(subparsers, parents=()) -> None:

@@ -463,8 +463,8 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
     r0 = rows[0]
     lines.append(f"colibri {r0['colibri_version']}, ISA {r0['isa']}; {r0['reps']} repetitions"
                  f"{' after 1 warm-up' if r0['warmup'] else ''}, mean ± sd; pp = one forward "
-                 f"pass over random ids into the cache at the test's depth; tg = single-token steps "
-                 f"from it; shares of wall time from the model's timing counters")
+                 f"pass over random ids into the cache at the test's depth; tg = single-token "
+                 f"steps from it; shares of wall time from the model's timing counters")
     return "\n".join(lines)
 
 
