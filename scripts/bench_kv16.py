@@ -1,5 +1,5 @@
 """Decode at depth with each KV cache dtype, in one process, alternating (docs/performance.md,
-change 25).
+change 26).
 
     python scripts/bench_kv16.py MODEL.colibri [--depth 4096] [--steps 16] [--rounds 5]
                                  [--threads 1,2] [--dtypes f32,f16,bf16]
