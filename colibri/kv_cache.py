@@ -33,6 +33,7 @@ import threading
 import numpy as np
 
 from .errors import ColibriError
+from .kernels import kv_widen_into as _widen
 from .guards import CacheBusyError
 from .quant import bf16_to_f32, f32_to_bf16
 from .resources import check_allocation
@@ -80,12 +81,19 @@ def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def to_f32(a: np.ndarray) -> np.ndarray:
     """A slice of a cache plane (any storage dtype) as float32, exact: the slice itself for
-    an f32 cache (a view), a converted copy otherwise."""
+    an f32 cache (a view), a widened copy otherwise (kernels.kv_widen_into, block of rows by
+    block of rows; the same values as quant.bf16_to_f32 / NumPy's float16 cast)."""
     if a.dtype == np.float32:
         return a
-    if a.dtype == np.uint16:
-        return bf16_to_f32(a)
-    return a.astype(np.float32)
+    out = np.empty(a.shape, dtype=np.float32)
+    if a.size == 0 or a.ndim < 2 or a.strides[-1] != a.itemsize:
+        out[...] = bf16_to_f32(a) if a.dtype == np.uint16 else a
+        return out
+    src = a.reshape(-1, a.shape[-2], a.shape[-1])        # a view for a cache slice
+    dst = out.reshape(src.shape)
+    for i in range(src.shape[0]):
+        _widen(src[i], dst[i])
+    return out
 
 
 class CacheOverflowError(ColibriError, ValueError):

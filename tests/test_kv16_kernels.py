@@ -156,3 +156,31 @@ def test_dtype_errors():
         K.attend_cached_into(q, kc.astype(np.int16), kc, new, new, 0, 0, 1.0, out, 1)
     with pytest.raises(ValueError, match="k_new must be a C-contiguous float32"):
         K.attend_cached_into(q, kc, kc.copy(), new.astype(np.float16), new, 0, 0, 1.0, out, 1)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_widening_is_exact_on_every_path(isa, dtype):
+    """kv_cache.to_f32 (kernels.kv_widen_into on rows of the slice) gives NumPy's widening
+    bit for bit: whole planes, slices of positions, of columns (strided rows), one row, a
+    1-D row, specials included."""
+    x = _special_values()                                                     # (N, 64)
+    plane = to_storage(x[:x.shape[0] // 2 * 2].reshape(1, 2, -1, 64), dtype)
+    want = (np.asarray(plane, np.float32) if dtype == "f16"
+            else (plane.astype(np.uint32) << 16).view(F32))
+    for sl in (np.s_[:], np.s_[:, :, 3:77], np.s_[0, :, 5:6], np.s_[0, 1, :40], np.s_[..., :13],
+               np.s_[0, 0, 0]):
+        got = to_f32(plane[sl])
+        assert got.dtype == F32 and got.flags.c_contiguous
+        assert np.array_equal(got.view(np.uint32), want[sl].view(np.uint32)), sl
+
+
+def test_widen_errors():
+    out = np.empty((3, 8), F32)
+    with pytest.raises(ValueError, match="float16 or uint16"):
+        K.kv_widen_into(np.zeros((3, 8), F32), out)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        K.kv_widen_into(np.zeros((3, 16), np.float16)[:, ::2], out)
+    with pytest.raises(ValueError, match="expected"):
+        K.kv_widen_into(np.zeros((3, 7), np.float16), out)
+    with pytest.raises(ValueError, match="out must be a writable C-contiguous float32"):
+        K.kv_widen_into(np.zeros((3, 8), np.float16), out.T)

@@ -86,6 +86,18 @@ static inline float colibri_kv_elem(int fmt, const void *p, ptrdiff_t i)
     return colibri_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
+/* rows x cols elements of format fmt (row r at src + r * rb bytes) into dst (rows x cols
+ * floats, contiguous), exactly: what the NumPy paths read of a 16-bit cache (kv_cache.to_f32;
+ * NumPy's own float16 cast costs ~1 ns an element, 6x this). */
+static void colibri_kv_widen_scalar(int fmt, const char *src, ptrdiff_t rb, ptrdiff_t rows,
+                                    ptrdiff_t cols, float *dst)
+{
+    ptrdiff_t r, i;
+    for (r = 0; r < rows; r++)
+        for (i = 0; i < cols; i++)
+            dst[r * cols + i] = colibri_kv_elem(fmt, src + r * rb, i);
+}
+
 static void colibri_attend_scalar(int fmt, const float *q, int G, int Dh, const void *k,
                                   const void *v, ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n,
                                   float scale, float *s, float *out, int h0, int h1)
@@ -130,6 +142,23 @@ COLIBRI_AVX2_INLINE __m256 colibri_kv_load8(const int fmt, const char *p, ptrdif
     h = _mm_loadu_si128((const __m128i *)(const void *)(p + 2 * i));
     if (fmt == COLIBRI_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+COLIBRI_AVX2_FN void colibri_kv_widen_avx2(int fmt, const char *src, ptrdiff_t rb,
+                                           ptrdiff_t rows, ptrdiff_t cols, float *dst)
+{
+    ptrdiff_t r, i;
+    for (r = 0; r < rows; r++) {
+        const char *row = src + r * rb;
+        float *d = dst + r * cols;
+        if (fmt == COLIBRI_F16)
+            for (i = 0; i + 8 <= cols; i += 8)
+                _mm256_storeu_ps(d + i, colibri_kv_load8(COLIBRI_F16, row, i));
+        else
+            for (i = 0; i + 8 <= cols; i += 8)
+                _mm256_storeu_ps(d + i, colibri_kv_load8(COLIBRI_BF16, row, i));
+        for (; i < cols; i++) d[i] = colibri_kv_elem(fmt, row, i);
+    }
 }
 
 /* 8 dot products q . k_j (j = 0..7, rows rb bytes apart), Dh a multiple of 8, times scale:
@@ -511,6 +540,20 @@ static inline void colibri_attend(int isa, int fmt, const float *q, int G, int D
 #endif
     (void)isa;
     colibri_attend_scalar(fmt, q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+}
+
+/* colibri_kv_widen_scalar on path isa (every SIMD path: the AVX2 body); fmt F16 or BF16. */
+static inline void colibri_kv_widen(int isa, int fmt, const void *src, ptrdiff_t rb,
+                                    ptrdiff_t rows, ptrdiff_t cols, float *dst)
+{
+#if COLIBRI_X86
+    if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR) {
+        colibri_kv_widen_avx2(fmt, (const char *)src, rb, rows, cols, dst);
+        return;
+    }
+#endif
+    (void)isa;
+    colibri_kv_widen_scalar(fmt, (const char *)src, rb, rows, cols, dst);
 }
 
 #endif /* COLIBRI_ATTEND_H */

@@ -88,3 +88,28 @@ def attend_decode(const float[:, ::1] q, k, v, float scale, float[:, ::1] out, i
     _attend_run(<int>fmt, &q[0, 0], colibri_array_data(k), colibri_array_data(v), &out[0, 0],
                 k.strides[0] // es, k.strides[1] // es, n, H, Hkv, Dh, scale, threads,
                 "attend_decode")
+
+
+def kv_widen(src, out):
+    """out (N, C) float32 C-contiguous = src (N, C) widened exactly; src float16 or uint16
+    (bf16 bits), native order, aligned, rows strided (C contiguous elements each)."""
+    if not isinstance(src, np.ndarray) or src.dtype not in (np.dtype(np.float16),
+                                                              np.dtype(np.uint16)):
+        raise ValueError(f"kv_widen: src must be a float16 or uint16 (bf16) array, found "
+                         f"{getattr(src, 'dtype', type(src).__name__)}")
+    cdef Py_ssize_t od[2]
+    cdef float *o0 = _f32(out, "out", 2, True, od)
+    if (src.ndim != 2 or not src.dtype.isnative or not src.flags.aligned
+            or (src.shape[1] > 1 and src.strides[1] != 2) or src.strides[0] < 0
+            or src.strides[0] % 2):
+        raise ValueError(f"kv_widen: src must be 2-D with contiguous rows, found shape "
+                         f"{src.shape} strides {src.strides}")
+    if od[0] != src.shape[0] or od[1] != src.shape[1]:
+        raise ValueError(f"kv_widen: out has shape ({od[0]}, {od[1]}), expected {src.shape}")
+    if od[0] == 0 or od[1] == 0:
+        return
+    cdef int fmt = COLIBRI_F16 if src.dtype == np.float16 else COLIBRI_BF16
+    cdef const void *s0 = colibri_array_data(src)
+    cdef Py_ssize_t rb = src.strides[0], rows = od[0], cols = od[1]
+    with nogil:
+        colibri_kv_widen(_isa, fmt, s0, rb, rows, cols, o0)
