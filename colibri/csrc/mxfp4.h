@@ -205,28 +205,32 @@ COLIBRI_DEF_MX_IDOT_SCALAR(colibri_idot16_mxfp4_scalar, 1)
  * and E8M0 scales. Per pair of blocks (j, j + 1): their 32 code bytes in one load (block j in
  * lane 0, j + 1 in lane 1), the nibbles interleaved back into element order by two in-lane
  * unpacks, so lo = elements 0..15 and hi = 16..31 of each block, the packed q's order; one
- * pshufb each maps the nibbles to int8 code2 (or, LUT128, to code2 + 128 as u8). From there
- * the integer part is q8's: int8 AVX2 vpmaddubsw(|w|, sign(q, w)) (|pair| <= 2 * 12 * 127,
- * the vpaddw of two 6096: exact), vpmaddwd with ones; VNNI vpdpbusd(code2 + 128, q) twice and
- * - 128 sum q = - 16 s after the reduction (exact int32); int16 the codes widened in-lane to
- * 16 bits (unpack with themselves, >> 8), four vpmaddwd (AVX2) or vpdpwssd (VNNI). Three
- * vphaddd levels leave the 8 block sums of a chunk in lane order 0 2 4 6 1 3 5 7 (the packed
- * d, s order); the chunk's 8 scale bytes are permuted to it, made 2^(e - 127) by a shift into
- * the exponent (0: 2^-127, a subnormal, blended in), halved (exact); then per chunk acc =
- * fma(float(isum), (scale / 2) * d, acc) and out = hsum(acc). A VNNI path's result is the
- * avx2 path's bit for bit (the same integers, the same float text). */
-#define COLIBRI_MX_L(OFF, V) (char)((OFF) + (V))
-#define COLIBRI_MX_LUT16(OFF)                                                                 \
-    COLIBRI_MX_L(OFF, 0), COLIBRI_MX_L(OFF, 1), COLIBRI_MX_L(OFF, 2), COLIBRI_MX_L(OFF, 3),   \
-    COLIBRI_MX_L(OFF, 4), COLIBRI_MX_L(OFF, 6), COLIBRI_MX_L(OFF, 8), COLIBRI_MX_L(OFF, 12),  \
-    COLIBRI_MX_L(OFF, 0), COLIBRI_MX_L(OFF, -1), COLIBRI_MX_L(OFF, -2), COLIBRI_MX_L(OFF, -3),\
-    COLIBRI_MX_L(OFF, -4), COLIBRI_MX_L(OFF, -6), COLIBRI_MX_L(OFF, -8), COLIBRI_MX_L(OFF, -12)
-#define COLIBRI_MX_LUT(OFF) _mm256_setr_epi8(COLIBRI_MX_LUT16(OFF), COLIBRI_MX_LUT16(OFF))
+ * pshufb each maps the nibbles to u = code2 + 12 (0..24, unsigned: the operand vpmaddubsw and
+ * vpdpbusd take without a sign trick). The +12 is folded out per block as q4 folds its -8:
+ * sum u q - 12 sum q, with 12 sum q = s + s / 2 (s = 8 sum q, colibri_quantize_block), all
+ * exact int32. Integer part per pair and token:
+ *   int8 AVX2:  vpmaddubsw(u, q) twice (|pair| <= 2 * 24 * 127, their vpaddw <= 12192: no
+ *               saturation), vpmaddwd with ones;   VNNI: vpdpbusd twice;
+ *   int16:      u widened in-lane with zero (unpack), four vpmaddwd + adds (AVX2) or four
+ *               chained vpdpwssd (VNNI); |.| <= 32 * 24 * 32767 < 2^31.
+ * Three vphaddd levels leave the 8 block sums of a chunk in lane order 0 2 4 6 1 3 5 7 (the
+ * packed d, s order); the chunk's 8 scale bytes are permuted to it, made 2^(e - 127) by a
+ * shift into the exponent (0: 2^-127, a subnormal, blended in), halved (exact); then per chunk
+ * acc = fma(float(isum), (scale / 2) * d, acc) and out = hsum(acc) (|isum| < 2^24 after the
+ * fold: float(isum) exact). A VNNI path's result is the avx2 path's bit for bit (the same
+ * integers, the same float text). */
+#define COLIBRI_MX_L(V) (char)(12 + (V))
+#define COLIBRI_MX_LUT16                                                                       \
+    COLIBRI_MX_L(0), COLIBRI_MX_L(1), COLIBRI_MX_L(2), COLIBRI_MX_L(3), COLIBRI_MX_L(4),        \
+    COLIBRI_MX_L(6), COLIBRI_MX_L(8), COLIBRI_MX_L(12), COLIBRI_MX_L(0), COLIBRI_MX_L(-1),      \
+    COLIBRI_MX_L(-2), COLIBRI_MX_L(-3), COLIBRI_MX_L(-4), COLIBRI_MX_L(-6), COLIBRI_MX_L(-8),   \
+    COLIBRI_MX_L(-12)
 
-/* Blocks j (and j + 1 when two; else zero codes) at wq -> lo, hi as described above. */
-COLIBRI_AVX2_INLINE void colibri_mx_ipair_avx2(const uint8_t *wq, const int two, __m256i lut,
-                                               __m256i *lo, __m256i *hi)
+/* Blocks j (and j + 1 when two; else zero bytes) at wq -> lo, hi as described above. */
+COLIBRI_AVX2_INLINE void colibri_mx_ipair_avx2(const uint8_t *wq, const int two, __m256i *lo,
+                                               __m256i *hi)
 {
+    const __m256i lut = _mm256_setr_epi8(COLIBRI_MX_LUT16, COLIBRI_MX_LUT16);
     const __m256i m15 = _mm256_set1_epi8(15);
     const __m256i v = two ? _mm256_loadu_si256((const __m256i *)wq)
                           : _mm256_inserti128_si256(_mm256_setzero_si256(),
@@ -256,86 +260,68 @@ COLIBRI_AVX2_INLINE __m256 colibri_mx_half_scales_avx2(const uint8_t *sp, const 
     return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f));
 }
 
-/* The chunk functions (colibri_ichunk_avx2's contract: isum[t] = the block sums of the chunk's
- * n <= 8 blocks, 0 past n, for NT tokens; wq: the chunk's first code byte, q: token 0's
- * packed codes there, s: token 0's s there (VNNI int8 correction)). The int8 and int16
- * functions of one path: DEF(SFX, ATTR, LUTOFF, DOT8, DOT16), DOT8(lo, ql, hi, qh) the int32
- * pair sums of int8 codes, DOT16(c, qt) those of int16 codes. */
-#define COLIBRI_DEF_MX_CHUNKS(SFX, ATTR, LUTOFF, DOT8, DOT16)                                   \
-ATTR void colibri_mx_ichunk_##SFX(const uint8_t *wq, const int8_t *q, ptrdiff_t qs,            \
-                                  const int n, const int32_t *s, ptrdiff_t ds, __m256i *isum,  \
-                                  const int NT)                                                \
+/* The chunk function of one path (colibri_ichunk_any_avx2's contract: isum[t] = the block
+ * sums of the chunk's n <= 8 blocks, 0 past n, for NT tokens; wq: the chunk's first code
+ * byte, q: token 0's packed codes there, s: token 0's s there): DEF(SFX, ATTR, DOT8, DOT16),
+ * DOT8(lo, ql, hi, qh) the int32 pair sums of int8 codes, DOT16(c, qt) those of int16 ones. */
+#define COLIBRI_DEF_MX_CHUNK(SFX, ATTR, DOT8, DOT16)                                             \
+ATTR void colibri_mx_ichunk_##SFX(const int WIDE, const uint8_t *wq, const int8_t *q,          \
+                                  ptrdiff_t qs, const int n, const int32_t *s, ptrdiff_t ds,   \
+                                  __m256i *isum, const int NT)                                 \
 {                                                                                              \
-    const __m256i lut = COLIBRI_MX_LUT(LUTOFF), ones = _mm256_set1_epi16(1);                   \
+    const __m256i ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();                    \
     __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];                                        \
     int k, t;                                                                                  \
     (void)ones;                                                                                \
     for (k = 0; k < 4; k++) {                                  /* pair k: blocks 2k, 2k+1 */   \
-        __m256i lo = _mm256_setzero_si256(), hi = lo;                                          \
-        if (2 * k < n) colibri_mx_ipair_avx2(wq + 32 * k, 2 * k + 1 < n, lut, &lo, &hi);       \
+        __m256i lo = z, hi = z, c[4];                                                          \
+        if (2 * k < n) colibri_mx_ipair_avx2(wq + 32 * k, 2 * k + 1 < n, &lo, &hi);            \
+        if (WIDE) {                                                                            \
+            c[0] = _mm256_unpacklo_epi8(lo, z);                                                \
+            c[1] = _mm256_unpackhi_epi8(lo, z);                                                \
+            c[2] = _mm256_unpacklo_epi8(hi, z);                                                \
+            c[3] = _mm256_unpackhi_epi8(hi, z);                                                \
+        }                                                                                      \
         for (t = 0; t < NT; t++) {                                                             \
-            const int8_t *qt = q + t * qs + 64 * k;                                            \
-            __m256i p = _mm256_setzero_si256();                                                \
-            if (2 * k < n)                                                                     \
-                p = DOT8(lo, _mm256_loadu_si256((const __m256i *)qt), hi,                      \
-                         _mm256_loadu_si256((const __m256i *)(qt + 32)));                      \
+            __m256i p = z;                                                                     \
+            if (2 * k < n) {                                                                   \
+                if (WIDE) {                                                                    \
+                    const __m256i *qt = (const __m256i *)(const void *)(q + t * qs + 128 * k); \
+                    p = DOT16(c, qt);                                                          \
+                } else {                                                                       \
+                    const int8_t *qt = q + t * qs + 64 * k;                                    \
+                    p = DOT8(lo, _mm256_loadu_si256((const __m256i *)qt), hi,                  \
+                             _mm256_loadu_si256((const __m256i *)(qt + 32)));                  \
+                }                                                                              \
+            }                                                                                  \
             if (k & 1)                                                                         \
                 h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);                             \
             else                                                                               \
                 v[k >> 1][t] = p;                                                              \
         }                                                                                      \
     }                                                                                          \
-    for (t = 0; t < NT; t++) {                                                                 \
-        isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);                                         \
-        if (LUTOFF)                     /* - 128 * sum q = - 16 * s, in the same lanes */      \
-            isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(                             \
-                _mm256_loadu_si256((const __m256i *)(const void *)(s + t * ds)), 4));          \
+    for (t = 0; t < NT; t++) {                        /* - 12 sum q = - (s + s / 2) */         \
+        const __m256i st = _mm256_loadu_si256((const __m256i *)(const void *)(s + t * ds));    \
+        isum[t] = _mm256_sub_epi32(_mm256_hadd_epi32(h[0][t], h[1][t]),                        \
+                                   _mm256_add_epi32(st, _mm256_srai_epi32(st, 1)));            \
     }                                                                                          \
-}                                                                                              \
-                                                                                               \
-ATTR void colibri_mx_ichunk16_##SFX(const uint8_t *wq, const int8_t *q, ptrdiff_t qs,          \
-                                    const int n, const int32_t *s, ptrdiff_t ds,               \
-                                    __m256i *isum, const int NT)                               \
-{                                                                                              \
-    const __m256i lut = COLIBRI_MX_LUT(0);                                                     \
-    __m256i h[2][COLIBRI_MAX_NT], v[2][COLIBRI_MAX_NT];                                        \
-    int k, t;                                                                                  \
-    (void)s; (void)ds;                                                                         \
-    for (k = 0; k < 4; k++) {                                                                  \
-        __m256i c[4], lo = _mm256_setzero_si256(), hi = lo;                                    \
-        if (2 * k < n) colibri_mx_ipair_avx2(wq + 32 * k, 2 * k + 1 < n, lut, &lo, &hi);       \
-        c[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(lo, lo), 8);                             \
-        c[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(lo, lo), 8);                             \
-        c[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(hi, hi), 8);                             \
-        c[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(hi, hi), 8);                             \
-        for (t = 0; t < NT; t++) {                                                             \
-            const __m256i *qt = (const __m256i *)(const void *)(q + t * qs + 128 * k);         \
-            __m256i p = _mm256_setzero_si256();                                                \
-            if (2 * k < n) p = DOT16(c, qt);                                                   \
-            if (k & 1)                                                                         \
-                h[k >> 1][t] = _mm256_hadd_epi32(v[k >> 1][t], p);                             \
-            else                                                                               \
-                v[k >> 1][t] = p;                                                              \
-        }                                                                                      \
-    }                                                                                          \
-    for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);                    \
 }
 
 #define COLIBRI_MX_DOT8_AVX2(lo, ql, hi, qh)                                                   \
-    _mm256_madd_epi16(_mm256_add_epi16(                                                        \
-        _mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(ql, lo)),                   \
-        _mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(qh, hi))), ones)
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ql),                           \
+                                       _mm256_maddubs_epi16(hi, qh)), ones)
 #define COLIBRI_MX_DOT16_AVX2(c, qt)                                                           \
     _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(c[0], _mm256_loadu_si256(qt)),         \
                                       _mm256_madd_epi16(c[1], _mm256_loadu_si256(qt + 1))),    \
                      _mm256_add_epi32(_mm256_madd_epi16(c[2], _mm256_loadu_si256(qt + 2)),     \
                                       _mm256_madd_epi16(c[3], _mm256_loadu_si256(qt + 3))))
-COLIBRI_DEF_MX_CHUNKS(avx2, COLIBRI_AVX2_INLINE, 0, COLIBRI_MX_DOT8_AVX2, COLIBRI_MX_DOT16_AVX2)
+COLIBRI_DEF_MX_CHUNK(avx2, COLIBRI_AVX2_INLINE, COLIBRI_MX_DOT8_AVX2, COLIBRI_MX_DOT16_AVX2)
 
-/* One (row, NT tokens) output of path ATTR over the chunk functions CHUNK8 / CHUNK16; the
- * prefetches are colibri_idot_avx2_body's (2 code lines per chunk ahead, then the rest of the
- * row ahead: a partial chunk's codes and the scales). */
-#define COLIBRI_DEF_MX_IDOT_BODY(NAME, ATTR, CHUNK8, CHUNK16)                                   \
+/* One (row, NT tokens) output of path ATTR over the chunk function CHUNK: the whole chunks
+ * (n = 8, a constant: the chunk unrolls), then the last 1..7 blocks. The prefetches are
+ * colibri_idot_avx2_body's (2 code lines per chunk ahead, then the rest of the row ahead: a
+ * partial chunk's codes and the scales). */
+#define COLIBRI_DEF_MX_IDOT_BODY(NAME, ATTR, CHUNK)                                              \
 ATTR void NAME(const uint8_t *row, ptrdiff_t cols, const int8_t *q, ptrdiff_t qs,              \
                const float *d, const int32_t *s, ptrdiff_t ds, float *out, ptrdiff_t os,       \
                const int NT, const int WIDE)                                                   \
@@ -347,33 +333,31 @@ ATTR void NAME(const uint8_t *row, ptrdiff_t cols, const int8_t *q, ptrdiff_t qs
     ptrdiff_t b0;                                                                              \
     int t;                                                                                     \
     for (t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();                                     \
-    for (b0 = 0; b0 < nb; b0 += 8) {                                                           \
-        const int n = nb - b0 < 8 ? (int)(nb - b0) : 8;                                        \
-        __m256 sv;                                                                             \
-        if (n == 8) {                                                                          \
-            const char *pf = (const char *)(row + 16 * b0) + COLIBRI_PREFETCH_BYTES;           \
-            _mm_prefetch(pf, _MM_HINT_T1);                                                     \
-            _mm_prefetch(pf + 64, _MM_HINT_T1);                                                \
-        } else {                                                                               \
-            const char *p0 = (const char *)(row + 16 * b0) + COLIBRI_PREFETCH_BYTES;           \
-            const char *p1 = (const char *)(scales + nb) + COLIBRI_PREFETCH_BYTES;             \
-            for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T1);                           \
-            _mm_prefetch(p1 - 1, _MM_HINT_T1);                                                 \
-        }                                                                                      \
-        sv = colibri_mx_half_scales_avx2(scales + b0, n);                                      \
-        if (WIDE)                                                                              \
-            CHUNK16(row + 16 * b0, q + qpb * b0, qs, n, s + b0, ds, isum, NT);                 \
-        else                                                                                   \
-            CHUNK8(row + 16 * b0, q + qpb * b0, qs, n, s + b0, ds, isum, NT);                  \
+    for (b0 = 0; b0 + 8 <= nb; b0 += 8) {                                                      \
+        const char *pf = (const char *)(row + 16 * b0) + COLIBRI_PREFETCH_BYTES;               \
+        const __m256 sv = colibri_mx_half_scales_avx2(scales + b0, 8);                         \
+        _mm_prefetch(pf, _MM_HINT_T1);                                                         \
+        _mm_prefetch(pf + 64, _MM_HINT_T1);                                                    \
+        CHUNK(WIDE, row + 16 * b0, q + qpb * b0, qs, 8, s + b0, ds, isum, NT);                 \
         for (t = 0; t < NT; t++)                                                               \
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),                              \
                                      _mm256_mul_ps(sv, _mm256_loadu_ps(d + t * ds + b0)),      \
                                      acc[t]);                                                  \
     }                                                                                          \
-    if (nb % 8 == 0) {                                   /* the scales of the rows ahead */    \
-        const char *p0 = (const char *)scales + COLIBRI_PREFETCH_BYTES;                        \
-        _mm_prefetch(p0, _MM_HINT_T1);                                                         \
-        _mm_prefetch(p0 + nb - 1, _MM_HINT_T1);                                                \
+    {                                  /* the rest of the row ahead: codes, scales */          \
+        const char *p0 = (const char *)(row + 16 * b0) + COLIBRI_PREFETCH_BYTES;               \
+        const char *p1 = (const char *)(scales + nb) + COLIBRI_PREFETCH_BYTES;                 \
+        for (; p0 < p1; p0 += 64) _mm_prefetch(p0, _MM_HINT_T1);                               \
+        _mm_prefetch(p1 - 1, _MM_HINT_T1);                                                     \
+    }                                                                                          \
+    if (b0 < nb) {                                                                             \
+        const int n = (int)(nb - b0);                                                          \
+        const __m256 sv = colibri_mx_half_scales_avx2(scales + b0, n);                         \
+        CHUNK(WIDE, row + 16 * b0, q + qpb * b0, qs, n, s + b0, ds, isum, NT);                 \
+        for (t = 0; t < NT; t++)                                                               \
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]),                              \
+                                     _mm256_mul_ps(sv, _mm256_loadu_ps(d + t * ds + b0)),      \
+                                     acc[t]);                                                  \
     }                                                                                          \
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum256(acc[t]);                            \
 }
@@ -398,13 +382,12 @@ ATTR void NAME(const uint8_t *row, ptrdiff_t cols, const int8_t *q, ptrdiff_t qs
         }                                                                                   \
     }
 
-COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avx2_body, COLIBRI_AVX2_INLINE,
-                         colibri_mx_ichunk_avx2, colibri_mx_ichunk16_avx2)
+COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avx2_body, COLIBRI_AVX2_INLINE, colibri_mx_ichunk_avx2)
 COLIBRI_DEF_MX_IDOT(colibri_idot_mxfp4_avx2, 0, COLIBRI_AVX2_FN, colibri_idot_mxfp4_avx2_body)
 COLIBRI_DEF_MX_IDOT(colibri_idot16_mxfp4_avx2, 1, COLIBRI_AVX2_FN, colibri_idot_mxfp4_avx2_body)
 
 #if COLIBRI_VNNI
-/* The VNNI variants (vnni.h's two encodings): vpdpbusd on code2 + 128, vpdpwssd chained. */
+/* The VNNI variants (vnni.h's two encodings): vpdpbusd twice, vpdpwssd chained. */
 #define COLIBRI_MX_DOT8_VNNI(DPBUSD, lo, ql, hi, qh)                                          \
     DPBUSD(DPBUSD(_mm256_setzero_si256(), lo, ql), hi, qh)
 #define COLIBRI_MX_DOT16_VNNI(DPWSSD, c, qt)                                                   \
@@ -417,14 +400,14 @@ COLIBRI_DEF_MX_IDOT(colibri_idot16_mxfp4_avx2, 1, COLIBRI_AVX2_FN, colibri_idot_
 #define COLIBRI_MX_DOT8_AVXVNNI(lo, ql, hi, qh)                                                \
     COLIBRI_MX_DOT8_VNNI(_mm256_dpbusd_avx_epi32, lo, ql, hi, qh)
 #define COLIBRI_MX_DOT16_AVXVNNI(c, qt) COLIBRI_MX_DOT16_VNNI(_mm256_dpwssd_avx_epi32, c, qt)
-COLIBRI_DEF_MX_CHUNKS(avx512vnni, COLIBRI_AVX512VNNI_INLINE, 128, COLIBRI_MX_DOT8_AVX512VNNI,
-                      COLIBRI_MX_DOT16_AVX512VNNI)
-COLIBRI_DEF_MX_CHUNKS(avxvnni, COLIBRI_AVXVNNI_INLINE, 128, COLIBRI_MX_DOT8_AVXVNNI,
-                      COLIBRI_MX_DOT16_AVXVNNI)
+COLIBRI_DEF_MX_CHUNK(avx512vnni, COLIBRI_AVX512VNNI_INLINE, COLIBRI_MX_DOT8_AVX512VNNI,
+                     COLIBRI_MX_DOT16_AVX512VNNI)
+COLIBRI_DEF_MX_CHUNK(avxvnni, COLIBRI_AVXVNNI_INLINE, COLIBRI_MX_DOT8_AVXVNNI,
+                     COLIBRI_MX_DOT16_AVXVNNI)
 COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avx512vnni_body, COLIBRI_AVX512VNNI_INLINE,
-                         colibri_mx_ichunk_avx512vnni, colibri_mx_ichunk16_avx512vnni)
+                         colibri_mx_ichunk_avx512vnni)
 COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avxvnni_body, COLIBRI_AVXVNNI_INLINE,
-                         colibri_mx_ichunk_avxvnni, colibri_mx_ichunk16_avxvnni)
+                         colibri_mx_ichunk_avxvnni)
 COLIBRI_DEF_MX_IDOT(colibri_idot_mxfp4_avx512vnni, 0, COLIBRI_AVX512VNNI_FN,
                     colibri_idot_mxfp4_avx512vnni_body)
 COLIBRI_DEF_MX_IDOT(colibri_idot16_mxfp4_avx512vnni, 1, COLIBRI_AVX512VNNI_FN,
