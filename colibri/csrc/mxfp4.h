@@ -240,8 +240,10 @@ COLIBRI_AVX2_INLINE void colibri_mx_ipair_avx2(const uint8_t *wq, const int two,
     *hi = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(l, h));
 }
 
-/* The half scales of blocks b0 .. b0 + n - 1 (n <= 8; 2^-128 past n, where d is 0), lane
- * order 0 2 4 6 1 3 5 7. A partial chunk's bytes are copied (never read past the row). */
+/* The half scales of blocks b0 .. b0 + n - 1 (n <= 8; 1/2 past n, where d is 0), lane
+ * order 0 2 4 6 1 3 5 7. A partial chunk's bytes are copied (never read past the row), the
+ * lanes past n given the byte 127, not 0: 2^-128 is a subnormal, and a multiply with a
+ * subnormal operand takes a microcode assist on some x86 cores (once per row here). */
 COLIBRI_AVX2_INLINE __m256 colibri_mx_half_scales_avx2(const uint8_t *sp, const int n)
 {
     const __m256i idx = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -250,7 +252,8 @@ COLIBRI_AVX2_INLINE __m256 colibri_mx_half_scales_avx2(const uint8_t *sp, const 
     if (n == 8) {
         raw = _mm_loadl_epi64((const __m128i *)sp);
     } else {
-        uint8_t b[16] = {0};
+        uint8_t b[16];
+        memset(b, 127, sizeof b);
         memcpy(b, sp, (size_t)n);
         raw = _mm_loadu_si128((const __m128i *)b);
     }
