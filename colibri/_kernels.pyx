@@ -37,8 +37,11 @@ parallel loop; the expert FFN quantizes each gathered row (or x once, at T == 1)
 up, and each gate/up work item quantizes the h columns it produced for w_down (its tiles are
 then whole 32-blocks). Plain-format matrices keep the f32 path in the same call. The
 quantization is bit-identical on every path and the integer dot follows the same
-determinism rule as the f32 one. Such matrices never take the GEMM path: their row kernel, sharing each
-decoded weight block between 4 tokens, already costs fewer instructions per weight.
+determinism rule as the f32 one. From the ISA path's crossover (igemm_min_tokens, 0: the
+path's measured one, csrc/igemm.h colibri_igemm_crossover) such matrices take the integer
+GEMM path instead (csrc/igemm.h: a panel of rows decoded once per K-chunk into vpdpbusd /
+vpdpwssd order, the same exact block sums, one fused multiply-add per block): the same
+determinism rule, with igemm_min_tokens in place of gemm_min_tokens.
 
 Scratch: one grow-only per-process buffer (_take/_give), so a decode step allocates no
 scratch arrays; a concurrent second caller (another Python thread) gets a fresh one.

@@ -10,7 +10,8 @@ The quantized-activation twins (``quantize_activations_ref``, ``*_iact_ref``, fo
 activations="int8" with bits=8 and "int16" with bits=16) follow the same rule: the
 quantization is float32 arithmetic done exactly as the kernels do it (bit-identical results),
 the integer dot products are exact, and only the float part (block scales times integer
-sums) runs in float64.
+sums) runs in float64. ``linear_igemm_ref`` is the exception: the integer GEMM path's
+float part in its own float32 order (one fused multiply-add per block), bit for bit.
 
 Shapes as in the package docstring: T token rows, D hidden, I expert intermediate, E experts,
 K experts per token, R rows (outputs) and C columns (inputs) of one weight matrix, Q group size.
@@ -31,7 +32,7 @@ __all__ = [
     "gumbel_ref",
     "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
-    "linear_iact_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
+    "linear_iact_ref", "linear_igemm_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
     "rms_norm_rows_ref", "rope_rows_ref",
 ]
 
@@ -184,6 +185,58 @@ def linear_iact_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = Non
         y = y + np.asarray(bias, dtype=np.float64)
     y = y.astype(F32)
     return y[0] if one else y
+
+
+def fmaf_ref(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """C's fmaf on float32 arrays: a * b + c rounded once to float32.
+
+    a * b is exact in float64 (24 + 24 significant bits); the float64 sum s of it and c,
+    rounded, then rounded again to float32 could differ from one rounding only where s lands
+    exactly on a float32 midpoint (rounding is monotonic and the midpoints are float64
+    numbers); there s moves one float64 step towards the exact sum (its TwoSum error) first.
+    """
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + c64
+        bp = s - p
+        err = (p - (s - bp)) + (c64 - bp)                  # exact: s + err = p + c
+        r = s.astype(F32)
+        r64 = r.astype(np.float64)
+        other = np.nextafter(r, np.where(r64 < s, F32(np.inf), F32(-np.inf))).astype(np.float64)
+        tie = np.isfinite(s) & (s != r64) & (s == (r64 + other) / 2) & (err != 0)
+    if tie.any():
+        s = np.where(tie, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        r = s.astype(F32)
+    return r
+
+
+def linear_igemm_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
+                     expert: int = 0, bits: int = 8) -> np.ndarray:
+    """linear on the integer GEMM path (activations "int8" bits 8 / "int16" bits 16, q4/q8
+    weights, from runtime.igemm_min_tokens() tokens), bit for bit: x float32 (T, C) ->
+    float32 (T, R).
+
+    Per (token t, row r): acc = 0; per block b in order acc = fmaf(float32(isum_b),
+    float32(s_r,g(b) * d_t,b), acc), isum_b the exact integer dot of the block's codes
+    (csrc/igemm.h); then + bias[r] (float32).
+    """
+    x32 = np.atleast_2d(np.asarray(x, dtype=F32))
+    q, d = quantize_activations_ref(x32, bits)
+    codes, scales = _codes_scales(w, expert)
+    T, C = q.shape
+    R, nb = w.rows, C // 32
+    isum = np.einsum("tbi,rbi->trb", q.reshape(T, nb, 32).astype(np.int64),
+                     codes.reshape(R, nb, 32))                       # exact (T, R, C/32)
+    s_blk = np.repeat(scales, w.group_size // 32, axis=1)            # (R, C/32) float32
+    acc = np.zeros((T, R), dtype=F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(nb):
+            sd = (s_blk[None, :, b] * d[:, None, b]).astype(F32)       # (T, R)
+            acc = fmaf_ref(isum[:, :, b].astype(F32), sd, acc)
+    if bias is not None:
+        acc = (acc + np.asarray(bias, dtype=F32)).astype(F32)
+    return acc
 
 
 def _ffn_iact(x32: np.ndarray, w_gate, w_up, w_down, expert: int, bits: int) -> np.ndarray:

@@ -13,6 +13,8 @@
  *   csrc/vnni.h        AVX-512 VNNI (EVEX) and AVX-VNNI (VEX) integer-activation row kernels
  *   csrc/dispatch.h    which paths run here; the (path, format) tables of the row kernels
  *   csrc/gemm.h        the GEMM (prefill) path: driver, scalar and AVX2 bodies, its table
+ *   csrc/igemm.h       the integer-activation GEMM (prefill on int8 / int16 codes): scalar
+ *                      spec, AVX2, AVX-VNNI and AVX-512 VNNI bodies, its table
  * Included by _kernels.pyx beside this header: csrc/attend.h (decode attention), csrc/pool.h
  * (the thread pool), csrc/rowops.h (a decode step's row operations), csrc/npy.h (NumPy
  * array checks).
@@ -85,5 +87,6 @@
 #include "csrc/mxfp4.h"
 #include "csrc/dispatch.h"
 #include "csrc/gemm.h"
+#include "csrc/igemm.h"
 
 #endif /* COLIBRI_SIMD_H */

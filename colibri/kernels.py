@@ -132,8 +132,11 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     (blocks of a few tokens share each pass over a weight row). From runtime.gemm_min_tokens()
     tokens on, f32 activations take the prefill path (a panel of rows decoded once to f32,
     then a register-blocked micro-kernel): exact to the weights too, but summed in another
-    order, so a token alone and inside such a block may differ in the last bits. Every path
-    gives the same bits for any thread count.
+    order, so a token alone and inside such a block may differ in the last bits. Likewise
+    int8 / int16 activations with a q4/q8 weight from the ISA path's crossover
+    (runtime.igemm_min_tokens, runtime.igemm_crossover): the integer GEMM path, the same
+    exact block sums, one fused multiply-add per block in block order. Every path gives the
+    same bits for any thread count.
     """
     x = _f32("x", x, (1, 2))
     one = x.ndim == 1

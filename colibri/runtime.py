@@ -25,6 +25,9 @@ environment variable or else its default. None of them changes a result, only th
   pool, for the small matrices of a small model).
 - ``gemm_min_tokens`` (no variable): tokens per matrix from which f32 activations take the
   prefill (GEMM) path.
+- ``igemm_min_tokens`` (no variable): the same for q8 / q4 matrices on int8 / int16
+  activations (the integer GEMM path); 0, the default, takes each path's measured
+  crossover (``igemm_crossover(isa, activations)``).
 
 BLAS: ``blas_on_one_thread()`` keeps NumPy's BLAS (the attention matmuls) on one thread
 while the kernels' threads hold the cores. ``Timings``: seconds per stage of a forward pass.
@@ -48,8 +51,9 @@ from . import _kernels
 __all__ = [
     "ISAS", "available_isas", "get_isa", "set_isa",
     "MAX_THREADS", "default_threads", "resolve_threads",
-    "Knob", "KNOBS", "MIN_PARALLEL_BYTES", "GEMM_MIN_TOKENS", "SPIN_US",
+    "Knob", "KNOBS", "MIN_PARALLEL_BYTES", "GEMM_MIN_TOKENS", "IGEMM_MIN_TOKENS", "SPIN_US",
     "min_parallel_bytes", "set_min_parallel_bytes", "gemm_min_tokens", "set_gemm_min_tokens",
+    "igemm_min_tokens", "set_igemm_min_tokens", "igemm_crossover",
     "spin_us", "set_spin_us", "pool_backoffs",
     "blas_on_one_thread", "reserve_blas_buffer", "STAGES", "Timings",
 ]
@@ -242,18 +246,40 @@ MIN_PARALLEL_BYTES = Knob("min_parallel_bytes", "COLIBRI_MIN_PARALLEL_BYTES", 1 
 # 32; callgrind 0.46 vs 0.60 instructions per multiply-add at 4, 0.55 vs 0.54 at 3).
 GEMM_MIN_TOKENS = Knob("gemm_min_tokens", None, 4, 1,
                        _kernels.get_gemm_min_tokens, _kernels.set_gemm_min_tokens)
+# igemm_min_tokens: the same for a q8 / q4 matrix on int8 / int16 activations: from this many
+# tokens per matrix it takes the integer GEMM path (csrc/igemm.h: a panel of rows decoded
+# once per K-chunk into vpdpbusd / vpdpwssd order, docs/performance.md change 25) instead of
+# the idot row kernel. 0, the default: each ISA path's measured crossover
+# (igemm_crossover: avx512vnni 4; avxvnni int8 6; none on avx2 / avx512,
+# whose GEMM body measured no faster than the row kernel); another value applies to every
+# path. Both paths sum each block exactly in integers; the f32 parts differ in order.
+IGEMM_MIN_TOKENS = Knob("igemm_min_tokens", None, 0, 0,
+                        _kernels.get_igemm_min_tokens, _kernels.set_igemm_min_tokens)
 # spin_us: microseconds an idle worker thread spins before it sleeps; 0 sleeps at once.
 # Spinning keeps the workers awake between the kernel calls of a decode step (a sleeping
 # worker takes tens of microseconds to wake, per call); sleeping frees the core for other
 # processes.
 SPIN_US = Knob("spin_us", "COLIBRI_SPIN_US", 500, 0,
                _kernels.get_spin_us, _kernels.set_spin_us)
-KNOBS: tuple[Knob, ...] = (MIN_PARALLEL_BYTES, GEMM_MIN_TOKENS, SPIN_US)
+KNOBS: tuple[Knob, ...] = (MIN_PARALLEL_BYTES, GEMM_MIN_TOKENS, IGEMM_MIN_TOKENS, SPIN_US)
 
 # the accessors by name: runtime.spin_us(), runtime.set_spin_us(100), set_spin_us(None) ...
 min_parallel_bytes, set_min_parallel_bytes = MIN_PARALLEL_BYTES.get, MIN_PARALLEL_BYTES.set
 gemm_min_tokens, set_gemm_min_tokens = GEMM_MIN_TOKENS.get, GEMM_MIN_TOKENS.set
+igemm_min_tokens, set_igemm_min_tokens = IGEMM_MIN_TOKENS.get, IGEMM_MIN_TOKENS.set
 spin_us, set_spin_us = SPIN_US.get, SPIN_US.set
+
+
+def igemm_crossover(isa: str | None = None, activations: str = "int16") -> int | None:
+    """Tokens per matrix from which ISA path `isa` (default: the current one) runs q8 / q4
+    matrices on `activations` ("int8" / "int16") on the integer GEMM path when
+    igemm_min_tokens() is 0 (the default); None: that path keeps the row kernel."""
+    if activations not in ("int8", "int16"):
+        raise ValueError(f"activations must be 'int8' or 'int16', found {activations!r}")
+    name = get_isa() if isa is None else isa
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {', '.join(ISAS)}")
+    return _kernels.igemm_crossover(ISAS.index(name), activations == "int16")
 
 
 def _apply_env() -> None:

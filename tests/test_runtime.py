@@ -37,6 +37,7 @@ def test_defaults_and_their_variables():
     assert {k.name: (k.env, k.default, k.minimum) for k in runtime.KNOBS} == {
         "min_parallel_bytes": ("COLIBRI_MIN_PARALLEL_BYTES", 1 << 18, 1),
         "gemm_min_tokens": (None, 4, 1),
+        "igemm_min_tokens": (None, 0, 0),
         "spin_us": ("COLIBRI_SPIN_US", 500, 0),
     }
 

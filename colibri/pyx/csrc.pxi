@@ -57,6 +57,17 @@ cdef extern from "_simd.h" nogil:
                                      Py_ssize_t xs, Py_ssize_t n, float *y, Py_ssize_t ys,
                                      float *panel) noexcept nogil
     colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
+    enum:
+        COLIBRI_IGEMM_NR
+        COLIBRI_IGEMM_NB
+        COLIBRI_IGEMM_SCRATCH
+    ctypedef void (*colibri_igemm_fn)(const uint8_t *row0, Py_ssize_t rs, int nr,
+                                      Py_ssize_t cols, Py_ssize_t group, const int8_t *q,
+                                      Py_ssize_t qs, const float *d, const int32_t *s,
+                                      Py_ssize_t ds, Py_ssize_t n, float *y, Py_ssize_t ys,
+                                      float *scratch) noexcept nogil
+    colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
+    Py_ssize_t colibri_igemm_crossover(int isa, int wide)
 
 cdef extern from "csrc/attend.h" nogil:
     void colibri_attend(int isa, const float *q, int G, int Dh, const float *k, const float *v,

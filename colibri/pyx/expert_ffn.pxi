@@ -15,6 +15,9 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     if g.gemm_scratch != NULL and n >= _gemm_min and not g.iact and not u.iact:
         _gateup_rows_gemm(g, u, e, x, xs, n, h, r0, r1)
         return
+    if g.gemm_scratch != NULL and g.iact and u.iact and n >= _gemm_min_for(g):
+        _gateup_rows_igemm(g, u, e, n, a, h, r0, r1)
+        return
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
     cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t, rb, re
@@ -85,6 +88,34 @@ cdef void _gateup_rows_gemm(const Wmat *g, const Wmat *u, Py_ssize_t e, const fl
                    t1 - t0, up, COLIBRI_GEMM_NR, panel)
             for t in range(t1 - t0):
                 colibri_silu_mul(_isa, h + (t0 + t) * I + p, up + t * COLIBRI_GEMM_NR, nr)
+            p += nr
+
+
+cdef void _gateup_rows_igemm(const Wmat *g, const Wmat *u, Py_ssize_t e, Py_ssize_t n, Act a,
+                             float *h, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """_gateup_rows on the integer GEMM path (int8 / int16 codes a, csrc/igemm.h): per pass
+    of up to COLIBRI_IGEMM_NB tokens and panel of COLIBRI_IGEMM_NR rows, gate into h, up into
+    the thread's NB x NR tile (the end of its scratch), then h = silu(h) * up."""
+    cdef const uint8_t *bg = g.base + e * g.expert_stride
+    cdef const uint8_t *bu = u.base + e * u.expert_stride
+    cdef float *scratch = g.gemm_scratch + colibri_worker_num() * COLIBRI_GEMM_SCRATCH
+    cdef float *up = scratch + (COLIBRI_GEMM_SCRATCH - COLIBRI_IGEMM_NB * COLIBRI_IGEMM_NR)
+    cdef Py_ssize_t D = g.cols, I = g.rows, p, t0, t1, s, ns, t
+    cdef int nr
+    ns = (n + COLIBRI_IGEMM_NB - 1) // COLIBRI_IGEMM_NB
+    for s in range(ns):
+        t0 = s * n // ns
+        t1 = (s + 1) * n // ns
+        p = r0
+        while p < r1:
+            nr = <int>(r1 - p) if r1 - p < COLIBRI_IGEMM_NR else COLIBRI_IGEMM_NR
+            g.igemm(bg + p * g.row_stride, g.row_stride, nr, D, g.group, a.q + t0 * a.qs, a.qs,
+                    a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, t1 - t0, h + t0 * I + p, I, scratch)
+            u.igemm(bu + p * u.row_stride, u.row_stride, nr, D, u.group, a.q + t0 * a.qs, a.qs,
+                    a.d + t0 * a.ds, a.s + t0 * a.ds, a.ds, t1 - t0, up, COLIBRI_IGEMM_NR,
+                    scratch)
+            for t in range(t1 - t0):
+                colibri_silu_mul(_isa, h + (t0 + t) * I + p, up + t * COLIBRI_IGEMM_NR, nr)
             p += nr
 
 
@@ -260,10 +291,14 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     cdef Py_ssize_t bytes_gu = I * (g.row_stride + u.row_stride), bytes_dn = D * d.row_stride
     # the team size _ffn_run will use (work = weight bytes x positions, summed over experts)
     cdef int nth_gemm = _team(<double>(bytes_gu + bytes_dn) * TK, threads)
-    # the GEMM path serves the matrices on f32 activations (int8 / int16 ones keep the row kernel,
-    # fewer instructions per weight)
-    cdef bint gemm_gu = not (g.iact or u.iact), gemm_dn = not d.iact
-    cdef Py_ssize_t gbytes = _gemm_bytes(TK, nth_gemm) if gemm_gu or gemm_dn else 0
+    # a GEMM path serves every matrix (f32 activations: csrc/gemm.h; int8 / int16 codes:
+    # csrc/igemm.h) but gate / up with one on each kind (they share the row-kernel pass)
+    cdef bint gemm_gu = g.iact == u.iact, gemm_dn = True
+    cdef Py_ssize_t n_min = _gemm_min_for(d)
+    if gemm_gu and _gemm_min_for(g) < n_min:
+        n_min = _gemm_min_for(g)
+    cdef Py_ssize_t gbytes = _gemm_bytes(TK, nth_gemm, n_min)
+    cdef Py_ssize_t nr_gu = COLIBRI_IGEMM_NR if g.iact else COLIBRI_GEMM_NR
     f.g, f.u, f.d = g[0], u[0], d[0]
     f.T, f.K, f.D, f.I = T, K, D, I
     cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
@@ -308,9 +343,9 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     # two; here once per tile)
     cdef Py_ssize_t align_gu = d.group if sd > 0 else (32 if d.iact else 1), align_dn = 1
     if gbytes > 0 and gemm_gu:
-        align_gu = align_gu * COLIBRI_GEMM_NR // gcd(align_gu, COLIBRI_GEMM_NR)
+        align_gu = align_gu * nr_gu // gcd(align_gu, nr_gu)
     if gbytes > 0 and gemm_dn:
-        align_dn = COLIBRI_GEMM_NR
+        align_dn = COLIBRI_IGEMM_NR if d.iact else COLIBRI_GEMM_NR
     try:
         with nogil:
             _count_sort(&ids[0, 0], TK, E, offsets, slots, cursor)

@@ -1,5 +1,5 @@
-# colibri/pyx/linear.pxi: linear, y (T, R) = x (T, C) @ W.T (+ bias), on the row kernel or the
-# GEMM path.
+# colibri/pyx/linear.pxi: linear, y (T, R) = x (T, C) @ W.T (+ bias), on the row kernel or a
+# GEMM path (f32 activations: csrc/gemm.h; int8 / int16 codes: csrc/igemm.h).
 
 cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssize_t n,
                        const float *xsum, Act a, const float *bias, float *y,
@@ -8,8 +8,11 @@ cdef void _linear_rows(const Wmat *w, Py_ssize_t expert, const float *x, Py_ssiz
     (or, when w.iact, their quantized rows a): y[t, r] = W[r] . x[t] (+ bias[r]), y with
     row stride y_stride.
     Token blocks outside, rows inside: the tile of rows is reused by every block from cache."""
-    if w.gemm_scratch != NULL and n >= _gemm_min and not w.iact:
-        _linear_rows_gemm(w, expert, x, n, bias, y, y_stride, r0, r1)
+    if w.gemm_scratch != NULL and n >= _gemm_min_for(w):
+        if w.iact:
+            _linear_rows_igemm(w, expert, n, a, bias, y, y_stride, r0, r1)
+        else:
+            _linear_rows_gemm(w, expert, x, n, bias, y, y_stride, r0, r1)
         return
     cdef const uint8_t *base = w.base + expert * w.expert_stride
     cdef Py_ssize_t C = w.cols, ss = w.xsum_cols, t0, r, t
@@ -50,6 +53,32 @@ cdef void _linear_rows_gemm(const Wmat *w, Py_ssize_t expert, const float *x, Py
             nr = <int>(r1 - p) if r1 - p < COLIBRI_GEMM_NR else COLIBRI_GEMM_NR
             w.gemm(base + p * rs, rs, nr, C, w.group, x + t0 * C, C, t1 - t0,
                    y + t0 * y_stride + p, y_stride, panel)
+            p += nr
+    if bias != NULL:
+        for t in range(n):
+            for r in range(r0, r1):
+                y[t * y_stride + r] += bias[r]
+
+
+cdef void _linear_rows_igemm(const Wmat *w, Py_ssize_t expert, Py_ssize_t n, Act a,
+                             const float *bias, float *y, Py_ssize_t y_stride, Py_ssize_t r0,
+                             Py_ssize_t r1) noexcept nogil:
+    """_linear_rows on the integer GEMM path (int8 / int16 codes a, csrc/igemm.h): passes of
+    up to COLIBRI_IGEMM_NB tokens (of near-equal size), each over the panels of
+    COLIBRI_IGEMM_NR rows; each panel is decoded once per pass."""
+    cdef const uint8_t *base = w.base + expert * w.expert_stride
+    cdef float *scratch = w.gemm_scratch + colibri_worker_num() * COLIBRI_GEMM_SCRATCH
+    cdef Py_ssize_t C = w.cols, rs = w.row_stride, p, t0, t1, s, ns, r, t
+    cdef int nr
+    ns = (n + COLIBRI_IGEMM_NB - 1) // COLIBRI_IGEMM_NB
+    for s in range(ns):
+        t0 = s * n // ns
+        t1 = (s + 1) * n // ns
+        p = r0
+        while p < r1:
+            nr = <int>(r1 - p) if r1 - p < COLIBRI_IGEMM_NR else COLIBRI_IGEMM_NR
+            w.igemm(base + p * rs, rs, nr, C, w.group, a.q + t0 * a.qs, a.qs, a.d + t0 * a.ds,
+                    a.s + t0 * a.ds, a.ds, t1 - t0, y + t0 * y_stride + p, y_stride, scratch)
             p += nr
     if bias != NULL:
         for t in range(n):
@@ -121,9 +150,10 @@ cdef _linear_run(const float *x, Py_ssize_t T, const Wmat *w, const float *bp, f
     cdef Wmat m = w[0]
     cdef Py_ssize_t R = m.rows, C = m.cols
     cdef int nth = _team(<double>R * m.row_stride * T, threads)
-    cdef Py_ssize_t gbytes = 0 if m.iact else _gemm_bytes(T, nth)     # idot: row kernel
+    cdef Py_ssize_t gbytes = _gemm_bytes(T, nth, _gemm_min_for(&m))
+    cdef Py_ssize_t panel_rows = COLIBRI_IGEMM_NR if m.iact else COLIBRI_GEMM_NR
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
-                                    COLIBRI_GEMM_NR if gbytes else 1,
+                                    panel_rows if gbytes else 1,
                                     not gbytes and T <= COLIBRI_MAX_NT)
     cdef Py_ssize_t n_tiles = (R + tr - 1) // tr
     cdef LinearJob job
@@ -134,9 +164,11 @@ cdef _linear_run(const float *x, Py_ssize_t T, const Wmat *w, const float *bp, f
     scratch = None
     cdef Py_ssize_t xbytes = 0 if gbytes else T * m.xsum_cols * 4     # GEMM: no sums
     if m.iact:
-        scratch = _take(_act_bytes(T, C, m.wide))
+        scratch = _take(_act_bytes(T, C, m.wide) + 64 + gbytes)
         cur = _base(scratch)
         _carve_act(&cur, &a, T, C, m.wide)
+        if gbytes > 0:
+            m.gemm_scratch = <float *>_carve(&cur, gbytes)
     elif xbytes > 0 or gbytes > 0:
         scratch = _take(xbytes + 64 + gbytes)
         cur = _base(scratch)

@@ -1,5 +1,6 @@
-# colibri/pyx/runtime.pxi: the runtime knobs (min_parallel_bytes, spin_us, gemm_min_tokens),
-# the pool's counters, the thread team of a piece of work, and the reusable scratch buffer.
+# colibri/pyx/runtime.pxi: the runtime knobs (min_parallel_bytes, spin_us, gemm_min_tokens,
+# igemm_min_tokens), the pool's counters, the thread team of a piece of work, and the
+# reusable scratch buffer.
 
 # ---------------------------------------------------------------------------------------------
 # threads: how many a piece of work is worth
@@ -84,6 +85,44 @@ def get_gemm_min_tokens():
     return _gemm_min
 
 
+# set at import by colibri.runtime (IGEMM_MIN_TOKENS); 0: each path's measured crossover
+cdef Py_ssize_t _igemm_min = 0
+cdef Py_ssize_t _NEVER = 1 << 62
+
+
+def set_igemm_min_tokens(Py_ssize_t n):
+    """Tokens per matrix from which a q8 / q4 matrix on int8 / int16 activations uses the
+    integer GEMM path (csrc/igemm.h), on every ISA path; 0: each path's own measured
+    crossover (igemm_crossover). A huge value turns the path off. >= 0."""
+    global _igemm_min
+    if n < 0:
+        raise ValueError(f"igemm_min_tokens must be >= 0, found {n}")
+    _igemm_min = n
+
+
+def get_igemm_min_tokens():
+    return _igemm_min
+
+
+def igemm_crossover(int isa, bint wide):
+    """The tokens per matrix from which ISA path `isa` runs the integer GEMM path by default
+    (igemm_min_tokens 0) for int16 (wide) or int8 codes; None: never."""
+    cdef Py_ssize_t n = colibri_igemm_crossover(isa, wide)
+    return n if n > 0 else None
+
+
+cdef inline Py_ssize_t _gemm_min_for(const Wmat *m) noexcept nogil:
+    """Tokens from which matrix m takes a GEMM path: the integer one for int8 / int16
+    activations (m.iact), the f32 one otherwise."""
+    if not m.iact:
+        return _gemm_min
+    if m.igemm == NULL:                      # mxfp4: no integer GEMM body, the row kernel
+        return _NEVER
+    if _igemm_min > 0:
+        return _igemm_min
+    return m.igemm_min if m.igemm_min > 0 else _NEVER
+
+
 # GEMM tiles (linear, w_down): GEMM_TILE_PANELS panels of rows, whatever the format: each
 # token pass reads its x once per panel, and x is what the GEMM path streams (the weights are
 # read once per pass). Passed to _tile_rows as the bytes of a row.
@@ -92,9 +131,11 @@ cdef enum:
 cdef Py_ssize_t _GEMM_TILE_ROW_BYTES = TILE_BYTES // (GEMM_TILE_PANELS * COLIBRI_GEMM_NR)
 
 
-cdef inline Py_ssize_t _gemm_bytes(Py_ssize_t n, int nth) noexcept nogil:
-    """Bytes of GEMM scratch for a call whose largest matrix has n tokens, nth threads."""
-    return 4 * COLIBRI_GEMM_SCRATCH * nth if n >= _gemm_min else 0
+cdef inline Py_ssize_t _gemm_bytes(Py_ssize_t n, int nth, Py_ssize_t n_min) noexcept nogil:
+    """Bytes of GEMM scratch for a call whose largest matrix has n tokens, nth threads, when
+    its matrices take a GEMM path from n_min tokens (the integer path's scratch fits in the
+    f32 one's: csrc/igemm.h)."""
+    return 4 * COLIBRI_GEMM_SCRATCH * nth if n >= n_min else 0
 
 
 # ---------------------------------------------------------------------------------------------

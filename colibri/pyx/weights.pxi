@@ -63,6 +63,8 @@ ctypedef struct Wmat:
                                # idot, not dot
     bint wide                  # ... with int16 codes (activations="int16")
     colibri_idot_fn idot       # that row kernel of the current ISA (iact only)
+    colibri_igemm_fn igemm     # its GEMM (prefill) body (iact only); shares gemm_scratch
+    Py_ssize_t igemm_min       # the ISA's measured crossover for it (0: none; iact only)
 
 
 cdef inline object _row_bytes(str dtype, cols, group):
@@ -168,9 +170,13 @@ cdef object _load(object w, str name, Wmat *m, int act=0):
     m.iact = act != 0 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4 or m.fmt == COLIBRI_MXFP4)
     m.wide = m.iact and act == 2
     m.idot = NULL
+    m.igemm = NULL
+    m.igemm_min = 0
     if m.iact:
         m.idot = colibri_idot_for(_isa, m.fmt, m.wide)
-        if m.idot == NULL:
+        m.igemm = colibri_igemm_for(_isa, m.fmt, m.wide)
+        m.igemm_min = colibri_igemm_crossover(_isa, m.wide)
+        if m.idot == NULL or (m.igemm == NULL and m.fmt != COLIBRI_MXFP4):   # mxfp4: no igemm
             raise RuntimeError(f"{name}: no {ACTIVATIONS[act]} row kernel for format {dtype} "
                                f"on ISA {_isa}")
         # int16: 3 tokens per pass (q4 1024 x 1024 in cache, 12 tokens, 1 thread: 4 per pass
