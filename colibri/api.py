@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ColibriError
-from .kv_cache import KVCache
+from .kv_cache import DEFAULT_KV_DTYPE, KVCache
 from .model import DEFAULT_ACTIVATIONS, Model
 from .routing import RoutingTrace
 
@@ -36,7 +36,8 @@ def default_model_path() -> Path:
 
 def load(path: str | os.PathLike | None = None, threads: int | None = None,
          activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
-         mlock: bool = False, mmap: bool = True, **cache_options) -> Model:
+         mlock: bool = False, mmap: bool = True, kv_dtype: str = DEFAULT_KV_DTYPE,
+         **cache_options) -> Model:
     """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
 
     path: the .colibri file (None: the bundled model, see default_model_path()).
@@ -62,13 +63,19 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         system allows (model.memory_locked says whether it did).
     mmap: False reads the weights into anonymous memory instead of mapping them (with a
         budget, only the dense part; the experts are read into the cache).
+    kv_dtype: the storage of the KV caches model.new_cache makes (and generate, the
+        server, perplexity and bench through it): "f16" (default; IEEE half: half the bytes
+        of f32, and a decode step at depth reads half), "bf16" (bfloat16: f32's range, fewer
+        mantissa bits) or "f32" (exact; what the f32 parity tests pin). Each write rounds to
+        nearest-even; attention computes in f32; the logits cost is measured in
+        docs/accuracy.md. "fp16"/"float16"/"half", "bfloat16", "fp32"/"float32" are accepted.
     cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
         "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
         "previous" or "both"; colibri.prefetch).
     """
     return Model(default_model_path() if path is None else path, threads=threads,
                  activations=activations, memory_budget=memory_budget, mlock=mlock, mmap=mmap,
-                 **cache_options)
+                 kv_dtype=kv_dtype, **cache_options)
 
 
 def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,

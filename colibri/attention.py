@@ -28,6 +28,7 @@ import numpy as np
 
 from . import kernels
 from .config import QK_NORMS
+from .kv_cache import to_f32
 from .norms import rms_norm
 from .rope import apply_rope
 from .run_state import RunState
@@ -251,7 +252,7 @@ class Attention:
                 _attend_cached(qk[:H], cache.k[layer], cache.v[layer], qk[H:], vh,
                                slot, start, self._scale32, out, self.threads)
                 if self.sinks is not None:
-                    self._sink_rescale(qk[:H], out, cache.k[layer][0, :, start:slot + 1])
+                    self._sink_rescale(qk[:H], out, to_f32(cache.k[layer][0, :, start:slot + 1]))
                 continue
             qs = apply_rope(q[:, :, a:b], seg.cos, seg.sin)
             ks = apply_rope(k[:, :, a:b], seg.cos, seg.sin)
@@ -294,7 +295,7 @@ class Attention:
         _attend_cached(s.q_heads, cache.k[layer], cache.v[layer], s.k_heads, s.v_heads,
                        slot, start, self._scale32, s.att_heads, self.threads)
         if self.sinks is not None:
-            self._sink_rescale(s.q_heads, s.att_heads, cache.k[layer][0, :, start:slot + 1])
+            self._sink_rescale(s.q_heads, s.att_heads, to_f32(cache.k[layer][0, :, start:slot + 1]))
         self.wo(s.att_row, s.o)
         return s.o
 

@@ -46,6 +46,7 @@ __all__ = [
     "ACTIVATIONS", "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu",
     "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
+    "kv_widen_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn",
 ]
 
@@ -315,6 +316,10 @@ def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.n
     return _kernels.quantize_activations(x, bits)
 
 
+# The storage dtypes of a KV cache plane the attention kernels read (bf16 as uint16 bits).
+_KV_STORAGE = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
+
+
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
                   out: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
     """Attention of one new token over a KV cache slice (what a decode step computes).
@@ -322,9 +327,11 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     Parameters
     ----------
     q : float32 (H, Dh), the token's query heads (after RoPE)
-    k, v : float32 (Hkv, n, Dh), the keys and values attended (n >= 1), rows contiguous,
-        heads and positions may be strided (a slice of a cache is read in place); H must be
-        a multiple of Hkv: query head h reads kv head h // (H / Hkv)
+    k, v : (Hkv, n, Dh), the keys and values attended (n >= 1), both of one KV cache storage
+        dtype: float32, float16, or uint16 holding bf16 bits (KVCache's "f32" / "f16" /
+        "bf16"), widened exactly as they are read; rows contiguous, heads and positions may
+        be strided (a slice of a cache is read in place); H must be a multiple of Hkv: query
+        head h reads kv head h // (H / Hkv)
     scale : float, the score scale (usually Dh ** -0.5)
     out : float32 (H, Dh) to write into (not overlapping q), or None
     threads : int or None; parallel over kv heads when the work is large (long contexts)
@@ -336,17 +343,20 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     Notes
     -----
     One pass per head in C (csrc/attend.h): scores, max, exp, sum, weighted values; no mask (the
-    caller passes only the positions attended). The scalar and AVX2 paths agree to ~1e-6
-    relative (the AVX2 exp is a polynomial); each gives the same bits for any thread count.
+    caller passes only the positions attended). The scalar, AVX2 and AVX-512 paths agree to
+    ~1e-6 relative (the SIMD exp is a polynomial); each gives the same bits for any thread
+    count, and a 16-bit k / v gives the bits of the same call on its float32 widening.
     """
     q = _f32("q", q, (2,))
     k = np.asarray(k)
     v = np.asarray(v)
     for name, a in (("k", k), ("v", v)):
-        if a.dtype != np.float32 or a.ndim != 3:
-            raise ValueError(f"{name} must be float32 (Hkv, n, Dh), found {a.dtype} with "
-                             f"shape {a.shape}")
-    if k.strides[2] != 4 or v.strides != k.strides:       # rows must be contiguous
+        if a.dtype not in _KV_STORAGE or a.ndim != 3:
+            raise ValueError(f"{name} must be float32, float16 or uint16 (bf16 bits) "
+                             f"(Hkv, n, Dh), found {a.dtype} with shape {a.shape}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"k and v must have the same dtype, found {k.dtype} and {v.dtype}")
+    if k.strides[2] != k.itemsize or v.strides != k.strides:     # rows must be contiguous
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
     y = _out(out, q.shape)
     _kernels.attend_decode(q, k, v, float(scale), y, resolve_threads(threads))
@@ -460,8 +470,13 @@ rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, si
 # KVCache.write_one and attend_decode in one call (the same kernel, the same bits):
 # (q (H, Dh), k_cache, v_cache (B, Hkv, S, Dh), k_new, v_new (Hkv, Dh), slot, start, scale,
 # out (H, Dh), threads): the new key / value go to slot `slot` of sequence 0, then out =
-# attention over slots start..slot. Every array float32 C-contiguous (ValueError otherwise).
+# attention over slots start..slot. The caches float32, float16 or uint16 (bf16 bits), the
+# new rows rounded into them to nearest-even; every other array float32; all C-contiguous
+# (ValueError otherwise).
 attend_cached_into: Callable[..., None] = _kernels.attend_cached
+# A 16-bit cache slice widened exactly: (src float16 / uint16 bf16 bits (N, C), rows strided,
+# out float32 (N, C) C-contiguous), F16C on the SIMD paths (NumPy's float16 cast is ~6x slower).
+kv_widen_into: Callable[..., None] = _kernels.kv_widen
 
 
 def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int | None = None,

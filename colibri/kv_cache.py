@@ -1,6 +1,6 @@
 """Preallocated key/value cache for incremental decoding.
 
-Per layer, keys and values live in two float32 arrays of shape (B, Hkv, P, Dh): one
+Per layer, keys and values live in two arrays of shape (B, Hkv, P, Dh): one
 contiguous (P, Dh) plane per sequence and kv head, so attention reads `k[:, :, :L]` as a few
 large strided blocks and the new tokens of a step are one slice assignment. The arrays are
 made with np.zeros, which the OS backs lazily: a 4096-slot cache costs address space up front
@@ -16,6 +16,14 @@ multi-head latent attention (colibri/mla.py) keeps one "head" per layer whose ke
 the compressed latent (Rkv wide) and whose value plane holds the shared rotary key (Dr wide)
 instead of per-head keys and values (docs/families.md has the bytes per token).
 
+The storage dtype is chosen when the cache is made (`dtype`, KV_DTYPES): "f32" (float32,
+exact), "f16" (IEEE half, numpy float16) or "bf16" (bfloat16, kept as its uint16 bits: NumPy
+has no bfloat16). A 16-bit cache takes half the bytes per token, and a decode step at depth
+reads half the bytes. Every write rounds float32 to the storage dtype to nearest, ties to even
+(NumPy's float16 cast; quant.f32_to_bf16; the compiled write in csrc/attend.h gives the same
+bits); every read widens exactly (the compiled kernels convert as they load, the NumPy paths
+convert the slices they read, to_f32). Attention always computes in float32.
+
 Shapes as in the package docstring (P cache slots, S new tokens per sequence).
 """
 from __future__ import annotations
@@ -25,15 +33,67 @@ import threading
 import numpy as np
 
 from .errors import ColibriError
+from .kernels import kv_widen_into as _widen
 from .guards import CacheBusyError
+from .quant import bf16_to_f32, f32_to_bf16
 from .resources import check_allocation
 
-__all__ = ["KVCache", "CacheOverflowError", "DEFAULT_MAX_CTX"]
+__all__ = ["KVCache", "CacheOverflowError", "DEFAULT_MAX_CTX", "KV_DTYPES", "DEFAULT_KV_DTYPE",
+           "kv_dtype_name"]
 
 # Default context when the caller does not choose one: the model's max_position_embeddings,
 # capped here because many configs advertise 32k-128k positions and a cache that size costs
 # gigabytes of address space (and of RAM once filled) for a small CPU run. Pass ctx= for more.
 DEFAULT_MAX_CTX = 4096
+
+
+# The storage dtypes of a cache, and the NumPy dtype each is held in (bf16 as its bits).
+KV_DTYPES = ("f32", "f16", "bf16")
+_STORAGE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+            "bf16": np.dtype(np.uint16)}
+# The other spellings accepted (llama.cpp's -ctk values, vLLM's and PyTorch's names).
+_ALIASES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16",
+            "bfloat16": "bf16"}
+# The default storage (docs/accuracy.md has the measured cost of each).
+DEFAULT_KV_DTYPE = "f16"
+
+
+def kv_dtype_name(dtype: str, argument: str = "kv_dtype") -> str:
+    """The canonical name (one of KV_DTYPES) of a cache dtype spelling ("f16", "fp16",
+    "float16", "half", "bf16", "bfloat16", "f32", "fp32", "float32", any case); ValueError
+    naming `argument` and the allowed values otherwise."""
+    name = dtype.lower() if isinstance(dtype, str) else None
+    name = _ALIASES.get(name, name)
+    if name not in _STORAGE:
+        raise ValueError(f"{argument} must be one of {', '.join(KV_DTYPES)} (or "
+                         f"{', '.join(_ALIASES)}), got {dtype!r}")
+    return name
+
+
+def to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> the storage array of cache dtype `dtype` (KV_DTYPES), rounded to
+    nearest, ties to even (f16: inf past 65504; bf16: NaN stays NaN)."""
+    if dtype == "bf16":
+        return f32_to_bf16(x)
+    with np.errstate(over="ignore"):                 # past f16's range: inf, as documented
+        return np.asarray(x, dtype=np.float32).astype(_STORAGE[dtype])
+
+
+def to_f32(a: np.ndarray) -> np.ndarray:
+    """A slice of a cache plane (any storage dtype) as float32, exact: the slice itself for
+    an f32 cache (a view), a widened copy otherwise (kernels.kv_widen_into, block of rows by
+    block of rows; the same values as quant.bf16_to_f32 / NumPy's float16 cast)."""
+    if a.dtype == np.float32:
+        return a
+    out = np.empty(a.shape, dtype=np.float32)
+    if a.size == 0 or a.ndim < 2 or a.strides[-1] != a.itemsize:
+        out[...] = bf16_to_f32(a) if a.dtype == np.uint16 else a
+        return out
+    src = a.reshape(-1, a.shape[-2], a.shape[-1])        # a view for a cache slice
+    dst = out.reshape(src.shape)
+    for i in range(src.shape[0]):
+        _widen(src[i], dst[i])
+    return out
 
 
 class CacheOverflowError(ColibriError, ValueError):
@@ -57,8 +117,9 @@ class _Held:
 class KVCache:
     """Keys and values of every layer for a batch of B sequences, P = ctx slots each.
 
-    Attributes: k, v (lists over layers of float32 (B, Hkv, P, Dh) and (B, Hkv, P, Dv), Dv =
-    value_dim, head_dim unless given); valid (B, P) bool;
+    Attributes: dtype (the storage, one of KV_DTYPES); k, v (lists over layers of
+    (B, Hkv, P, Dh) and (B, Hkv, P, Dv) arrays of the storage dtype, float32 / float16 /
+    uint16 bf16 bits, Dv = value_dim, head_dim unless given); valid (B, P) bool;
     pos (B, P) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
     scratch (a dict in which the model keeps the decode step's RunState, see Model.forward);
     owner (the identity of the model file that first used it, None before; colibri.guards).
@@ -67,8 +128,9 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, ctx: int, head_dim: int,
-                 value_dim: int | None = None):
+                 value_dim: int | None = None, dtype: str = "f32"):
         value_dim = head_dim if value_dim is None else value_dim
+        self.dtype = kv_dtype_name(dtype, "KVCache: dtype")
         for name, val in (("n_layers", n_layers), ("batch", batch), ("n_kv_heads", n_kv_heads),
                           ("ctx", ctx), ("head_dim", head_dim), ("value_dim", value_dim)):
             if (isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer))
@@ -82,9 +144,10 @@ class KVCache:
         self.owner = None
         self._lock = threading.Lock()
         shape = (self.batch, self.n_kv_heads, self.ctx, self.head_dim)   # (B, Hkv, P, Dh)
-        self.k = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
+        store = _STORAGE[self.dtype]
+        self.k = [np.zeros(shape, dtype=store) for _ in range(self.n_layers)]
         shape = shape[:3] + (self.value_dim,)                           # (B, Hkv, P, Dv)
-        self.v = [np.zeros(shape, dtype=np.float32) for _ in range(self.n_layers)]
+        self.v = [np.zeros(shape, dtype=store) for _ in range(self.n_layers)]
         self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, P)
         self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, P)
         self.length = 0
@@ -92,15 +155,20 @@ class KVCache:
 
     # -- sizes ------------------------------------------------------------------------------
     @property
+    def itemsize(self) -> int:
+        """Bytes of one stored element (4 for f32, 2 for f16 / bf16)."""
+        return _STORAGE[self.dtype].itemsize
+
+    @property
     def nbytes(self) -> int:
         """Bytes reserved for K and V (all layers)."""
-        return (self.n_layers * self.batch * self.n_kv_heads * self.ctx
-                * (self.head_dim + self.value_dim) * 4)
+        return self.batch * self.ctx * self.bytes_per_token
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token of one sequence takes in every layer's K and V planes."""
-        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * 4
+        return (self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim)
+                * self.itemsize)
 
     @property
     def remaining(self) -> int:
@@ -125,33 +193,36 @@ class KVCache:
                 f"make a larger cache (model.new_cache(ctx=...)) or truncate/reset this one")
 
     # -- writing (called by the model during a forward pass) ------------------------------------
+    def _store(self, x: np.ndarray) -> np.ndarray:
+        return x if self.dtype == "f32" else to_storage(x, self.dtype)
+
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k float32 (B, Hkv, S, Dh), v (B, Hkv, S, Dv) at slots [length, length+S) of
-        `layer`.
+        `layer` (rounded to the storage dtype).
 
-        Returns views (B, Hkv, L, Dh) and (B, Hkv, L, Dv), L = length+S, of everything the
-        layer attends to. The length itself moves only in `commit`, once every layer has
-        written.
+        Returns float32 (B, Hkv, L, Dh) and (B, Hkv, L, Dv), L = length+S, everything the
+        layer attends to: views of an f32 cache, widened copies of a 16-bit one. The length
+        itself moves only in `commit`, once every layer has written.
         """
         s = k.shape[2]
         start = self.length
-        self.k[layer][:, :, start:start + s] = k
-        self.v[layer][:, :, start:start + s] = v
-        return self.k[layer][:, :, :start + s], self.v[layer][:, :, :start + s]
+        self.k[layer][:, :, start:start + s] = self._store(k)
+        self.v[layer][:, :, start:start + s] = self._store(v)
+        return to_f32(self.k[layer][:, :, :start + s]), to_f32(self.v[layer][:, :, :start + s])
 
     def write_one(self, layer: int, k: np.ndarray, v: np.ndarray, start: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
         """`write` for one token of sequence 0 (batch 1): the write the decode step's
         compiled attention call makes (kernels.attend_cached_into), in NumPy.
 
-        k, v float32 (Hkv, Dh) go to slot `length`; returns views (Hkv, length+1-start, Dh) of
-        slots [start, length+1) of that sequence, without copies.
+        k, v float32 (Hkv, Dh) go to slot `length`; returns float32 (Hkv, length+1-start, Dh)
+        of slots [start, length+1) of that sequence (views of an f32 cache, as `write`).
         """
         n = self.length
         kl, vl = self.k[layer][0], self.v[layer][0]
-        kl[:, n] = k
-        vl[:, n] = v
-        return kl[:, start:n + 1], vl[:, start:n + 1]
+        kl[:, n] = self._store(k)
+        vl[:, n] = self._store(v)
+        return to_f32(kl[:, start:n + 1]), to_f32(vl[:, start:n + 1])
 
     def commit(self, valid: np.ndarray, positions: np.ndarray) -> None:
         """Advance by S slots after a forward pass; valid bool (B, S), positions int (B, S)."""
@@ -189,6 +260,7 @@ class KVCache:
         new = KVCache.__new__(KVCache)
         new.n_layers, new.batch, new.n_kv_heads = self.n_layers, self.batch, self.n_kv_heads
         new.ctx, new.head_dim, new.value_dim = self.ctx, self.head_dim, self.value_dim
+        new.dtype = self.dtype
         new.k, new.v = [], []
         for k, v in zip(self.k, self.v):
             k2 = np.zeros_like(k)
@@ -217,5 +289,5 @@ class KVCache:
         return (f"KVCache(layers={self.n_layers}, batch={self.batch}, kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}"
                 + (f", value_dim={self.value_dim}" if self.value_dim != self.head_dim else "")
-                + f", ctx={self.ctx}, length={self.length}, "
+                + f", ctx={self.ctx}, length={self.length}, dtype={self.dtype}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")

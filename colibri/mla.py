@@ -209,11 +209,8 @@ class MLA:
         """One token's attention with kv_b absorbed: q_nope (H, Dn), q_rope (H, Dr) rotated,
         its latent c (Rkv,) and rotated key k_rope (Dr,) written to slot cache.length of
         `layer` -> the heads' output float32 (H*Dv,)."""
-        slot = cache.length
-        lat, rot = cache.k[layer][0, 0], cache.v[layer][0, 0]              # (P, Rkv), (P, Dr)
-        lat[slot] = c
-        rot[slot] = k_rope
-        lat, rot = lat[:slot + 1], rot[:slot + 1]                          # (L, .)
+        lat, rot = cache.write_one(layer, c[None], k_rope[None])           # (1, L, .) x 2
+        lat, rot = lat[0], rot[0]                     # (L, Rkv), (L, Dr) float32 (widened)
         q_lat = np.matmul(q_nope[:, None], self._w_kt)[:, 0]               # (H, Rkv)
         scores = q_lat @ lat.T
         scores += q_rope @ rot.T                                           # (H, L)

@@ -43,7 +43,7 @@ from .validation import check_loadable
 from .generate import generate
 from .guards import NonFiniteError, check_logits, layer_nan_stage, warn_past_context
 from .inputs import check_inputs
-from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
 from .norms import layer_norm, rms_norm
@@ -115,7 +115,7 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None, activations="int16")`; see
     colibri.load (activations: "int16" the default, "f32" exact, "int8" the fastest; they
-    apply to q4/q8/mxfp4 matrices only).
+    apply to q4/q8/mxfp4 matrices only; kv_dtype: the storage of the caches new_cache makes).
 
     config: the typed geometry (ModelConfig); vocab_size, hidden_size, n_layers, n_heads,
     n_kv_heads, head_dim, eps, moe_layers are shorthands of its fields.
@@ -124,7 +124,9 @@ class Model:
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
                  activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
                  mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
-                 cache_mode: str = "arena", prefetch: str | None = None):
+                 cache_mode: str = "arena", prefetch: str | None = None,
+                 kv_dtype: str = DEFAULT_KV_DTYPE):
+        self.kv_dtype = kv_dtype_name(kv_dtype)
         if threads is not None and (isinstance(threads, bool) or not isinstance(
                 threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS):
             raise ValueError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
@@ -310,20 +312,21 @@ class Model:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    def new_cache(self, ctx: int | None = None, batch: int = 1) -> KVCache:
-        """A KV cache for `batch` sequences of up to `ctx` tokens.
-
-        ctx defaults to the model's max_position_embeddings capped at DEFAULT_MAX_CTX (4096):
-        a cache costs 2 * layers * batch * Hkv * ctx * Dh * 4 bytes once filled (MLA:
-        layers * batch * ctx * (Rkv + Dr) * 4, the latent and the rotary key).
-        """
+    def new_cache(self, ctx: int | None = None, batch: int = 1, dtype: str | None = None
+                  ) -> KVCache:
+        """A KV cache for `batch` sequences of up to `ctx` tokens, stored as `dtype` ("f32",
+        "f16", "bf16"; None: the model's kv_dtype, see colibri.load). ctx defaults to the
+        model's max_position_embeddings capped at DEFAULT_MAX_CTX (4096): a cache costs
+        2 * layers * batch * Hkv * ctx * Dh * E bytes once filled, E = 4 (f32) or 2 (MLA:
+        layers * batch * ctx * (Rkv + Dr) * E, the latent and the rotary key)."""
         if ctx is None:
             ctx = min(self.max_context, DEFAULT_MAX_CTX)
         for name, val in (("ctx", ctx), ("batch", batch)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"new_cache: {name} must be a positive integer, got {val!r}")
         n_layers, heads, k_dim, v_dim = self._cache_dims
-        cache = KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim)
+        cache = KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim,
+                        dtype=self.kv_dtype if dtype is None else kv_dtype_name(dtype, "dtype"))
         cache.owner = self._identity
         warn_past_context(self, int(ctx) - 1, f"a KV cache of ctx {ctx}")
         return cache
@@ -594,4 +597,4 @@ class Model:
         return (f"Model({c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
                 f"experts={c.num_experts} top-{c.num_experts_per_tok}, "
                 f"vocab={c.vocab_size}, threads={self.threads}, activations={self.activations}, "
-                f"file={self.file.path})")
+                f"kv_dtype={self.kv_dtype}, file={self.file.path})")

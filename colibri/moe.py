@@ -70,7 +70,7 @@ def _silu_mul_into(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 # An expert with at least this many tokens runs its MXFP4 matrices on f32 activations (the
 # GEMM path: the panel decoded once per 64 tokens) when the model asks for int16 ones: the
 # int16 row kernel decodes each weight block again for every 3 tokens and is slower from
-# about 8 tokens on (2880 x 2880, 1 thread, docs/performance.md change 26: 16 tokens f32
+# about 8 tokens on (2880 x 2880, 1 thread, docs/performance.md change 27: 16 tokens f32
 # GEMM 2.6 ms, int16 rows 4.5 ms; int8 rows 1.8 ms, so int8 keeps its row kernel). f32
 # activations are the exact ones, so the result stays within the int16 bounds.
 MXFP4_GEMM_TOKENS = 8

@@ -154,7 +154,7 @@ class FamilyRef:
             dst = self.out_dir / f"{self.family}-{fmt}.colibri"
             kwargs = dict(dtype="f32") if fmt == "f32" else PARITY_FORMATS[fmt]
             convert(self.path, dst, progress=False, **kwargs)
-            self.models[fmt] = api.load(dst, threads=1, activations="f32")
+            self.models[fmt] = api.load(dst, threads=1, activations="f32", kv_dtype="f32")
         return self.models[fmt]
 
     def hf_with_file_weights(self, m: api.Model):

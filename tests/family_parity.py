@@ -104,7 +104,7 @@ class FamilyRef:
             dst = self.dir / f"model-{fmt}.colibri"
             convert(self.path, dst, progress=False,
                     **(dict(dtype="f32") if fmt == "f32" else FORMATS[fmt]))
-            self.models[fmt] = api.load(dst, threads=1, activations="f32")
+            self.models[fmt] = api.load(dst, threads=1, activations="f32", kv_dtype="f32")
         return self.models[fmt]
 
     def close(self) -> None:
@@ -265,7 +265,8 @@ class FamilyRef:
         from cli_helpers import run
         path = self.model().file.path
         prompt = "Hello world! Tokens, experts"
-        code, out, err = run(capsys, "routes", path, "-p", prompt, "--threads", "1")
+        code, out, err = run(capsys, "routes", path, "-p", prompt, "--threads", "1",
+                             "--kv-dtype", "f32")
         assert code == 0 and err == "", err
         tr = trace(self.model(), prompt)
         assert out.startswith(tr.format_table() + "\n\n")

@@ -13,7 +13,7 @@ def converted(hf_checkpoint, tmp_path_factory, family: str, **overrides):
     src = hf_checkpoint(family, initializer_range=0.15, **overrides)
     out = convert(src, tmp_path_factory.mktemp(f"routing-{family}") / "m.colibri", dtype="f32",
                   progress=False)
-    return src, api.load(out, threads=1)
+    return src, api.load(out, threads=1, kv_dtype="f32")
 
 
 @pytest.fixture(scope="module")

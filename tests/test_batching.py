@@ -25,7 +25,8 @@ HF_TOL = 1e-4                 # against transformers' float32 logits (test_model
 
 @pytest.fixture(scope="module")
 def shipped():
-    return {act: api.load(colibri.default_model_path(), threads=1, activations=act)
+    return {act: api.load(colibri.default_model_path(), threads=1, activations=act,
+                           kv_dtype="f32")
             for act in TOL}
 
 
@@ -83,7 +84,8 @@ def q4_all(hf_checkpoint, tmp_path_factory):
     src = hf_checkpoint("mixtral", initializer_range=0.15)
     path = convert(src, tmp_path_factory.mktemp("q4all") / "m.colibri", dtype="f32",
                    quant="q4", quantize="experts,shared,attn,head,dense", progress=False)
-    models = {act: api.load(path, threads=1, activations=act) for act in TOL}
+    models = {act: api.load(path, threads=1, activations=act, kv_dtype="f32")
+              for act in TOL}
     yield models
     for m in models.values():
         m.close()
@@ -219,7 +221,7 @@ def test_batch_without_a_tokenizer(hf_checkpoint, tmp_path_factory):
         warnings.simplefilter("ignore")
         path = convert(src, tmp_path_factory.mktemp("bare") / "m.colibri", dtype="f32",
                        progress=False)
-    m = api.load(path, threads=1)
+    m = api.load(path, threads=1, kv_dtype="f32")
     prompts = [[5, 6, 7], [9, 10]]
     got = m.generate(prompts, max_new_tokens=6, stop=[])
     for p, g in zip(prompts, got):

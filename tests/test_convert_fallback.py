@@ -45,7 +45,7 @@ def test_dimension_off_the_block_falls_back_to_the_plain_format(hf_checkpoint, t
     ids = np.random.default_rng(0).integers(3, 320, size=(2, 16))
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
-    with api.load(dst, threads=1, activations="f32") as m:
+    with api.load(dst, threads=1, activations="f32", kv_dtype="f32") as m:
         got = api.forward(m, ids)
         cache = m.new_cache(ctx=32)
         step = np.stack([api.forward(m, np.array([t]), cache=cache)[0] for t in ids[0]])

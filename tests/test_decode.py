@@ -45,7 +45,7 @@ def model(request, hf_checkpoint, tmp_path_factory):
     path = hf_checkpoint(family, initializer_range=0.15, **overrides)
     dst = tmp_path_factory.mktemp("decode") / f"{case}-{fmt}.colibri"
     convert(path, dst, progress=False, **FORMATS[fmt])
-    m = api.load(dst, threads=1, activations="f32")   # the step's exactness: f32 activations
+    m = api.load(dst, threads=1, activations="f32", kv_dtype="f32")   # exactness: f32
     yield m
     m.close()
 
@@ -169,7 +169,8 @@ def test_step_with_quantized_activations(model):
     tokens = np.random.default_rng(3).integers(3, model.vocab_size, size=PROMPT + STEPS)
     exact = _decode(model, tokens)[0][PROMPT:]
     for activations, tol in (("int8", 5e-2), ("int16", 5e-4)):
-        with api.load(model.file.path, threads=1, activations=activations) as m:
+        with api.load(model.file.path, threads=1, activations=activations,
+                      kv_dtype="f32") as m:
             stepped = _decode(m, tokens)[0][PROMPT:]
             full = api.forward(m, tokens)[PROMPT:]
         assert not np.array_equal(stepped, exact)

@@ -195,12 +195,12 @@ def test_fp8_checkpoint_converts(hf_checkpoint, tmp_path):
     assert p.dtype == "bf16"
     assert sum(t.fp8_scale is not None for t in p.tensors) == len(dequantized)
     dst = convert(fp8, tmp_path / "fp8.colibri", dtype="f32", progress=False)
-    with api.load(dst, threads=1, activations="f32") as m:
+    with api.load(dst, threads=1, activations="f32", kv_dtype="f32") as m:
         got = api.forward(m, ids)
     assert _rel_err(got, want) <= F32_TOL
     _reshard(fp8)                                     # the scales in another shard
     dst = convert(fp8, tmp_path / "fp8-sharded.colibri", dtype="f32", progress=False)
-    with api.load(dst, threads=1, activations="f32") as m:
+    with api.load(dst, threads=1, activations="f32", kv_dtype="f32") as m:
         np.testing.assert_array_equal(api.forward(m, ids), got)
     # the plain checkpoint gives other logits: the FP8 rounding was really applied
     with torch.no_grad():

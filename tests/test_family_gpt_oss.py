@@ -108,7 +108,7 @@ def mx(ref, tmp_path_factory):
                    dtype="f32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folders["oracle"], dtype=torch.float32, attn_implementation="eager").eval()
-    m = api.load(path, threads=1, activations="f32")
+    m = api.load(path, threads=1, activations="f32", kv_dtype="f32")
     yield m, hf, packed
     m.close()
 

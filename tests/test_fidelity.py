@@ -123,8 +123,9 @@ def files(hf_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("quant", ["q8", "q4"])
 def test_quantized_against_f32_matches_a_per_token_recomputation(files, quant):
     ids = np.random.default_rng(3).integers(0, 300, 96)
-    with colibri.load(getattr(files, quant), threads=1, activations="f32") as mq, \
-            colibri.load(files.f32, threads=1, activations="f32") as mb:
+    with colibri.load(getattr(files, quant), threads=1, activations="f32",
+                       kv_dtype="f32") as mq, \
+            colibri.load(files.f32, threads=1, activations="f32", kv_dtype="f32") as mb:
         fid = routing_fidelity(mq, mb, ids, batch_size=32)
         ref = reference(colibri.trace(mq, ids, batch_size=32),
                         colibri.trace(mb, ids, batch_size=32))
@@ -148,7 +149,7 @@ def test_q8_routes_closer_to_f32_than_q4(files):
 
 def test_perplexity_kl_base_reports_the_same_routing(files, tmp_path, capsys):
     ids = np.random.default_rng(5).integers(0, 300, 80)
-    res = perplexity(files.q4, ids, ctx=16, base=files.f32, activations="f32")
+    res = perplexity(files.q4, ids, ctx=16, base=files.f32, activations="f32", kv_dtype="f32")
     # the windows are 5 x 16 tokens, each from an empty cache: what trace does with window=16
     direct = routing_fidelity(files.q4, files.f32, ids, batch_size=16, window=16)
     assert res.routing.n_tokens == direct.n_tokens == 80
@@ -159,7 +160,8 @@ def test_perplexity_kl_base_reports_the_same_routing(files, tmp_path, capsys):
         format_markdown(res)
     np.save(tmp_path / "ids.npy", ids)
     code, out, _ = run_cli(capsys, "perplexity", str(files.q4), "-f", str(tmp_path / "ids.npy"),
-                           "--ctx", "16", "--kl-base", str(files.f32), "-a", "f32", "-o", "json")
+                           "--ctx", "16", "--kl-base", str(files.f32), "-a", "f32",
+                           "--kv-dtype", "f32", "-o", "json")
     assert code == 0
     routing = json.loads(out)["routing"]
     np.testing.assert_allclose(routing["set_agreement"], res.routing.set_agreement)

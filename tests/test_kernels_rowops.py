@@ -115,7 +115,8 @@ def test_attend_cached_argument_errors():
     with pytest.raises(ValueError, match="differ"):
         K.attend_cached_into(q, kc, np.zeros((1, Hkv, S - 1, Dh), F32), kn, kn, 2, 0, 1.0,
                              out, 1)
-    with pytest.raises(ValueError, match="writable C-contiguous float32 array of 4"):
+    with pytest.raises(ValueError, match=r"writable C-contiguous float32, float16 or uint16 "
+                                         r"\(bf16\) array of 4"):
         K.attend_cached_into(q, kc[:, :, ::2], vc[:, :, ::2], kn, kn, 2, 0, 1.0, out, 1)
     with pytest.raises(ValueError, match="float32"):
         K.attend_cached_into(q.astype(np.float64), kc, vc, kn, kn, 2, 0, 1.0, out, 1)

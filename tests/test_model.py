@@ -228,7 +228,8 @@ class Ref:
             if not dst.exists():
                 kwargs = dict(dtype="f32") if fmt == "f32" else FORMATS[fmt]
                 convert(self.path, dst, progress=False, **kwargs)
-            self.models[key] = api.load(dst, threads=threads, activations=activations)
+            self.models[key] = api.load(dst, threads=threads, activations=activations,
+                                          kv_dtype="f32")
         return self.models[key]
 
 

@@ -35,7 +35,7 @@ def files(hf_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(files):
-    m = colibri.load(files.f32, threads=1)
+    m = colibri.load(files.f32, threads=1, kv_dtype="f32")    # no cache: forward's logits
     yield m
     m.close()
 
@@ -120,7 +120,8 @@ def test_batch_and_text_input(model, files, ids):
     one = perplexity(model, ids, ctx=16, batch=1)
     three = perplexity(model, ids, ctx=16, batch=3)           # 4 windows: batches of 3 and 1
     np.testing.assert_allclose(three.nll, one.nll, rtol=1e-4, atol=1e-5)
-    text = perplexity(files.f32, TEXT, ctx=16, threads=1)     # a path: opened and closed here
+    text = perplexity(files.f32, TEXT, ctx=16, threads=1,     # a path: opened and closed here
+                      kv_dtype="f32")
     by_ids = perplexity(model, np.array(model.tokenizer.encode(TEXT)), ctx=16)
     np.testing.assert_array_equal(text.nll, by_ids.nll)
     assert text.n_tokens == len(model.tokenizer.encode(TEXT))
@@ -139,7 +140,7 @@ def test_kl_of_a_model_against_itself_is_zero(model, files, ids):
 
 
 def test_q4_against_f32(files, ids):
-    res = perplexity(files.q4, ids, ctx=16, base=files.f32, threads=1)
+    res = perplexity(files.q4, ids, ctx=16, base=files.f32, threads=1, kv_dtype="f32")
     k = res.kl
     assert k.mean > 0 and 0 < k.same_top <= 1
     qs = [k.median] + [k.quantile(q) for q in (0.9, 0.95, 0.99, 0.999)] + [k.max]
@@ -147,7 +148,8 @@ def test_q4_against_f32(files, ids):
     assert k.ppl_ratio == pytest.approx(res.ppl / k.ppl_base)
     # every window's KL values and top tokens, computed here from both models' logits
     kl, same = [], []
-    with colibri.load(files.q4, threads=1) as q, colibri.load(files.f32, threads=1) as f:
+    with colibri.load(files.q4, threads=1, kv_dtype="f32") as q, \
+            colibri.load(files.f32, threads=1, kv_dtype="f32") as f:
         for begin, first in res.windows:
             w = ids[begin:begin + 16]
             lq = log_softmax(colibri.forward(q, w))[first - 1:15]
@@ -183,7 +185,8 @@ def test_default_activations_against_the_same_file(files, ids):
     assert 0 < res.kl.mean < 1e-4 and res.kl.same_top == 1.0
     with colibri.load(files.q4, threads=1, activations="int16") as m:
         np.testing.assert_array_equal(perplexity(m, ids, ctx=16, threads=1).nll, res.nll)
-    exact = perplexity(files.q4, ids, ctx=16, base=files.q4, threads=1, activations="f32")
+    exact = perplexity(files.q4, ids, ctx=16, base=files.q4, threads=1, activations="f32",
+                       kv_dtype="f32")
     assert exact.kl.mean == 0.0 and exact.kl.same_top == 1.0
 
 

@@ -19,7 +19,7 @@ PROMPTS = ["def fib(n):", "Once upon a time", "import numpy as np\n", "The hummi
 
 @pytest.fixture(scope="module")
 def model():
-    m = api.load(colibri.default_model_path(), threads=1)
+    m = api.load(colibri.default_model_path(), threads=1, kv_dtype="f32")
     yield m
     m.close()
 

@@ -156,7 +156,7 @@ def test_no_tokenizer(hf_checkpoint, tmp_path):
     src = hf_checkpoint("olmoe", tokenizer=False)
     with pytest.warns(ConversionWarning):
         out = convert(src, tmp_path / "bare.colibri", dtype="f32", progress=False)
-    with api.load(out, threads=1) as m:
+    with api.load(out, threads=1, kv_dtype="f32") as m:
         with pytest.raises(NoTokenizerError, match="no tokenizer"):
             trace(m, "text")
         tr = trace(m, np.array([5, 6, 7]))

@@ -10,8 +10,8 @@ import sys
 
 from ..errors import ColibriError
 from ..tools.bench import DEFAULT_BANDWIDTH_BYTES, format_markdown, json_ready, run_bench
-from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_memory_args,
-                     add_model_arg, add_output_arg, add_seed_arg, add_threads_arg,
+from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_kv_dtype_arg,
+                     add_memory_args, add_model_arg, add_output_arg, add_seed_arg, add_threads_arg,
                      check_at_least, int_list, memory_options, model_path)
 
 
@@ -34,11 +34,14 @@ def register(subparsers, parents=()) -> None:
                     help="kernel threads, a list allowed (1,2) (default: physical cores)")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="R",
                    help="timed repetitions of each test (default: %(default)s)")
-    p.add_argument("-d", "--depth", type=int, default=0, metavar="D",
-                   help="tokens already in the KV cache when a test starts (default: 0)")
+    p.add_argument("-d", "--depth", type=int_list(0), default=[0], metavar="D",
+                   help="tokens already in the KV cache when a test starts, a list allowed "
+                        "(0,4096) (default: 0)")
     add_activations_arg(p, "-a", "--activations", lists=True,
                         help=f"{ACTIVATIONS_HELP}, a list allowed (f32,int16,int8) "
                              f"(default: int16)")
+    add_kv_dtype_arg(p, lists=True, help="storage of the KV cache, a list allowed (f32,f16): "
+                                         "f16, bf16 or f32")
     add_output_arg(p, help="markdown table or JSON list of results (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
     add_seed_arg(p, 0, help="seed of the random token ids (default: %(default)s)")
@@ -55,8 +58,7 @@ def register(subparsers, parents=()) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_at_least((("-r", args.repetitions, 1), ("-d", args.depth, 0),
-                    ("--bw-mib", args.bw_mib, 0)))
+    check_at_least((("-r", args.repetitions, 1), ("--bw-mib", args.bw_mib, 0)))
     if not any(args.n_prompt) and not any(args.n_gen):
         raise ColibriError("nothing to run: -p and -n are both 0")
     show = not args.quiet and sys.stderr.isatty()
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         rows = run_bench(model_path(args.model),
                          n_prompt=args.n_prompt, n_gen=args.n_gen, threads=args.threads,
                          reps=args.repetitions, depth=args.depth, warmup=not args.no_warmup,
-                         seed=args.seed, activations=args.activations,
+                         seed=args.seed, activations=args.activations, kv_dtype=args.kv_dtype,
                          bandwidth_bytes=args.bw_mib * 2**20, telemetry=args.telemetry,
                          load_options=memory_options(args),
                          progress=(lambda line: print(line, file=sys.stderr, flush=True))

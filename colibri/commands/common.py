@@ -17,6 +17,7 @@ from ..errors import ColibriError
 from ..eviction import POLICIES
 from ..expert_cache import DEFAULT_POLICY, MODES
 from ..kernels import ACTIVATIONS
+from ..kv_cache import DEFAULT_KV_DTYPE, KV_DTYPES, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS, Model
 from ..prefetch import PREDICTORS
 from ..runtime import MAX_THREADS
@@ -28,6 +29,9 @@ ACTIVATIONS_HELP = ("activations of the q4/q8 matmuls: int16 (16-bit codes per 3
                     "logits within ~1e-4 of exact, ~2x f32's decode speed), f32 (exact to the "
                     "stored weights) or int8 (8-bit codes like llama.cpp: fastest, ~1e-2); "
                     "f32/f16/bf16 matrices always use f32")
+KV_DTYPE_HELP = ("storage of the KV cache: f16 (half the bytes of f32, faster decode at depth), "
+                 "bf16 or f32 (exact); llama.cpp's and vLLM's spellings (fp16, float16, "
+                 "bfloat16, fp32) are accepted; docs/accuracy.md has the logits cost")
 
 
 # --- argparse types ---------------------------------------------------------------------------
@@ -98,6 +102,29 @@ def add_activations_arg(p: argparse.ArgumentParser, *flags: str, help: str,
     else:
         p.add_argument(*(flags or ("--activations",)), dest="activations", choices=ACTIVATIONS,
                        default=DEFAULT_ACTIVATIONS, help=help)
+
+
+def kv_dtype_arg(text: str) -> str:
+    """argparse type: a KV cache dtype spelling -> its name (colibri.kv_cache.KV_DTYPES)."""
+    try:
+        return kv_dtype_name(text, "--kv-dtype")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_dtype_list(text: str) -> list[str]:
+    """argparse type: 'f16' or 'f32,f16,bf16' -> [names] (bench runs each)."""
+    return [kv_dtype_arg(v) for v in text.split(",")]
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser, help: str = KV_DTYPE_HELP,
+                     lists: bool = False) -> None:
+    """--kv-dtype f16|bf16|f32 (alias --kv-cache-dtype, vLLM's name; default f16,
+    DEFAULT_KV_DTYPE); lists: 'f32,f16' runs each (bench)."""
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype",
+                   type=kv_dtype_list if lists else kv_dtype_arg,
+                   default=[DEFAULT_KV_DTYPE] if lists else DEFAULT_KV_DTYPE,
+                   metavar="|".join(KV_DTYPES), help=f"{help} (default: {DEFAULT_KV_DTYPE})")
 
 
 def add_ctx_arg(p: argparse.ArgumentParser, *flags: str, help: str) -> None:
@@ -172,11 +199,11 @@ def model_path(path: str | None) -> str | Path:
 
 
 def open_model(args: argparse.Namespace) -> Model:
-    """The Model of args.model with args.threads and args.activations (the default,
-    int16, when the command has no --activations)."""
+    """The Model of args.model with args.threads, args.activations and args.kv_dtype (the
+    defaults, int16 and f16, when the command has no such flag)."""
     return load(model_path(args.model), threads=args.threads,
                 activations=getattr(args, "activations", DEFAULT_ACTIVATIONS),
-                **memory_options(args))
+                kv_dtype=getattr(args, "kv_dtype", DEFAULT_KV_DTYPE), **memory_options(args))
 
 
 def check_at_least(limits: Sequence[tuple[str, int | None, int]]) -> None:

@@ -16,7 +16,8 @@ from ..errors import ColibriError
 from ..telemetry import ExpertTelemetry, TokenTelemetry
 from ..tools.trace import Trace, format_route
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
-                     add_memory_args, add_model_arg, add_seed_arg, add_threads_arg, open_model)
+                     add_kv_dtype_arg, add_memory_args, add_model_arg, add_seed_arg,
+                     add_threads_arg, open_model)
 
 
 def register(subparsers, parents=()) -> None:
@@ -41,6 +42,7 @@ def register(subparsers, parents=()) -> None:
     add_seed_arg(p, None, help="random seed (default: a fresh one each run)")
     add_threads_arg(p)
     add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
+    add_kv_dtype_arg(p)
     add_ctx_arg(p, help="KV cache size in tokens (default: prompt + N)")
     add_memory_args(p)
     p.add_argument("--chat", action="store_true",

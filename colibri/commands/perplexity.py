@@ -13,9 +13,9 @@ import numpy as np
 
 from ..errors import ColibriError
 from ..tools.perplexity import MIN_CTX, format_markdown, perplexity
-from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_memory_args,
-                     add_model_arg, add_output_arg, add_threads_arg, check_at_least,
-                     memory_options, model_path, open_model)
+from .common import (SHIPPED_MODEL, add_activations_arg, add_ctx_arg, add_kv_dtype_arg,
+                     add_memory_args, add_model_arg, add_output_arg, add_threads_arg,
+                     check_at_least, memory_options, model_path, open_model)
 
 
 def register(subparsers, parents=()) -> None:
@@ -49,6 +49,9 @@ def register(subparsers, parents=()) -> None:
                         help="activations of MODEL's q4/q8 matmuls: int16 (within ~1e-4 of "
                              "exact), f32 (exact) or int8 (fastest); the base always runs f32, "
                              "so --kl-base MODEL measures their cost (default: %(default)s)")
+    add_kv_dtype_arg(p, help="storage of MODEL's KV cache: f16, bf16 (each window then runs "
+                             "through a 16-bit cache) or f32 (exact); the base always runs f32, "
+                             "so --kl-base MODEL measures its cost")
     add_output_arg(p, help="markdown tables or JSON (default: %(default)s)")
     p.set_defaults(func=run)
 
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = perplexity(model, data, ctx=args.ctx, stride=args.stride, batch=args.batch,
                          base=args.kl_base, threads=args.threads, activations=args.activations,
-                         progress=progress if show else None)
+                         kv_dtype=args.kv_dtype, progress=progress if show else None)
     except ValueError as e:          # e.g. a text shorter than one window, stride >= ctx
         raise ColibriError(str(e)) from e
     if args.output == "json":

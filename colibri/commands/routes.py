@@ -19,8 +19,8 @@ from ..tools import plot
 from ..tools.stats import RoutingStats
 from ..tools.trace import iter_trace, trace as trace_of
 from ..tools.trace import Trace
-from .common import (SHIPPED_MODEL, add_ctx_arg, add_memory_args, add_model_arg,
-                     add_threads_arg, open_model)
+from .common import (SHIPPED_MODEL, add_ctx_arg, add_kv_dtype_arg, add_memory_args,
+                     add_model_arg, add_threads_arg, open_model)
 
 PLOT_KINDS = ("auto", "heatmap", "tokens", "coactivation")
 
@@ -47,6 +47,7 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--table", action="store_true", help="with -f: also print every token's "
                    "routing")
     add_threads_arg(p)
+    add_kv_dtype_arg(p)
     add_memory_args(p)
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="route at most N tokens (default: all)")

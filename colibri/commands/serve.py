@@ -10,7 +10,7 @@ import argparse
 from ..errors import ColibriError
 from ..server.settings import Settings, parse_bytes
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
-                     add_model_arg, add_threads_arg)
+                     add_kv_dtype_arg, add_model_arg, add_threads_arg)
 
 
 def _bytes(text: str) -> int:
@@ -61,6 +61,7 @@ def register(subparsers, parents=()) -> None:
                    help="the model id /v1/models lists (default: the file name's stem)")
     add_threads_arg(p)
     add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
+    add_kv_dtype_arg(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of the server (default: %(default)s)")
@@ -85,7 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     ctx=args.ctx, kv_budget=args.kv_budget, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk, api_key=args.api_key,
                     insecure=args.insecure, pid_file=args.pid_file, max_body=args.max_body,
-                    threads=args.threads, activations=args.activations,
+                    threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
                     model_name=args.model_name, log_level=args.log_level)
 
 

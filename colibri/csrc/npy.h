@@ -43,6 +43,28 @@ static float *colibri_f32_array(PyObject *a, int ndim, int writable, Py_ssize_t 
     return (float *)PyArray_DATA(arr);
 }
 
+/* The data of a, when a is an ndarray holding a KV cache plane: float32 (*fmt = 0, the
+ * weight format codes of types.h), float16 (1) or uint16 bf16 bits (2), native byte order,
+ * aligned, C-contiguous, of ndim dimensions (writable if asked), its shape in dims; else
+ * NULL (no error set). */
+static void *colibri_kv_array(PyObject *a, int ndim, int writable, Py_ssize_t *dims, int *fmt)
+{
+    PyArrayObject *arr;
+    int i, t;
+    if (!PyArray_Check(a))
+        return NULL;
+    arr = (PyArrayObject *)a;
+    t = PyArray_TYPE(arr);
+    *fmt = t == NPY_FLOAT32 ? 0 : t == NPY_FLOAT16 ? 1 : t == NPY_UINT16 ? 2 : -1;
+    if (*fmt < 0 || PyArray_NDIM(arr) != ndim || !PyArray_ISNOTSWAPPED(arr))
+        return NULL;
+    if (writable ? !PyArray_ISCARRAY(arr) : !PyArray_ISCARRAY_RO(arr))
+        return NULL;
+    for (i = 0; i < ndim; i++)
+        dims[i] = PyArray_DIM(arr, i);
+    return PyArray_DATA(arr);
+}
+
 /* The data pointer of an ndarray the caller made itself (known dtype and layout). */
 static void *colibri_array_data(PyObject *a)
 {

@@ -70,9 +70,12 @@ cdef extern from "_simd.h" nogil:
     Py_ssize_t colibri_igemm_crossover(int isa, int wide)
 
 cdef extern from "csrc/attend.h" nogil:
-    void colibri_attend(int isa, const float *q, int G, int Dh, const float *k, const float *v,
-                        Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale, float *s,
-                        float *out, int h0, int h1)
+    void colibri_attend(int isa, int fmt, const float *q, int G, int Dh, const void *k,
+                        const void *v, Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale,
+                        float *s, float *out, int h0, int h1)
+    void colibri_kv_store(int fmt, void *dst, const float *src, Py_ssize_t n)
+    void colibri_kv_widen(int isa, int fmt, const void *src, Py_ssize_t rb, Py_ssize_t rows,
+                          Py_ssize_t cols, float *dst)
 
 # The thread pool (csrc/pool.h): colibri_pool_run(nth, fn, ctx, n) calls fn(ctx, i) for i < n on
 # up to nth threads and returns when all have returned; colibri_worker_num() is the running

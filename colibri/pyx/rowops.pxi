@@ -7,6 +7,7 @@
 cdef extern from "csrc/npy.h":
     int colibri_npy_import() except -1
     float *colibri_f32_array(object a, int ndim, int writable, Py_ssize_t *dims)
+    void *colibri_kv_array(object a, int ndim, int writable, Py_ssize_t *dims, int *fmt)
     void *colibri_array_data(object a)
 
 colibri_npy_import()
@@ -37,8 +38,23 @@ cdef float *_f32(object a, str name, int ndim, bint writable, Py_ssize_t *dims) 
     return p
 
 
+cdef void *_kv(object a, str name, int ndim, Py_ssize_t *dims, int *fmt) except NULL:
+    """The data of a, a writable aligned native-order C-contiguous cache plane of float32,
+    float16 or uint16 (bf16 bits) of ndim dimensions, its shape in dims and its storage
+    format in fmt; else ValueError naming what was expected and found."""
+    cdef void *p = colibri_kv_array(a, ndim, 1, dims, fmt)
+    if p == NULL:
+        raise ValueError(f"{name} must be a writable C-contiguous float32, float16 or uint16 "
+                         f"(bf16) array of {ndim} dimensions, found {_found(a)}")
+    return p
+
+
 cdef bint _overlap(const float *a, Py_ssize_t na, const float *b, Py_ssize_t nb) noexcept:
     return a < b + nb and b < a + na
+
+
+cdef bint _overlap_bytes(const void *a, Py_ssize_t na, const void *b, Py_ssize_t nb) noexcept:
+    return <const char *>a < <const char *>b + nb and <const char *>b < <const char *>a + na
 
 
 def rms_norm_rows(x, weight, float eps, out):
@@ -88,9 +104,11 @@ def rope_rows(x, cos, sin):
 def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t start,
                   float scale, out, int threads):
     """KVCache.write_one then attend_decode, in one call: k_new / v_new (Hkv, Dh) go to
-    slot `slot` of sequence 0 of k_cache / v_cache (B, Hkv, S, Dh), then out (H, Dh) =
-    attention of q (H, Dh) over slots start..slot (the same kernel and bits as attend_decode
-    over that slice). All float32 C-contiguous; 0 <= start <= slot < S."""
+    slot `slot` of sequence 0 of k_cache / v_cache (B, Hkv, S, Dh), rounded to the caches'
+    storage dtype (to nearest, ties to even), then out (H, Dh) = attention of q (H, Dh) over
+    slots start..slot (the same kernel and bits as attend_decode over that slice). The
+    caches float32, float16 or uint16 (bf16 bits), both the same; everything else float32;
+    all C-contiguous; 0 <= start <= slot < S."""
     _check_threads(threads)
     cdef Py_ssize_t qd[2]
     cdef Py_ssize_t kd[4]
@@ -98,14 +116,19 @@ def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t
     cdef Py_ssize_t knd[2]
     cdef Py_ssize_t vnd[2]
     cdef Py_ssize_t od[2]
+    cdef int kfmt, vfmt
     cdef const float *qp = _f32(q, "q", 2, False, qd)
-    cdef float *kc = _f32(k_cache, "k_cache", 4, True, kd)
-    cdef float *vc = _f32(v_cache, "v_cache", 4, True, vd)
+    cdef char *kc = <char *>_kv(k_cache, "k_cache", 4, kd, &kfmt)
+    cdef char *vc = <char *>_kv(v_cache, "v_cache", 4, vd, &vfmt)
     cdef const float *knp = _f32(k_new, "k_new", 2, False, knd)
     cdef const float *vnp = _f32(v_new, "v_new", 2, False, vnd)
     cdef float *op = _f32(out, "out", 2, True, od)
     cdef Py_ssize_t H = qd[0], Dh = qd[1], Hkv = kd[1], S = kd[2]
     cdef Py_ssize_t n = slot + 1 - start, g, i
+    cdef Py_ssize_t es = 4 if kfmt == COLIBRI_F32 else 2
+    if vfmt != kfmt:
+        raise ValueError(f"attend_cached: v_cache ({v_cache.dtype}) and k_cache "
+                         f"({k_cache.dtype}) differ in dtype")
     for i in range(4):
         if vd[i] != kd[i]:
             raise ValueError(f"attend_cached: v_cache {v_cache.shape} and k_cache "
@@ -123,16 +146,16 @@ def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t
     if od[0] != H or od[1] != Dh:
         raise ValueError(f"attend_cached: out has shape ({od[0]}, {od[1]}), "
                          f"expected ({H}, {Dh})")
-    cdef Py_ssize_t plane = Hkv * S * Dh                  # one sequence's (Hkv, S, Dh)
-    if (_overlap(op, H * Dh, qp, H * Dh) or _overlap(op, H * Dh, kc, plane)
-            or _overlap(op, H * Dh, vc, plane) or _overlap(kc, plane, vc, plane)
-            or _overlap(knp, Hkv * Dh, kc, plane) or _overlap(vnp, Hkv * Dh, vc, plane)):
+    cdef Py_ssize_t plane = Hkv * S * Dh * es             # bytes of one sequence's (Hkv, S, Dh)
+    cdef Py_ssize_t ob = 4 * H * Dh, nb = 4 * Hkv * Dh
+    if (_overlap(op, H * Dh, qp, H * Dh) or _overlap_bytes(op, ob, kc, plane)
+            or _overlap_bytes(op, ob, vc, plane) or _overlap_bytes(kc, plane, vc, plane)
+            or _overlap_bytes(knp, nb, kc, plane) or _overlap_bytes(vnp, nb, vc, plane)):
         raise ValueError("attend_cached: out, q, the new rows and the caches must not overlap")
     if Dh == 0:
         return
     for g in range(Hkv):                                  # the new token's key and value
-        for i in range(Dh):
-            kc[(g * S + slot) * Dh + i] = knp[g * Dh + i]
-            vc[(g * S + slot) * Dh + i] = vnp[g * Dh + i]
-    _attend_run(qp, kc + start * Dh, vc + start * Dh, op, S * Dh, Dh, n, H, Hkv, Dh, scale,
-                threads, "attend_cached")
+        colibri_kv_store(kfmt, kc + (g * S + slot) * Dh * es, knp + g * Dh, Dh)
+        colibri_kv_store(kfmt, vc + (g * S + slot) * Dh * es, vnp + g * Dh, Dh)
+    _attend_run(kfmt, qp, kc + start * Dh * es, vc + start * Dh * es, op, S * Dh, Dh, n, H,
+                Hkv, Dh, scale, threads, "attend_cached")

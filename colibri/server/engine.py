@@ -131,7 +131,8 @@ class ModelHolder:
 
     def _engine(self, file: ColibriFile) -> Engine:
         s = self.settings
-        return Engine(Model(file, threads=s.threads, activations=s.activations), s)
+        return Engine(Model(file, threads=s.threads, activations=s.activations,
+                            kv_dtype=s.kv_dtype), s)
 
     def start(self) -> None:
         """Start the current engine's scheduler thread (idempotent)."""

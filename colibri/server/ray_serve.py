@@ -92,7 +92,7 @@ def build(args: dict[str, str]):
     """The `serve run colibri.server.ray_serve:build key=value ...` builder.
 
     Keys: model (path on every node), replicas, parallel, ctx, kv_budget, max_queue,
-    threads, activations, api_key, model_name, min_replicas / max_replicas /
+    threads, activations, kv_dtype, api_key, model_name, min_replicas / max_replicas /
     target_ongoing_requests (autoscaling instead of a fixed count), num_cpus."""
     args = dict(args)
     ints = ("parallel", "ctx", "max_queue", "threads", "prefill_chunk")

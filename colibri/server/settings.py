@@ -16,6 +16,7 @@ from pathlib import Path
 from ..api import default_model_path
 from ..errors import ColibriError
 from ..kernels import ACTIVATIONS
+from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
 
 __all__ = ["Settings", "parse_bytes", "is_loopback"]
@@ -65,7 +66,10 @@ class Settings:
     model: the .colibri file served and reloaded (None: the shipped model).
     parallel: slots decoded together in each forward pass (continuous batching).
     ctx: tokens per slot, prompt + completion (None: the model's, capped at 4096).
-    kv_budget: bytes of KV cache all slots may hold (None: parallel x ctx x bytes per token).
+    kv_budget: bytes of KV cache all slots may hold (None: parallel x ctx x bytes per token;
+        the bytes per token follow kv_dtype: half of f32's for f16 / bf16).
+    kv_dtype: the storage of the slots' KV caches, "f16" (default), "bf16" or "f32"
+        (colibri.load; other spellings such as "fp16" are normalised by check()).
     max_queue: requests waiting for a slot beyond the running ones; past it 429.
     api_key: bearer token for /v1/* , /metrics and /admin/*; None: no auth (loopback only,
         unless insecure).
@@ -90,6 +94,7 @@ class Settings:
     max_top_logprobs: int = 20
     threads: int | None = None
     activations: str = DEFAULT_ACTIVATIONS
+    kv_dtype: str = DEFAULT_KV_DTYPE
     model_name: str | None = None
     log_level: str = "info"
 
@@ -117,6 +122,10 @@ class Settings:
         if self.activations not in ACTIVATIONS:
             raise ColibriError(f"activations must be one of {', '.join(ACTIVATIONS)}, got "
                                f"{self.activations!r}")
+        try:
+            self.kv_dtype = kv_dtype_name(self.kv_dtype)
+        except ValueError as e:
+            raise ColibriError(str(e)) from None
         if self.api_key is not None and len(self.api_key) < 8:
             raise ColibriError("the api key must have at least 8 characters")
         if self.api_key is None and not self.insecure and not is_loopback(self.host):

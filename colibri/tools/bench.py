@@ -12,7 +12,9 @@ two tables can be put side by side):
   through the KV cache, starting at depth 0 (an empty cache, as llama-bench's tg does);
   t/s = N / seconds. Sampling is not timed (the next token is random, not sampled).
 - with ``depth=D`` (llama-bench's ``-d``) both start after D random tokens were run into the
-  cache, untimed; the test is then called ``pp128 @ d512``.
+  cache, untimed (once per test: every repetition starts from the same cache cut back to D
+  slots); the test is then called ``pp128 @ d512``. The cache is stored as ``kv_dtype``
+  ("f16" by default; the ``kv`` column), and a decode step at depth D reads D slots of it.
 
 Each test runs once untimed (warm-up), then `reps` times; t/s is reported as mean ± standard
 deviation over the repetitions. Tokenization is never timed. The model is opened once per
@@ -51,6 +53,7 @@ from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..format import ColibriFile
 from ..generate import decode_one
+from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
 from ..residency import fault_counts
 from ..telemetry import ExpertTelemetry
@@ -184,15 +187,33 @@ def _stage_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {k: after[k] - before[k] for k in after}
 
 
-def _prefill_depth(model, cache, depth: int, rng: np.random.Generator) -> None:
-    if depth:
-        model.forward(rng.integers(0, model.vocab_size, depth), cache=cache, last_only=True)
+class _DepthCache:
+    """The caches of one model's tests: one filled to the deepest depth once (untimed); per
+    test a copy of it cut back to the test's depth (KVCache.truncate: the first D slots are
+    the same random tokens for every D), and cut back again before each repetition, so no
+    repetition prefills again; ctx = the deepest depth + the longest test."""
+
+    def __init__(self, model, depth: int, ctx: int, dtype: str, rng: np.random.Generator):
+        self.full = model.new_cache(ctx=ctx, dtype=dtype)
+        if depth:
+            model.forward(rng.integers(0, model.vocab_size, depth), cache=self.full,
+                          last_only=True)
+        self.depth, self.cache = depth, self.full
+
+    def at(self, depth: int) -> "_DepthCache":
+        """The copy for a test at `depth` (the filled cache itself is never written)."""
+        self.depth, self.cache = depth, self.full.copy()
+        self.cache.truncate(depth)
+        return self
+
+    def ready(self):
+        self.cache.truncate(self.depth)
+        return self.cache
 
 
-def _pp_once(model, n: int, depth: int, rng) -> tuple[float, dict[str, float]]:
+def _pp_once(model, n: int, deep: _DepthCache, rng) -> tuple[float, dict[str, float]]:
     """One pp repetition: seconds and stage seconds of the timed part."""
-    cache = model.new_cache(ctx=depth + n)
-    _prefill_depth(model, cache, depth, rng)
+    cache = deep.ready()
     ids = rng.integers(0, model.vocab_size, n)                               # (S,)
     before = model.timings.copy()
     t0 = time.perf_counter()
@@ -201,10 +222,9 @@ def _pp_once(model, n: int, depth: int, rng) -> tuple[float, dict[str, float]]:
     return dt, _stage_delta(before, model.timings.copy())
 
 
-def _tg_once(model, n: int, depth: int, rng) -> tuple[float, dict[str, float]]:
-    """One tg repetition: n single-token steps through the cache, from depth `depth`."""
-    cache = model.new_cache(ctx=depth + n)
-    _prefill_depth(model, cache, depth, rng)
+def _tg_once(model, n: int, deep: _DepthCache, rng) -> tuple[float, dict[str, float]]:
+    """One tg repetition: n single-token steps through the cache, from its depth."""
+    cache = deep.ready()
     ids = rng.integers(0, model.vocab_size, n)         # drawn up front: not timed
     before = model.timings.copy()
     t0 = time.perf_counter()
@@ -244,9 +264,11 @@ def _load_average() -> float | None:
 
 def run_bench(model_path: str | os.PathLike | None = None, *,
               n_prompt: int | Sequence[int] = 128, n_gen: int | Sequence[int] = 64,
-              threads: int | Sequence[int] | None = None, reps: int = 5, depth: int = 0,
+              threads: int | Sequence[int] | None = None, reps: int = 5,
+              depth: int | Sequence[int] = 0,
               warmup: bool = True, seed: int = 0,
               activations: str | Sequence[str] = DEFAULT_ACTIVATIONS,
+              kv_dtype: str | Sequence[str] = DEFAULT_KV_DTYPE,
               bandwidth_bytes: int = DEFAULT_BANDWIDTH_BYTES,
               progress: Callable[[str], None] | None = None, telemetry: bool = False,
               load_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -256,10 +278,13 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     n_prompt / n_gen: prompt lengths for pp tests / decode steps for tg tests (an int or a
         list; 0 skips that kind of test). threads: an int, a list, or None (physical cores).
     reps: timed repetitions per test (>= 1), after one untimed warm-up unless warmup=False.
-    depth: tokens already in the KV cache when a test starts (llama-bench -d).
+    depth: tokens already in the KV cache when a test starts (llama-bench -d), or a list of
+        depths, each test run at each (the cache is filled once, to the deepest).
     seed: of the random token ids. activations: "int16" (the default), "f32" (exact) or
         "int8" (the fastest): what q4/q8 weights multiply, see colibri.load; or a list of
         them, each run in turn (plain-format weights run f32 under all three).
+    kv_dtype: the KV cache's storage, "f16" (the default), "bf16" or "f32", or a list of
+        them, each run in turn (colibri.load's kv_dtype).
     bandwidth_bytes: buffer of the read-bandwidth measurement
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).
@@ -284,12 +309,12 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     gens = [n for n in _as_list(n_gen, "n_gen", 0) if n > 0]
     thread_counts = _as_list(threads, "threads", 1)
     acts = _as_activations(activations)
+    kvs = [kv_dtype_name(k) for k in ([kv_dtype] if isinstance(kv_dtype, str) else kv_dtype)]
     if not prompts and not gens:
         raise ValueError("nothing to run: n_prompt and n_gen are both 0")
     if isinstance(reps, bool) or not isinstance(reps, (int, np.integer)) or reps < 1:
         raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or depth < 0:
-        raise ValueError(f"depth must be an integer >= 0, got {depth!r}")
+    depths = _as_list(depth, "depth", 0)
     if bandwidth_bytes < 0:
         raise ValueError(f"bandwidth_bytes must be >= 0, got {bandwidth_bytes}")
     say = progress or (lambda line: None)
@@ -299,31 +324,29 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
         per_token = bytes_per_token(cf)
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rows: list[dict[str, Any]] = []
-    for a, t in ((a, t) for a in acts for t in thread_counts):
+    for a, kv, t in ((a, kv, t) for a in acts for kv in kvs for t in thread_counts):
         t0 = time.perf_counter()
-        model = load(path, threads=t, activations=a, **(load_options or {}))
+        model = load(path, threads=t, activations=a, kv_dtype=kv, **(load_options or {}))
         open_ms = (time.perf_counter() - t0) * 1e3
-        need = depth + max(prompts + gens)
-        if need > model.max_context:
-            model.close()
-            raise ValueError(f"a test needs {need} positions (depth {depth} + "
-                             f"{max(prompts + gens)}) but the model's context is "
-                             f"{model.max_context}")
+        need = max(depths) + max(prompts + gens)    # past the model's context: new_cache warns
         try:
-            tests = [("pp", n, _pp_once) for n in prompts] + [("tg", n, _tg_once) for n in gens]
-            for kind, n, once in tests:
+            filled = _DepthCache(model, max(depths), need, kv, np.random.default_rng(seed + 1))
+            tests = [(d, "pp", n, _pp_once) for d in depths for n in prompts] + \
+                    [(d, "tg", n, _tg_once) for d in depths for n in gens]
+            for depth, kind, n, once in tests:
                 name = _test_name(kind, n, depth)
                 say(f"bench: {facts['model']} threads {t} activations {a} {name}")
                 load_avg = _load_average()
                 backoffs0 = runtime.pool_backoffs()
                 rng = np.random.default_rng(seed)
+                deep = filled.at(depth)
                 if warmup:
-                    once(model, n, depth, rng)
+                    once(model, n, deep, rng)
                 samples, stages = [], dict.fromkeys(model.timings.seconds, 0.0)
                 recorder = ExpertTelemetry(model) if telemetry else None
                 faults0 = fault_counts()
                 for _ in range(reps):
-                    dt, st = once(model, n, depth, rng)
+                    dt, st = once(model, n, deep, rng)
                     samples.append(dt)
                     for k, v in st.items():
                         stages[k] += v
@@ -336,7 +359,9 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                 rows.append({
                     **facts, "test": name, "n_prompt": n if kind == "pp" else 0,
                     "n_gen": n if kind == "tg" else 0, "n_depth": depth, "n_threads": t,
-                    "activations": a, "isa": runtime.get_isa(), "reps": reps,
+                    "activations": a, "kv_dtype": kv,
+                    "kv_cache_bytes": deep.cache.bytes_per_token * need,
+                    "isa": runtime.get_isa(), "reps": reps,
                     "warmup": warmup, "load_average": load_avg,
                     "spin_us": runtime.spin_us(),
                     "pool_backoffs": runtime.pool_backoffs() - backoffs0,
@@ -394,7 +419,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-COLUMNS = ("model", "size", "params", "active", "format", "acts", "threads", "test", "t/s",
+COLUMNS = ("model", "size", "params", "active", "format", "acts", "kv", "threads", "test", "t/s",
            "peak RSS", "router", "experts", "attn", "head", "other")
 _RIGHT = {"size", "params", "active", "threads", "t/s", "peak RSS", "router", "experts",
           "attn", "head", "other"}
@@ -404,7 +429,8 @@ def _cells(r: dict[str, Any]) -> list[str]:
     sh = r["time_share"]
     return [f"{r['model']} ({r['family']})" if r.get("family") else r["model"],
             _size(r["size_bytes"]), _count(r["n_params"]), _count(r["n_params_active"]),
-            r["format"], r.get("activations", "f32"), str(r["n_threads"]), r["test"],
+            r["format"], r.get("activations", "f32"), r.get("kv_dtype", "f32"),
+            str(r["n_threads"]), r["test"],
             f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", _size(r["peak_rss_bytes"]),
             _pct(sh["router"]), _pct(sh["experts"]), _pct(sh["attention"]), _pct(sh["head"]),
             _pct(sh["other"])]
@@ -437,8 +463,8 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
     r0 = rows[0]
     lines.append(f"colibri {r0['colibri_version']}, ISA {r0['isa']}; {r0['reps']} repetitions"
                  f"{' after 1 warm-up' if r0['warmup'] else ''}, mean ± sd; pp = one forward "
-                 f"pass over random ids into an empty cache; tg = single-token steps from depth "
-                 f"{r0['n_depth']}; shares of wall time from the model's timing counters")
+                 f"pass over random ids into the cache at the test's depth; tg = single-token "
+                 f"steps from it; shares of wall time from the model's timing counters")
     return "\n".join(lines)
 
 

@@ -195,7 +195,8 @@ def routing_fidelity(model, base, data, *, batch_size: int = 256,
     routing (compare_routing, folded call by call: memory of one call's routing).
 
     model, base: Models (used as they are) or .colibri paths (opened with `threads`; `model`
-        with `activations`, "f32" by default so that only the weights differ; the base f32).
+        with `activations`, "f32" by default so that only the weights differ; the base f32;
+        both with an f32 KV cache).
     data: text, a list of texts, a pathlib.Path of a text file, or token ids (as colibri.trace);
         text is tokenized by each model, so different tokenizers fail on the first token that
         differs.
@@ -203,10 +204,10 @@ def routing_fidelity(model, base, data, *, batch_size: int = 256,
     Raises ColibriError naming both files when the routing or the tokens differ in shape.
     """
     m, own_m = (model, False) if isinstance(model, Model) else (
-        Model(model, threads=threads, activations=activations), True)
+        Model(model, threads=threads, activations=activations, kv_dtype="f32"), True)
     try:
         b, own_b = (base, False) if isinstance(base, Model) else (
-            Model(base, threads=threads, activations="f32"), True)
+            Model(base, threads=threads, activations="f32", kv_dtype="f32"), True)
     except BaseException:
         if own_m:
             m.close()

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ColibriError
+from ..kv_cache import DEFAULT_KV_DTYPE
 from ..model import DEFAULT_ACTIVATIONS, Model
 from ..tokenizer import NoTokenizerError
 from .fidelity import RoutingFidelity, compare_routing, fidelity_rows
@@ -185,11 +186,19 @@ class PerplexityResult:
 # inputs
 # ---------------------------------------------------------------------------------------------
 
-def _model(m, threads: int | None, activations: str):
-    """(Model, opened_here) for a Model (kept as it is) or a path (opened with activations)."""
+def _model(m, threads: int | None, activations: str, kv_dtype: str):
+    """(Model, opened_here) for a Model (kept as it is) or a path (opened with activations
+    and kv_dtype)."""
     if isinstance(m, Model):
         return m, False
-    return Model(m, threads=threads, activations=activations), True
+    return Model(m, threads=threads, activations=activations, kv_dtype=kv_dtype), True
+
+
+def _window_cache(m, x: np.ndarray):
+    """A cache for the windows x (B, S) when m stores its caches in 16 bits (the window then
+    attends over the rounded keys and values, as it would through generate); None for f32,
+    whose cache would hold the same values as no cache."""
+    return None if m.kv_dtype == "f32" else m.new_cache(ctx=x.shape[1], batch=x.shape[0])
 
 
 def check_same_vocabulary(model, base) -> None:
@@ -234,6 +243,7 @@ def _token_ids(model, data) -> np.ndarray:
 def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None = None,
                stride: int | None = None, batch: int = 1, base=None,
                threads: int | None = None, activations: str = DEFAULT_ACTIVATIONS,
+               kv_dtype: str = DEFAULT_KV_DTYPE,
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` over `data`, and KL statistics against `base` when given.
 
@@ -241,6 +251,9 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     activations: of `model` when it is a path ("int16" the default, "f32" exact or "int8",
         see colibri.load); a `base` given as a path always runs with exact f32 activations,
         so `base` = the same file measures what the model's activations cost.
+    kv_dtype: of `model` when it is a path ("f16" the default, "bf16", "f32"; a Model keeps
+        its own): a 16-bit model runs each window through a cache of that dtype; a `base`
+        given as a path always runs f32 (no cache), so --kl-base measures the cache's cost.
     data: text (tokenized with the model's tokenizer) or token ids int (T,).
     ctx: window length (default: min(512, the model's context)); stride: None for
         llama-perplexity's scheme (second half of non-overlapping windows), or the step of
@@ -251,8 +264,8 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     """
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    m, own_m = _model(model, threads, activations)
-    b, own_b = (None, False) if base is None else _model(base, threads, "f32")
+    m, own_m = _model(model, threads, activations, kv_dtype)
+    b, own_b = (None, False) if base is None else _model(base, threads, "f32", "f32")
     try:
         if b is not None:
             check_same_vocabulary(m, b)
@@ -272,13 +285,13 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
             group = windows[start:start + batch]
             x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (B, S)
             if routes:
-                logits, r_m = m.forward(x, return_routing=True)                    # (B, S, V)
-                blogits, r_b = b.forward(x, return_routing=True)
+                logits, r_m = m.forward(x, _window_cache(m, x), return_routing=True)   # (B, S, V)
+                blogits, r_b = b.forward(x, _window_cache(b, x), return_routing=True)
                 part = _compare(r_m, r_b, x.reshape(-1), m, b)
                 routing = part if routing is None else routing + part
             else:
-                logits = m.forward(x)                                              # (B, S, V)
-                blogits = b.forward(x) if b is not None else None
+                logits = m.forward(x, _window_cache(m, x))                         # (B, S, V)
+                blogits = b.forward(x, _window_cache(b, x)) if b is not None else None
             for j, (_, first) in enumerate(group):
                 targets = x[j, first:]                                             # (n,)
                 lp = token_logprobs(logits[j, first - 1:ctx - 1])                  # (n, V)
