@@ -166,7 +166,7 @@ def test_mxfp4_model_quantized_activations_within_bounds(mx, ref, activations):
     seq = ref.seqs[0]
     cache = m.new_cache(ctx=32)
     exact = np.stack([api.forward(m, np.array([t]), cache=cache)[0] for t in seq])
-    mq = api.load(m.file.path, threads=2, activations=activations)
+    mq = api.load(m.file.path, threads=2, activations=activations, kv_dtype="f32")
     try:
         got = api.forward(mq, ref.ids, attention_mask=ref.mask)
         cache = mq.new_cache(ctx=32)
