@@ -128,7 +128,8 @@ def quantize_activations_ref(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, 
 
 
 def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
-    """Integer codes int64 (R, C) (q8: the int8, q4: nibble - 8) and scales float32 (R, C/Q)."""
+    """Integer codes int64 (R, C) (q8: the int8, q4: nibble - 8, mxfp4: 2 * FP4) and scales
+    float32 (R, C/Q)."""
     raw = _rows(w, expert)
     R, C = w.rows, w.cols
     if w.dtype == "q8":
@@ -139,6 +140,14 @@ def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
         nib = np.concatenate([packed & 0x0F, packed >> 4], axis=2)
         codes = nib.reshape(R, C).astype(np.int64) - 8
         scales = raw[:, C // 2:].copy().view("<f2").astype(F32)
+    elif w.dtype == "mxfp4":
+        # twice an FP4 value is an integer: codes 2 * FP4 (0, +-1, .., +-12), scales 2^(e-127) / 2
+        packed = raw[:, :C // 2]
+        nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(R, C).astype(np.int64)
+        e, m = (nib >> 1) & 3, nib & 1
+        mag2 = np.where(e == 0, m, (2 + m) << np.maximum(e - 1, 0))
+        codes = np.where(nib & 8, -mag2, mag2)
+        scales = (np.exp2(raw[:, C // 2:].astype(np.float64) - 127) / 2).astype(F32)
     else:
         raise ValueError(f"{w.dtype} has no integer codes")
     return codes, scales
@@ -146,8 +155,8 @@ def _codes_scales(w: "WeightRef", expert: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, bits: int) -> np.ndarray:
     """x float32 (T, C) @ W[expert].T as float64 (T, R): the quantized-activation path of
-    `bits` (8, 16) for a q4/q8 weight, else (or bits 0) the exact product."""
-    if not (bits and w.dtype in ("q8", "q4")):
+    `bits` (8, 16) for a q4/q8/mxfp4 weight, else (or bits 0) the exact product."""
+    if not (bits and w.dtype in ("q8", "q4", "mxfp4")):
         return x32.astype(np.float64) @ dequantize_ref(w, expert).astype(np.float64).T
     q, d = quantize_activations_ref(x32, bits)
     codes, scales = _codes_scales(w, expert)
@@ -165,7 +174,7 @@ def linear_iact_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = Non
     """linear with activations="int8" (bits 8) or "int16" (bits 16): x float32 (T, C) or (C,)
     -> float32 (T, R) or (R,).
 
-    q4/q8 weights: y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b with (q, d) =
+    q4/q8/mxfp4 weights: y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b with (q, d) =
     quantize_activations_ref(x, bits) and isum the exact integer dot of the block's codes
     with q; the float part in float64. Other formats: linear_ref.
     """

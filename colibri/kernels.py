@@ -13,7 +13,7 @@ Activations: the quantized-weight kernels (linear, expert_ffn, swiglu) take
 ``activations="f32"`` (the kernels' default: x in float32, exact products with the decoded
 weights; a Model's default is "int16", colibri.model.DEFAULT_ACTIVATIONS)
 or ``"int8"``: each token's input is quantized to int8 in blocks of 32 (llama.cpp's Q8_0,
-``quantize_activations``) and dotted with q4/q8 weight codes in integer arithmetic: 2-3.5x
+``quantize_activations``) and dotted with q4/q8/mxfp4 weight codes in integer arithmetic: 2-3.5x
 fewer instructions per multiply-add, at the cost of Q8_0's rounding of the inputs (about
 0.5% of the output's scale on random data); or ``"int16"``: the same with 16-bit codes
 (``quantize_activations(x, bits=16)``), each input within 2^-16 of its block's largest
@@ -116,11 +116,12 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     out : float32 (T, R) (or (R,)) to write into, not overlapping x; or None
     expert : int, which matrix of a stack
     activations : "f32" (default), "int8" or "int16"
-        "int8" / "int16" with a q4/q8 weight: x is quantized per token with
-        quantize_activations (bits 8 / 16; C must be a multiple of 32, which q4/q8
+        "int8" / "int16" with a q4/q8/mxfp4 weight: x is quantized per token with
+        quantize_activations (bits 8 / 16; C must be a multiple of 32, which q4/q8/mxfp4
         guarantee) and y[t, r] = sum_b (s_r,g(b) * d_t,b) * isum_t,r,b (+ bias[r]), isum the
-        exact int32 dot of block b's weight codes (q4: nibble - 8) with q_t. Plain-format
-        weights use the f32 path whatever this says.
+        exact int32 dot of block b's weight codes (q4: nibble - 8, mxfp4: 2 * FP4 with
+        s = 2^(e - 127) / 2) with q_t. Plain-format weights use the f32 path whatever this
+        says.
 
     Returns
     -------
@@ -242,9 +243,9 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: Weig
     threads : int or None
     out : float32 (T, D) to write into (may be x itself), or None
     activations : "f32" (default), "int8" or "int16"
-        "int8" / "int16": each q4/q8 matrix runs that path (see linear): x is quantized for
-        gate and up, and h = silu(gate) * up is quantized (per token, blocks of 32) before a
-        q4/q8 w_down. Matrices in plain formats keep the f32 path.
+        "int8" / "int16": each q4/q8/mxfp4 matrix runs that path (see linear): x is
+        quantized for gate and up, and h = silu(gate) * up is quantized (per token, blocks
+        of 32) before a q4/q8/mxfp4 w_down. Matrices in plain formats keep the f32 path.
 
     Returns
     -------

@@ -57,7 +57,7 @@ from .weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 
 __all__ = ["Model", "DEFAULT_ACTIVATIONS"]
 
-# What q4/q8 matrices are multiplied with unless told (colibri.load documents the settings):
+# What q4/q8/mxfp4 matrices are multiplied with unless told (colibri.load documents the settings):
 # 16-bit activation codes (W4A16), within ~1e-4 of the exact "f32" at about twice its decode
 # speed; "int8" is the fastest. Plain-format matrices and routers always see f32.
 DEFAULT_ACTIVATIONS = "int16"
@@ -115,7 +115,7 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None, activations="int16")`; see
     colibri.load (activations: "int16" the default, "f32" exact, "int8" the fastest; they
-    apply to q4/q8 matrices only; kv_dtype: the storage of the caches new_cache makes).
+    apply to q4/q8/mxfp4 matrices only; kv_dtype: the storage of the caches new_cache makes).
 
     config: the typed geometry (ModelConfig); vocab_size, hidden_size, n_layers, n_heads,
     n_kv_heads, head_dim, eps, moe_layers are shorthands of its fields.

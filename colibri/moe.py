@@ -10,8 +10,8 @@
                                                         and GLM's are ungated: + shared(x))
 
 GPT-OSS's experts (biases on every projection, the clamped swigluoai activation) and its
-router bias take BiasedExperts instead of the fused kernel: the same row kernels
-(kernels.linear on one expert of the stack), one chosen expert at a time.
+router bias take BiasedExperts instead of the fused kernel: the same row kernels (a
+prepared linear on one expert of the stack), one chosen expert at a time.
 
 The kernels read the weights in place from the mapped file (WeightRef); an expert no token
 chose is never touched. Every kernel call gets the model's thread count.
@@ -36,19 +36,58 @@ __all__ = ["MoE", "DenseMLP", "BiasedExperts", "swigluoai"]
 def swigluoai(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
     """GPT-OSS's expert activation, float32 as transformers: g clamped to <= limit, u to
     [-limit, limit]; (u + 1) * g * sigmoid(alpha * g). g, u (N, I) -> (N, I)."""
-    g = np.minimum(g, np.float32(limit))
-    u = np.clip(u, np.float32(-limit), np.float32(limit))
-    glu = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(g * np.float32(alpha)))))
-    return (u + np.float32(1.0)) * glu
+    return _swigluoai_into(np.array(g, dtype=np.float32), np.array(u, dtype=np.float32),
+                           alpha, limit)
+
+
+def _swigluoai_into(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """swigluoai in place (the same operations, the same bits): g and u float32 (N, I) are
+    overwritten; returns u, which holds the result."""
+    np.minimum(g, np.float32(limit), out=g)
+    np.clip(u, np.float32(-limit), np.float32(limit), out=u)
+    t = g * np.float32(alpha)
+    np.negative(t, out=t)
+    np.exp(t, out=t)
+    t += np.float32(1.0)
+    np.divide(np.float32(1.0), t, out=t)
+    t *= g                                                    # g * sigmoid(alpha * g)
+    u += np.float32(1.0)
+    u *= t
+    return u
+
+
+def _silu_mul_into(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """g * sigmoid(g) * u in place (g overwritten; returns u, the result)."""
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += np.float32(1.0)
+    np.divide(np.float32(1.0), t, out=t)
+    np.multiply(g, t, out=g)
+    np.multiply(g, u, out=u)
+    return u
+
+
+# An expert with at least this many tokens runs its MXFP4 matrices on f32 activations (the
+# GEMM path: the panel decoded once per 64 tokens) when the model asks for int16 ones: the
+# int16 row kernel decodes each weight block again for every 3 tokens and is slower from
+# about 8 tokens on (2880 x 2880, 1 thread, docs/performance.md change 27: 16 tokens f32
+# GEMM 2.6 ms, int16 rows 4.5 ms; int8 rows 1.8 ms, so int8 keeps its row kernel). f32
+# activations are the exact ones, so the result stays within the int16 bounds.
+MXFP4_GEMM_TOKENS = 8
 
 
 @dataclass
 class BiasedExperts:
     """Routed experts with biases and / or the swigluoai activation: `p(x, ids, weights,
     out)` as the prepared fused kernel (x (T, D), ids int32 (T, K), weights (T, K), out
-    (T, D) float32), expert e computing down(act(gate(x) + b_gate[e], up(x) + b_up[e])) +
-    b_down[e]. w_*: WeightRef stacks (E, I, D), (E, I, D), (E, D, I); b_*: float32 (E, I),
-    (E, I), (E, D) or None; activation one of config.EXPERT_ACTIVATIONS."""
+    (T, D) float32, out may be x), expert e computing down(act(gate(x) + b_gate[e],
+    up(x) + b_up[e])) + b_down[e]. w_*: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
+    b_*: float32 (E, I), (E, I), (E, D) or None; activation one of config.EXPERT_ACTIVATIONS.
+
+    One pass per chosen expert over its tokens (grouped once per call), each matrix a
+    prepared linear (its weight view and bias checked once, kept per expert and
+    activations), the activation in place; the expert outputs are added per token in
+    ascending expert order."""
     w_gate: WeightRef
     w_up: WeightRef
     w_down: WeightRef
@@ -61,30 +100,55 @@ class BiasedExperts:
     threads: int
     activations: str = "f32"
 
-    def _linear(self, x: np.ndarray, w: WeightRef, b: np.ndarray | None, e: int) -> np.ndarray:
-        return kernels.linear(x, w, None if b is None else b[e], expert=e,
-                              threads=self.threads, activations=self.activations)
+    def __post_init__(self):
+        self._stacks = (self.w_gate, self.w_up, self.w_down)
+        self._biases = (self.b_gate, self.b_up, self.b_down)
+        # per matrix: the activations of an expert with many tokens (see MXFP4_GEMM_TOKENS)
+        self._many = tuple("f32" if self.activations == "int16" and w.dtype == "mxfp4"
+                           else self.activations for w in self._stacks)
+        self._prepared: dict[tuple[int, int, str], Callable] = {}
+
+    def _linear(self, j: int, e: int, n: int) -> Callable[[np.ndarray, np.ndarray], None]:
+        """The prepared linear of matrix j (0 gate, 1 up, 2 down) of expert e, for n tokens."""
+        act = self._many[j] if n >= MXFP4_GEMM_TOKENS else self.activations
+        key = (j, e, act)
+        p = self._prepared.get(key)
+        if p is None:
+            b = self._biases[j]
+            p = kernels.prepare_linear(self._stacks[j].expert(e), None if b is None else b[e],
+                                       threads=self.threads, activations=act)
+            self._prepared[key] = p
+        return p
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                  out: np.ndarray) -> np.ndarray:
-        K = ids.shape[1]
+        T, K = ids.shape
+        I, D = self.w_gate.rows, self.w_down.rows
         slots = ids.reshape(-1)
         order = np.argsort(slots, kind="stable")                  # (token, k) slots by expert
-        experts, starts = np.unique(slots[order], return_index=True)
-        acc = np.zeros(out.shape, dtype=np.float32)
-        for e, group in zip(experts.tolist(), np.split(order, starts[1:])):
-            tokens = group // K
-            xs = np.ascontiguousarray(x[tokens])
-            g = self._linear(xs, self.w_gate, self.b_gate, e)
-            u = self._linear(xs, self.w_up, self.b_up, e)
-            if self.activation == "swigluoai":
-                h = swigluoai(g, u, self.alpha, self.limit)
-            else:
-                h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
-            y = self._linear(np.ascontiguousarray(h, dtype=np.float32), self.w_down,
-                             self.b_down, e)
-            y *= weights.reshape(-1)[group][:, None]
-            np.add.at(acc, tokens, y)
+        by_expert = slots[order]
+        edges = [0, *(np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1).tolist(), T * K]
+        w_slot = weights.reshape(-1)
+        acc = np.zeros((T, D), dtype=np.float32)
+        for s0, s1 in zip(edges[:-1], edges[1:]):
+            e, n, group = int(by_expert[s0]), s1 - s0, order[s0:s1]
+            tokens = group // K                                   # ascending
+            xs = x if T == 1 and n == 1 else np.ascontiguousarray(x[tokens])
+            g = np.empty((n, I), dtype=np.float32)
+            u = np.empty((n, I), dtype=np.float32)
+            self._linear(0, e, n)(xs, g)
+            self._linear(1, e, n)(xs, u)
+            h = (_swigluoai_into(g, u, self.alpha, self.limit) if self.activation == "swigluoai"
+                 else _silu_mul_into(g, u))
+            y = np.empty((n, D), dtype=np.float32)
+            self._linear(2, e, n)(h, y)
+            y *= w_slot[group][:, None]
+            if n == 1:
+                acc[tokens[0]] += y[0]
+            elif (tokens[1:] != tokens[:-1]).all():               # a token once per expert
+                acc[tokens] += y
+            else:                                                 # ids repeating an expert
+                np.add.at(acc, tokens, y)
         out[...] = acc
         return out
 

@@ -1,7 +1,13 @@
-"""Bounded speed check of the MXFP4 row kernel against q4 / q8 / bf16: one token (the decode
-step's shape) times a 4096 x 4096 matrix, per ISA path, 1 thread; weight bytes / second.
+"""Bounded speed check of the MXFP4 kernels against q4 / q8 / bf16, per ISA path and
+activations, 1 thread: one token (the decode step's shape: the row kernel, weight bytes /
+second) and 16 / 64 tokens (an expert's share of a prefill: the GEMM path on f32
+activations, the integer row kernel on int8 / int16; multiply-adds / second).
 
-    python scripts/bench_mxfp4.py [--repeat 50]
+    python scripts/bench_mxfp4.py [--rows 2880] [--cols 2880] [--tokens 1,16,64]
+                                  [--isas avx2,avx512vnni] [--formats mxfp4,q4] [--seconds 0.2]
+
+Each figure is the best of 5 timings of a loop of about `seconds`; print `uptime` beside it
+(the machine may be shared).
 """
 from __future__ import annotations
 
@@ -13,10 +19,11 @@ import numpy as np
 from colibri import kernels, mxfp4, runtime
 from colibri.weights import WeightRef
 
-R = C = 4096
+FORMATS = ("mxfp4", "q4", "q8", "bf16")
+ACTIVATIONS = ("f32", "int16", "int8")
 
 
-def weight(fmt: str, rng) -> WeightRef:
+def weight(fmt: str, R: int, C: int, rng) -> WeightRef:
     if fmt == "mxfp4":
         codes = rng.integers(0, 256, size=(R, C // 2), dtype=np.uint8)
         scales = rng.integers(120, 130, size=(R, C // 32), dtype=np.uint8)
@@ -26,27 +33,51 @@ def weight(fmt: str, rng) -> WeightRef:
     return WeightRef.from_array(w, fmt, 32 if fmt in ("q4", "q8") else 0)
 
 
+def best_time(p, x, out, seconds: float) -> float:
+    p(x, out)
+    t0 = time.perf_counter()
+    p(x, out)
+    n = max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            p(x, out)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--rows", type=int, default=2880)
+    ap.add_argument("--cols", type=int, default=2880)
+    ap.add_argument("--tokens", default="1,16,64")
+    ap.add_argument("--isas", default=",".join(runtime.available_isas()))
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--activations", default=",".join(ACTIVATIONS))
+    ap.add_argument("--seconds", type=float, default=0.2)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, C)).astype(np.float32)
-    out = np.empty((1, R), np.float32)
-    refs = {f: weight(f, rng) for f in ("mxfp4", "q4", "q8", "bf16")}
+    R, C = args.rows, args.cols
+    refs = {f: weight(f, R, C, rng) for f in args.formats.split(",")}
     previous = runtime.get_isa()
+    print(f"{R} x {C}, 1 thread; ms per call, GB/s of weights (1 token) or GMAC/s")
     try:
-        for isa in runtime.available_isas():
+        for isa in args.isas.split(","):
             runtime.set_isa(isa)
-            for fmt, w in refs.items():
-                p = kernels.prepare_linear(w, threads=1, activations="f32")
-                p(x, out)
-                t0 = time.perf_counter()
-                for _ in range(args.repeat):
-                    p(x, out)
-                dt = (time.perf_counter() - t0) / args.repeat
-                nbytes = w.rows * w.row_stride
-                print(f"{isa:10s} {fmt:6s} {dt * 1e3:7.3f} ms  {nbytes / dt / 1e9:6.1f} GB/s")
+            for T in (int(t) for t in args.tokens.split(",")):
+                x = rng.standard_normal((T, C)).astype(np.float32)
+                out = np.empty((T, R), np.float32)
+                for fmt, w in refs.items():
+                    for act in args.activations.split(","):
+                        if act != "f32" and fmt == "bf16":
+                            continue                       # plain formats: f32 only
+                        p = kernels.prepare_linear(w, threads=1, activations=act)
+                        dt = best_time(p, x, out, args.seconds)
+                        rate = (f"{w.rows * w.row_stride / dt / 1e9:6.1f} GB/s" if T == 1
+                                else f"{R * C * T / dt / 1e9:6.1f} GMAC/s")
+                        print(f"{isa:10s} T={T:<3d} {fmt:6s} {act:5s} {dt * 1e3:8.3f} ms  "
+                              f"{rate}", flush=True)
     finally:
         runtime.set_isa(previous)
 

@@ -149,3 +149,34 @@ def test_mxfp4_model_matches_transformers_on_its_weights(mx, ref):
     assert _rel_err(steps, want1) <= F32_TOL
     # and the MXFP4 rounding is visible: the unquantized model differs
     assert _rel_err(got[ref.valid], ref.logits[ref.valid]) > 10 * F32_TOL
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_mxfp4_model_quantized_activations_within_bounds(mx, ref, activations):
+    """The MXFP4 experts on int16 / int8 activations (csrc/mxfp4.h's integer bodies) against
+    transformers on the same weights: within test_model's INT16_TOL / INT8_TOL
+    (docs/accuracy.md), and really another path (the decode step's logits move; a prompt's
+    experts with many tokens run int16 on f32 activations, moe.MXFP4_GEMM_TOKENS)."""
+    import colibri.api as api
+    from test_model import INT8_TOL, INT16_TOL, _positions, _rel_err
+    m, hf, _ = mx
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ref.ids), attention_mask=torch.from_numpy(ref.mask),
+                  position_ids=torch.from_numpy(_positions(ref.mask))).logits.numpy()
+    seq = ref.seqs[0]
+    cache = m.new_cache(ctx=32)
+    exact = np.stack([api.forward(m, np.array([t]), cache=cache)[0] for t in seq])
+    mq = api.load(m.file.path, threads=2, activations=activations, kv_dtype="f32")
+    try:
+        got = api.forward(mq, ref.ids, attention_mask=ref.mask)
+        cache = mq.new_cache(ctx=32)
+        steps = np.stack([api.forward(mq, np.array([t]), cache=cache)[0] for t in seq])
+    finally:
+        mq.close()
+    with torch.no_grad():
+        want1 = hf(input_ids=torch.from_numpy(seq[None])).logits.numpy()[0]
+    tol = INT16_TOL if activations == "int16" else INT8_TOL
+    err = _rel_err(got[ref.valid], want[ref.valid])
+    print(f"\n[gpt-oss mxfp4 {activations}] prompt {err:.2e} decode {_rel_err(steps, want1):.2e}")
+    assert err <= tol and _rel_err(steps, want1) <= tol
+    assert _rel_err(steps, exact) > 0          # the decode step's experts: the integer bodies

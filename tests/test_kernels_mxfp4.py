@@ -1,6 +1,7 @@
 """The MXFP4 weight format (colibri/mxfp4.py, csrc/mxfp4.h): its bytes against transformers'
 MXFP4 decoder, the quantizer, and the kernels (row kernel, GEMM path, expert FFN, dequantize)
-on every ISA path against the NumPy references; each SIMD body against the scalar one."""
+on every ISA path against the NumPy references; each SIMD body against the scalar one. (The
+int8 / int16 activation bodies: tests/test_mxfp4_idot.py; the GEMM panel: test_mxfp4_gemm.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -92,16 +93,6 @@ def test_linear_matches_reference(isa, threads):
         for t in range(min(T, 3)):                      # the row kernel, one token
             assert_dot_close(K.linear(x[t], w, threads=threads), R.linear_ref(x[t], w),
                              magnitude(x[t], w), f"token {t}")
-
-
-def test_activations_setting_keeps_the_f32_path(isa):
-    """int8 / int16 activations apply to q4/q8 only: an mxfp4 matrix gives the same bits."""
-    rng = rng_for("mx-act")
-    w = mx_weight(rng, (9, 64))
-    x = rng.standard_normal((2, 64)).astype(F32)
-    exact = K.linear(x, w)
-    for act in ("int8", "int16"):
-        np.testing.assert_array_equal(K.linear(x, w, activations=act), exact)
 
 
 def test_expert_stacks_and_ffn(isa):

@@ -10,6 +10,7 @@
 #include "avx2_int.h"
 #include "avx512.h"
 #include "vnni.h"
+#include "mxfp4.h"
 
 /* ------------------------------------------------------------------------------------------
  * Run-time choice of the path.
@@ -194,6 +195,7 @@ static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t
  * AVX-512 CPU has AVX2; an AVX-512 body without VNNI measured nothing to gain over them). */
 static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 {
+    if (fmt == COLIBRI_MXFP4) return colibri_idot_mxfp4_for(isa, wide);
     if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
     if (isa == COLIBRI_ISA_SCALAR) {
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_scalar : colibri_idot16_q4_scalar;

@@ -5,6 +5,7 @@
 
 #include "types.h"
 #include "avx2.h"
+#include "mxfp4.h"
 
 /* ==========================================================================================
  * GEMM path (prefill): one panel of up to COLIBRI_GEMM_NR weight rows against many tokens.
@@ -213,8 +214,22 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
                     _mm256_store_ps(out + 24, _mm256_mul_ps(w[3], sv));
                 }
             }
-        } else if (fmt == COLIBRI_MXFP4) {       /* decoded once per panel, element by element */
-            for (c = 0; c < kc8; c++)
+        } else if (fmt == COLIBRI_MXFP4) {
+            /* per 32-column block: the 16 code bytes as 2 * FP4 in int8 by one pshufb per
+             * half (colibri_fp4x32_avx2), widened, times scale / 2: v * 2^(e - 127) exactly,
+             * the float colibri_weight_elem gives (an FP4 value has 2 significant bits; the
+             * smallest product, 2^-128, is a float). cols is a multiple of 32, so kc8 is. */
+            const uint8_t *q = row + c0 / 2, *sp = row + cols / 2 + c0 / 32;
+            __m256 w[4];
+            for (j = 0; j < nblk; j++, q += 16) {
+                const __m256 sv = _mm256_set1_ps(0.5f * colibri_e8m0_to_f32(sp[j]));
+                colibri_fp4x32_avx2(q, w);
+                _mm256_store_ps(out + 32 * j, _mm256_mul_ps(w[0], sv));
+                _mm256_store_ps(out + 32 * j + 8, _mm256_mul_ps(w[1], sv));
+                _mm256_store_ps(out + 32 * j + 16, _mm256_mul_ps(w[2], sv));
+                _mm256_store_ps(out + 32 * j + 24, _mm256_mul_ps(w[3], sv));
+            }
+            for (c = 32 * nblk; c < kc8; c++)
                 out[c] = colibri_weight_elem(fmt, row, cols, group, c0 + c);
         } else {
             for (c = 0; c < kc8; c += 8)

@@ -116,6 +116,8 @@ cdef inline Py_ssize_t _gemm_min_for(const Wmat *m) noexcept nogil:
     activations (m.iact), the f32 one otherwise."""
     if not m.iact:
         return _gemm_min
+    if m.igemm == NULL:                      # mxfp4: no integer GEMM body, the row kernel
+        return _NEVER
     if _igemm_min > 0:
         return _igemm_min
     return m.igemm_min if m.igemm_min > 0 else _NEVER

@@ -59,7 +59,7 @@ ctypedef struct Wmat:
     colibri_dot_fn dot         # row kernel of the current ISA
     colibri_gemm_fn gemm       # GEMM panel kernel of the current ISA (prefill path)
     float *gemm_scratch        # COLIBRI_GEMM_SCRATCH floats per thread; NULL: no GEMM path
-    bint iact                  # quantized activations (int8 / int16) and a q8/q4 format:
+    bint iact                  # quantized activations (int8 / int16) and a q8/q4/mxfp4 format:
                                # idot, not dot
     bint wide                  # ... with int16 codes (activations="int16")
     colibri_idot_fn idot       # that row kernel of the current ISA (iact only)
@@ -147,7 +147,8 @@ def weight_span(w, str name="weight"):
 cdef object _load(object w, str name, Wmat *m, int act=0):
     """Check w and fill m for the current ISA; return the typed view of the buffer, which
     the caller keeps alive while the kernel runs. act: the activations code (_activations:
-    1 int8, 2 int16), which q8/q4 weights honour (m.iact); plain formats keep the f32 path."""
+    1 int8, 2 int16), which q8/q4/mxfp4 weights honour (m.iact); plain formats keep the f32
+    path."""
     buf, dtype, offset, rows, cols, group, row_stride, n_experts, expert_stride, _ = \
         _checked(w, name)
     cdef const uint8_t[::1] view = buf
@@ -166,7 +167,7 @@ cdef object _load(object w, str name, Wmat *m, int act=0):
     m.gemm_scratch = NULL
     if m.dot == NULL or m.gemm == NULL:
         raise RuntimeError(f"{name}: no row kernel for format {dtype} on ISA {_isa}")
-    m.iact = act != 0 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4)
+    m.iact = act != 0 and (m.fmt == COLIBRI_Q8 or m.fmt == COLIBRI_Q4 or m.fmt == COLIBRI_MXFP4)
     m.wide = m.iact and act == 2
     m.idot = NULL
     m.igemm = NULL
@@ -175,7 +176,7 @@ cdef object _load(object w, str name, Wmat *m, int act=0):
         m.idot = colibri_idot_for(_isa, m.fmt, m.wide)
         m.igemm = colibri_igemm_for(_isa, m.fmt, m.wide)
         m.igemm_min = colibri_igemm_crossover(_isa, m.wide)
-        if m.idot == NULL or m.igemm == NULL:
+        if m.idot == NULL or (m.igemm == NULL and m.fmt != COLIBRI_MXFP4):   # mxfp4: no igemm
             raise RuntimeError(f"{name}: no {ACTIVATIONS[act]} row kernel for format {dtype} "
                                f"on ISA {_isa}")
         # int16: 3 tokens per pass (q4 1024 x 1024 in cache, 12 tokens, 1 thread: 4 per pass
