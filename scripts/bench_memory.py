@@ -76,6 +76,10 @@ def run_limited(cmd: list[str], limit: int, timeout: float
         stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
         majflt = int(stat.get("total_pgmajfault", stat.get("pgmajfault", 0)))
         result = None
+        if code < 0 and code != -1:          # killed: say by which signal (the OOM killer: 9)
+            err = f"killed by signal {-code}; {err}"
+        elif code > 0:
+            err = f"exit status {code}; {err}"
         if code == 0:
             result = json.loads(out)
         return result, peak, (err.strip().splitlines() or [""])[-1] + (
