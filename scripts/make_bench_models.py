@@ -16,11 +16,11 @@ Models (geometry; parameters total / active per token):
                  DeepSeek-V2-Lite's geometry, 8 of its 27 layers: hidden 2048, MLA (16 heads,
                  kv_lora_rank 512, q without LoRA, nope 128 + rope 64, v 128), layer 0 dense
                  (intermediate 10944), then 64 routed experts top-6 (intermediate 1408) plus 2
-                 shared, greedy softmax routing, vocab 102400            (3.87 B / 0.90 B)
+                 shared, greedy softmax routing, vocab 102400            (4.59 B / 1.08 B)
   gpt-oss-20b-8L GPT-OSS-20B's geometry, 8 of its 24 layers: hidden 2880, 64 heads of 64 / 8
                  KV heads with sinks, sliding (128) and full layers alternating, 32 experts
                  top-4 (intermediate 2880) stored as released, MXFP4 blocks + E8M0 scales,
-                 vocab 201088                                            (7.5 B / 2.5 B)
+                 vocab 201088                                            (7.74 B / 2.17 B)
   tiny-moe       the shipped model's geometry (hidden 256, intermediate 512, 6 layers, 8 heads
                  / 2 KV, 8 experts top-2, vocab 4096, tied): the small-matrix case
   --small        mixtral-mini-small / olmoe-small: the same families and routing at a size a
