@@ -158,15 +158,24 @@ def _matmul_act(x32: np.ndarray, w: "WeightRef", expert: int, bits: int) -> np.n
     `bits` (8, 16) for a q4/q8/mxfp4 weight, else (or bits 0) the exact product."""
     if not (bits and w.dtype in ("q8", "q4", "mxfp4")):
         return x32.astype(np.float64) @ dequantize_ref(w, expert).astype(np.float64).T
+    isum, d, s_blk = _block_sums(x32, w, expert, bits)
+    with np.errstate(invalid="ignore"):
+        return np.einsum("rb,tb,trb->tr", s_blk.astype(np.float64), d.astype(np.float64),
+                         isum.astype(np.float64))
+
+
+def _block_sums(x32: np.ndarray, w: "WeightRef", expert: int, bits: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact integer dot of every 32-column block of the quantized x (T, C) with the
+    weight codes -> isum int64 (T, R, C/32), the activation scales d float32 (T, C/32), the
+    weight scale of each block float32 (R, C/32)."""
     q, d = quantize_activations_ref(x32, bits)
     codes, scales = _codes_scales(w, expert)
     T, C = q.shape
     R, nb = w.rows, C // 32
     isum = np.einsum("tbi,rbi->trb", q.reshape(T, nb, 32).astype(np.int64),
-                     codes.reshape(R, nb, 32))                       # exact (T, R, C/32)
-    s_blk = np.repeat(scales.astype(np.float64), w.group_size // 32, axis=1)   # (R, C/32)
-    with np.errstate(invalid="ignore"):
-        return np.einsum("rb,tb,trb->tr", s_blk, d.astype(np.float64), isum.astype(np.float64))
+                     codes.reshape(R, nb, 32))
+    return isum, d, np.repeat(scales, w.group_size // 32, axis=1)
 
 
 def linear_iact_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
@@ -222,13 +231,8 @@ def linear_igemm_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = No
     (csrc/igemm.h); then + bias[r] (float32).
     """
     x32 = np.atleast_2d(np.asarray(x, dtype=F32))
-    q, d = quantize_activations_ref(x32, bits)
-    codes, scales = _codes_scales(w, expert)
-    T, C = q.shape
-    R, nb = w.rows, C // 32
-    isum = np.einsum("tbi,rbi->trb", q.reshape(T, nb, 32).astype(np.int64),
-                     codes.reshape(R, nb, 32))                       # exact (T, R, C/32)
-    s_blk = np.repeat(scales, w.group_size // 32, axis=1)            # (R, C/32) float32
+    isum, d, s_blk = _block_sums(x32, w, expert, bits)
+    T, R, nb = isum.shape
     acc = np.zeros((T, R), dtype=F32)
     with np.errstate(invalid="ignore", over="ignore"):
         for b in range(nb):
