@@ -143,6 +143,33 @@ def request(port: int, body: dict) -> str | None:
         conn.close()
 
 
+def send_requests(port: int, body: dict, n_requests: int, n_clients: int
+                  ) -> tuple[Counter, float]:
+    """n_requests requests shared among n_clients concurrent connections -> (requests per
+    answering worker, wall seconds)."""
+    seen: Counter = Counter()
+    lock = threading.Lock()
+    todo = list(range(n_requests))
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                todo.pop()
+            w = request(port, body)
+            with lock:
+                seen[w] += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return seen, time.perf_counter() - start
+
+
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(x) for x in f.read().split()]
@@ -189,25 +216,7 @@ def measure_serve(args) -> None:
                     "max_tokens": args.tokens, "stream": True}
             if n > 1:       # every worker ready (started and answering), not just one
                 until_all_answer(port, n, body, deadline)
-            seen: Counter = Counter()
-            lock = threading.Lock()
-            todo = list(range(args.requests))
-
-            def client() -> None:
-                while True:
-                    with lock:
-                        if not todo:
-                            return
-                        todo.pop()
-                    w = request(port, body)
-                    with lock:
-                        seen[w] += 1
-
-            threads = [threading.Thread(target=client) for _ in range(args.clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            seen, _ = send_requests(port, body, args.requests, args.clients)
             pids = [proc.pid] + (children(proc.pid) if n > 1 else [])
             t = total(pids)
             shared = t["Shared_Clean"] + t["Shared_Dirty"]
@@ -265,27 +274,7 @@ def measure_spread(args) -> None:
             pids = spread_servers(args.model, n, sockets, port)
             try:
                 until_all_answer(port, n, body, time.monotonic() + args.startup_timeout)
-                counts: Counter = Counter()
-                lock = threading.Lock()
-                todo = list(range(args.requests))
-
-                def client() -> None:
-                    while True:
-                        with lock:
-                            if not todo:
-                                return
-                            todo.pop()
-                        w = request(port, body)
-                        with lock:
-                            counts[w] += 1
-
-                start = time.perf_counter()
-                threads = [threading.Thread(target=client) for _ in range(clients)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall = time.perf_counter() - start
+                counts, wall = send_requests(port, body, args.requests, clients)
                 print(f"{sockets:>9} {clients:>7}  {sorted(counts.values(), reverse=True)!s:<36}"
                       f" {wall:.1f}", flush=True)
             finally:
