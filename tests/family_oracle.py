@@ -29,7 +29,8 @@ from colibri.families import get_family
 from colibri.families.deepseek import deinterleave_rows
 from colibri.tools.trace import trace
 from cli_helpers import run as run_cli
-from test_model import (BOUNDS, F32_TOL, _positions, _prompts, _rel_err, quality)
+from test_model import (BOUNDS, F32_TOL, _hf_param, _positions, _prompts, _rel_err,
+                        quality)
 
 __all__ = ["FamilyRef", "PARITY_FORMATS", "test_f32_full_prompt_batch_with_padding",
            "test_f32_batch_step_by_step_with_cache", "test_f32_decode_step",
@@ -47,44 +48,11 @@ PARITY_FORMATS = {   # name -> convert() keyword arguments (test_model.FORMATS' 
 }
 EVAL_SHAPE = (4, 32)
 
-_MLP = {"w_gate": "gate_proj.weight", "w_up": "up_proj.weight", "w_down": "down_proj.weight"}
-_ATTN = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight",
-         "wo": "o_proj.weight", "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias",
-         "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "wq_a": "q_a_proj.weight",
-         "q_a_norm": "q_a_layernorm.weight", "wq_b": "q_b_proj.weight",
-         "wkv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
-         "wkv_b": "kv_b_proj.weight"}
-
 
 def hf_name(name: str, hf) -> tuple[str, tuple]:
     """transformers parameter/buffer name (and index into it) of canonical tensor `name`,
     for the DeepSeek / GLM-4-MoE module layout (shared_experts, gate.e_score_correction_bias)."""
-    top = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight",
-           "lm_head": "lm_head.weight"}
-    if name in top:
-        return top[name], ()
-    _, i, rest = name.split(".", 2)
-    p = f"model.layers.{i}."
-    if rest in ("attn_norm", "ffn_norm"):
-        return p + ("input_layernorm.weight" if rest == "attn_norm"
-                    else "post_attention_layernorm.weight"), ()
-    kind, _, sub = rest.partition(".")
-    if kind == "attn":
-        return p + "self_attn." + _ATTN[sub], ()
-    if kind == "mlp":
-        return p + "mlp." + _MLP[sub], ()
-    if sub == "router":
-        return p + "mlp.gate.weight", ()
-    if sub == "correction_bias":
-        return p + "mlp.gate.e_score_correction_bias", ()
-    if sub.startswith("shared."):
-        return p + "mlp.shared_experts." + _MLP[sub.split(".")[1]], ()
-    _, e, proj = sub.split(".")
-    e, inter = int(e), hf.model.layers[int(i)].mlp.experts.down_proj.shape[-1]
-    if proj == "w_down":
-        return p + "mlp.experts.down_proj", (e,)
-    half = slice(0, inter) if proj == "w_gate" else slice(inter, 2 * inter)
-    return p + "mlp.experts.gate_up_proj", (e, half)
+    return _hf_param(name, hf, shared="shared_experts")
 
 
 def interleave_back(name: str, w: np.ndarray, hf_config) -> np.ndarray:

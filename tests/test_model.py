@@ -112,12 +112,18 @@ def quality(got: np.ndarray, want: np.ndarray) -> tuple[float, float, float]:
 
 _ATTN = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
          "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias", "q_norm": "q_norm.weight",
-         "k_norm": "k_norm.weight"}
+         "k_norm": "k_norm.weight",
+         # multi-head latent attention (DeepSeek-V2/V3)
+         "wq_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight", "wq_b": "q_b_proj.weight",
+         "wkv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
+         "wkv_b": "kv_b_proj.weight"}
 _MLP = {"w_gate": "gate_proj.weight", "w_up": "up_proj.weight", "w_down": "down_proj.weight"}
 
 
-def _hf_param(name: str, hf) -> tuple[str, tuple]:
-    """transformers parameter name (and index into it) holding canonical tensor `name`."""
+def _hf_param(name: str, hf, shared: str = "shared_expert") -> tuple[str, tuple]:
+    """transformers parameter name (and index into it) holding canonical tensor `name`;
+    shared: the shared expert's module ("shared_expert" in Qwen2-MoE, "shared_experts" in
+    DeepSeek / GLM-4-MoE)."""
     top = {"tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight",
            "lm_head": "lm_head.weight"}
     if name in top:
@@ -135,10 +141,12 @@ def _hf_param(name: str, hf) -> tuple[str, tuple]:
         return p + "mlp." + _MLP[sub], ()
     if sub == "router":
         return p + "mlp.gate.weight", ()
+    if sub == "correction_bias":
+        return p + "mlp.gate.e_score_correction_bias", ()
     if sub == "shared_gate":
         return p + "mlp.shared_expert_gate.weight", ()
     if sub.startswith("shared."):
-        return p + "mlp.shared_expert." + _MLP[sub.split(".")[1]], ()
+        return p + f"mlp.{shared}." + _MLP[sub.split(".")[1]], ()
     _, e, proj = sub.split(".")                              # experts.{e}.{proj}
     e = int(e)
     inter = hf.model.layers[int(i)].mlp.experts.down_proj.shape[-1]
