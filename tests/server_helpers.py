@@ -31,6 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def children(pid: int) -> list[int]:
+    """The pids of pid's children (a `colibri serve --workers N` supervisor's workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return sorted(int(x) for x in f.read().split())
+    except FileNotFoundError:
+        return []
+
+
 @contextlib.contextmanager
 def running_server(settings: Settings):
     """(base url, app) of a uvicorn serving create_app(settings) in a thread; stopped after."""

@@ -26,14 +26,9 @@ openai = pytest.importorskip("openai", reason="the openai client is not installe
 
 from colibri.api import default_model_path  # noqa: E402
 from colibri.server.ray_serve import build  # noqa: E402
+from server_helpers import free_port  # noqa: E402
 
 WORKER_HEADER = "x-colibri-worker"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str) -> tuple[int, dict, str | None]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +30,11 @@ pytest.importorskip("fastapi", reason="the server extra is not installed "
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
+from server_helpers import children, free_port  # noqa: E402
 
 EXAMPLES = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "15"))
 API_KEY = "fuzz-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, str, str | None]:
@@ -51,14 +45,6 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str, str | None]:
             return r.status, r.read().decode(), r.headers.get("X-Colibri-Worker")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(), e.headers.get("X-Colibri-Worker")
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return sorted(int(x) for x in f.read().split())
-    except FileNotFoundError:
-        return []
 
 
 @pytest.fixture(scope="module")

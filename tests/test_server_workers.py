@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,23 +24,10 @@ pytest.importorskip("fastapi", reason="the server extra is not installed "
                     "(pip install 'colibri[server]')")
 
 from colibri.api import default_model_path  # noqa: E402
+from server_helpers import children, free_port  # noqa: E402
 
 WORKER_HEADER = "x-colibri-worker"
 VERSION_HEADER = "x-colibri-model-version"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return sorted(int(x) for x in f.read().split())
-    except FileNotFoundError:
-        return []
 
 
 def alive(pid: int) -> bool:
