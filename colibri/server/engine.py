@@ -154,14 +154,18 @@ class ModelHolder:
         t0 = time.perf_counter()
         with self._reload_lock:
             old = self.current
-            try:
-                f = open_checked(self.path)
-            except (ColibriError, OSError) as e:
+
+            def refused(e: Exception) -> ReloadResult:
                 self.failed_reloads += 1
                 msg = f"reload refused, version {old.version} keeps serving: {e}"
                 log.error("%s", msg)
                 return ReloadResult(False, False, old.version, old.version, msg,
                                     time.perf_counter() - t0)
+
+            try:
+                f = open_checked(self.path)
+            except (ColibriError, OSError) as e:
+                return refused(e)
             if version_of(f) == old.version:
                 f.close()
                 return ReloadResult(False, True, old.version, old.version,
@@ -170,11 +174,7 @@ class ModelHolder:
             try:
                 new = self._engine(f)
             except (ColibriError, ValueError) as e:
-                self.failed_reloads += 1
-                msg = f"reload refused, version {old.version} keeps serving: {e}"
-                log.error("%s", msg)
-                return ReloadResult(False, False, old.version, old.version, msg,
-                                    time.perf_counter() - t0)
+                return refused(e)
             if self._started:
                 new.start()
             self.current = new                    # new requests go here from now on
