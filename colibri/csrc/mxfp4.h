@@ -124,26 +124,14 @@ COLIBRI_AVX512_INLINE void colibri_dot_mxfp4_avx512_body(const uint8_t *row, ptr
     for (t = 0; t < NT; t++) out[t * os] = colibri_hsum512(acc[t]);
 }
 
-#define COLIBRI_MXFP4_ROWS(BODY, NT)                                                         \
-    for (i = 0; i < nrows; i++) BODY(row0 + i * rs, cols, x, xs, out + i, os, NT);
+/* The entry points: avx2.h's COLIBRI_DEF_PLAIN (one body unrolled per token count), the
+ * format argument it passes dropped (these bodies know theirs). */
+#define COLIBRI_MXFP4_AVX2_BODY(FMT, ...) colibri_dot_mxfp4_avx2_body(__VA_ARGS__)
+#define COLIBRI_MXFP4_AVX512_BODY(FMT, ...) colibri_dot_mxfp4_avx512_body(__VA_ARGS__)
 
-#define COLIBRI_DEF_MXFP4(NAME, ATTR, BODY)                                                  \
-    ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t nrows, ptrdiff_t cols,     \
-                   ptrdiff_t group, const float *x, ptrdiff_t xs, const float *xsum,       \
-                   ptrdiff_t ss, int nt, float *out, ptrdiff_t os)                          \
-    {                                                                                       \
-        ptrdiff_t i;                                                                        \
-        (void)group; (void)xsum; (void)ss;                                                  \
-        switch (nt) {                                                                       \
-        case 1: COLIBRI_MXFP4_ROWS(BODY, 1) break;                                          \
-        case 2: COLIBRI_MXFP4_ROWS(BODY, 2) break;                                          \
-        case 3: COLIBRI_MXFP4_ROWS(BODY, 3) break;                                          \
-        default: COLIBRI_MXFP4_ROWS(BODY, 4) break;                                         \
-        }                                                                                   \
-    }
-
-COLIBRI_DEF_MXFP4(colibri_dot_mxfp4_avx2, COLIBRI_AVX2_FN, colibri_dot_mxfp4_avx2_body)
-COLIBRI_DEF_MXFP4(colibri_dot_mxfp4_avx512, COLIBRI_AVX512_FN, colibri_dot_mxfp4_avx512_body)
+COLIBRI_DEF_PLAIN(colibri_dot_mxfp4_avx2, COLIBRI_MXFP4, COLIBRI_AVX2_FN, COLIBRI_MXFP4_AVX2_BODY)
+COLIBRI_DEF_PLAIN(colibri_dot_mxfp4_avx512, COLIBRI_MXFP4, COLIBRI_AVX512_FN,
+                  COLIBRI_MXFP4_AVX512_BODY)
 #endif /* COLIBRI_X86 */
 
 /* ==========================================================================================
