@@ -129,7 +129,8 @@ class GGUFPlan:
     errors: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
 
-def _gguf_name(kind: str, layer: int | None) -> str:
+def gguf_tensor_name(kind: str, layer: int | None) -> str:
+    """llama.cpp's name of a canonical tensor kind (of layer `layer`): "blk.3.attn_q.weight"."""
     base, suffix = TENSOR_KINDS[kind]
     return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, base)].format(bid=layer) + "." + suffix
 
@@ -197,7 +198,7 @@ def plan_gguf(src: str | os.PathLike, quant: str = "auto") -> GGUFPlan:
 def _sources(src: Path, t: CanonicalTensor, cfg: ModelConfig, by_name: Mapping[str, Any]
              ) -> tuple[Any, ...]:
     """The GGUF tensor(s) holding canonical tensor t, shape-checked."""
-    if t.kind == "attn.wkv_b" and _gguf_name("attn.wkv_b", t.layer) not in by_name:
+    if t.kind == "attn.wkv_b" and gguf_tensor_name("attn.wkv_b", t.layer) not in by_name:
         kb, vb = (f"blk.{t.layer}.attn_k_b.weight", f"blk.{t.layer}.attn_v_b.weight")
         if kb in by_name and vb in by_name:
             H, dn, dv, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
@@ -205,7 +206,7 @@ def _sources(src: Path, t: CanonicalTensor, cfg: ModelConfig, by_name: Mapping[s
             _check_shape(src, by_name[kb], (H, r, dn), t.name)
             _check_shape(src, by_name[vb], (H, dv, r), t.name)
             return by_name[kb], by_name[vb]
-    name = _gguf_name(t.kind, t.layer)
+    name = gguf_tensor_name(t.kind, t.layer)
     if name not in by_name:
         raise ColibriError(f"{src}: GGUF has no tensor {name!r} (for {t.name})")
     g = by_name[name]

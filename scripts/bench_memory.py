@@ -1,6 +1,7 @@
 """Decode speed of a model larger than the memory it may use: a memory cgroup around each run.
 
     sudo python scripts/bench_memory.py MODEL.colibri --limits 2GiB,1.5GiB --threads 2
+    sudo python scripts/bench_memory.py --configs llama.cpp-mmap --llama-gguf M.gguf --llama-bin BIN
 
 For every memory limit, each configuration runs in a fresh process inside a cgroup v1 memory
 group (/sys/fs/cgroup/memory/colibri-bench-<pid>, memory.limit_in_bytes = the limit; the page
@@ -95,7 +96,8 @@ def run_limited(cmd: list[str], limit: int, timeout: float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", help="the .colibri file (not needed when --configs "
+                    "names only llama.cpp configs)")
     ap.add_argument("--limits", default="2GiB,1.5GiB")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--margin", type=byte_size, default=byte_size("200MiB"),
@@ -121,6 +123,9 @@ def main() -> int:
     if bad or (any(c in LLAMA_CONFIGS for c in configs) and not args.llama_gguf):
         ap.error(f"--configs: unknown {bad} or llama.cpp configs without --llama-gguf; "
                  f"expected names from {', '.join([*CONFIGS, *LLAMA_CONFIGS])}")
+    if args.model is None and any(c in CONFIGS for c in configs):
+        ap.error(f"the colibri configs ({', '.join(c for c in configs if c in CONFIGS)}) need "
+                 f"the MODEL argument")
     records = []
     print("| limit | config | t/s | hit rate | MB read/token | major faults/token | "
           "cgroup peak | load (1 min) |")
