@@ -47,6 +47,7 @@ __all__ = ["MemoryPlan", "memory_plan", "ExpertCache", "MemoryBudgetError", "MOD
 
 MODES = ("arena", "madvise")
 DEFAULT_POLICY = "least-stale"     # chosen by the simulator's measurements (docs/memory.md)
+READ_CHUNK = 1 << 30               # bytes per read call (Linux caps one read at 2 GiB - 4 KiB)
 
 
 class MemoryBudgetError(ColibriError, ValueError):
@@ -108,18 +109,34 @@ def memory_plan(f: ColibriFile, budget: int | None = None) -> MemoryPlan:
     return MemoryPlan(dense, plan.dense_bytes, slot, plan.n_blocks, E, layers, int(budget), n)
 
 
+def read_fully(fd: int, view: memoryview, offset: int) -> int:
+    """Read len(view) bytes of fd from offset into view, however many reads it takes (one
+    read returns at most ~2 GiB on Linux, and fewer bytes when a signal interrupts it).
+    Returns the bytes read: fewer than len(view) only at the end of the file."""
+    done, size = 0, len(view)
+    while done < size:
+        got = os.preadv(fd, [view[done: done + READ_CHUNK]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 def read_dense(f: ColibriFile, ranges) -> np.ndarray:
     """An anonymous buffer the size of the file with only `ranges` read into it (the other
     pages never touched, so never resident): the weights of mmap=False, at the same offsets."""
     arena = mmap.mmap(-1, f.file_size)
     buf = np.frombuffer(arena, np.uint8)
-    with open(f.path, "rb", buffering=0) as fh:
+    fd = os.open(f.path, os.O_RDONLY)
+    try:
         for off, size in ranges:
-            view = memoryview(arena)[off: off + size]
-            got = fh.readinto(view) if fh.seek(off) == off else 0
-            view.release()
+            with memoryview(arena)[off: off + size] as view:
+                got = read_fully(fd, view, off)
             if got != size:
-                raise ColibriError(f"{f.path}: short read of {size} bytes at offset {off}")
+                raise ColibriError(f"{f.path}: short read: {got} of {size} bytes at offset "
+                                   f"{off} (the file changed or was truncated?)")
+    finally:
+        os.close(fd)
     return buf
 
 
@@ -146,7 +163,7 @@ class _Reader:
             except OSError:                      # the file system refuses O_DIRECT reads
                 os.close(self.direct)
                 self.direct = -1
-        got = os.preadv(self.fd, [view[:size]], offset)
+        got = read_fully(self.fd, view[:size], offset)
         if got != size:
             raise ColibriError(f"short read of an expert block: {got} of {size} bytes at "
                                f"offset {offset}")

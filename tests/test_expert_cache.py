@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import residency
+from colibri import expert_cache, residency
 from colibri.cli import main
 from colibri.commands.common import byte_size
 from colibri.eviction import POLICIES
 from colibri.expert_cache import MemoryBudgetError, memory_plan
+from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 
 TOKENS = [5, 7, 9, 11, 3, 5, 7, 100, 200, 300, 5, 7, 9, 41, 42]
@@ -100,6 +101,40 @@ def test_no_mmap_and_mlock(plan, reference):
     m.close()
     with pytest.raises(ValueError, match="madvise"):
         colibri.load(memory_budget=plan.minimum, mmap=False, cache_mode="madvise")
+
+
+def test_reads_that_return_part_of_what_was_asked(plan, reference, monkeypatch):
+    """One read returns at most ~2 GiB on Linux (and less when interrupted): mmap=False and
+    the arena's reads go on until they have every byte (a 5.4 GB file once failed to load
+    with "short read")."""
+    calls = []
+    real = expert_cache.os.preadv
+
+    def short_preadv(fd, buffers, offset):
+        calls.append(offset)
+        return real(fd, [memoryview(buffers[0])[:4096]], offset)
+
+    monkeypatch.setattr(expert_cache.os, "preadv", short_preadv)
+    m = colibri.load(threads=1, mmap=False)
+    assert same(run(m), reference) and len(calls) > 100
+    m.close()
+    m = colibri.load(threads=1, memory_budget=plan.minimum, mmap=False)
+    reader = m.expert_cache._reader           # the buffered reads (O_DIRECT reads whole pages)
+    if reader.direct >= 0:
+        os.close(reader.direct)
+        reader.direct = -1
+    assert same(run(m), reference)
+    m.close()
+
+
+def test_a_file_truncated_under_mmap_false(tmp_path, reference):
+    src = tmp_path / "m.colibri"
+    shutil.copy(colibri.default_model_path(), src)
+    f = ColibriFile(src)
+    with open(src, "r+b") as fh:                      # the mapping stays valid
+        fh.truncate(f.file_size // 2)
+    with pytest.raises(ColibriError, match="short read"):
+        expert_cache.read_dense(f, [(0, f.file_size)])
 
 
 def test_prefetch_recall_per_layer(plan):
