@@ -37,6 +37,7 @@ import numpy as np
 
 from . import kernels, quant
 from .attention import Attention, build_mask
+from .decode_layer import compile_layers
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
@@ -193,6 +194,7 @@ class Model:
         self._residual_mult = f32(c.residual_multiplier) if c.residual_multiplier != 1 else None
         self._logits_div = f32(c.logits_scaling) if c.logits_scaling != 1 else None
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
+        self._compiled = compile_layers(self)    # the decode step's layers in one call, or None
 
     def _cache_geometry(self) -> tuple[int, int, int, int]:
         """(layers, kv heads, key width, value width) of this model's KV cache; MLA caches
@@ -429,13 +431,31 @@ class Model:
         `position`, through every layer and the head, its key and value written to the
         cache's next slot, which is committed. Logits float32 (1, V), a new array; the
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
-        tm, eps, h = self.timings, state.eps, state.h          # eps: float32
-        xa, xf = state.xa, state.xf
-        norm, rm = self._norm_rows_into, self._residual_mult
+        tm, eps, h, xa = self.timings, state.eps, state.h, state.xa          # eps: float32
         if self._embedding_mult is not None:
             np.multiply(h, self._embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)
+        fast = self._compiled       # (colibri.decode_layer; _step_layers: its specification)
+        if fast is None or trace is not None or not fast.run(state, cache, cos, sin, tm):
+            self._step_layers(state, cos, sin, cache, trace)
+        t0 = time.perf_counter()
+        logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
+        self._norm_rows_into(h, self.final_norm, self.final_norm_bias, eps, xa)
+        self._head(xa, logits)
+        self._scale_logits(logits)
+        check_logits(logits, self.n_layers, h, xa)
+        tm.add("head", t0)
+        cache.commit_one(position)
+        return logits
+
+    def _step_layers(self, state: RunState, cos: np.ndarray, sin: np.ndarray, cache: KVCache,
+                     trace: RoutingTrace | None) -> None:
+        """_step's layers from Python, one kernel call at a time: the specification of the
+        compiled layers (colibri.decode_layer) and what runs where they do not."""
+        tm, eps, h, xa, xf = self.timings, state.eps, state.h, state.xa, state.xf
+        norm, rm = self._norm_rows_into, self._residual_mult
+        t0 = time.perf_counter()
         for i, layer in enumerate(self.layers):
             norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
             o = layer.attn.decode(xa, cos, sin, cache, i, state)
@@ -460,14 +480,6 @@ class Model:
                 np.multiply(y, rm, out=y)
             np.add(h, y, out=h)
             t0 = time.perf_counter()
-        logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        norm(h, self.final_norm, self.final_norm_bias, eps, xa)
-        self._head(xa, logits)
-        self._scale_logits(logits)
-        check_logits(logits, self.n_layers, h, xa)
-        tm.add("head", t0)
-        cache.commit_one(position)
-        return logits
 
     def _forward(self, input_ids, cache, positions, return_routing, input_embeds,
                  attention_mask, last_only):
