@@ -1,10 +1,12 @@
-"""The compiled decode step: every layer of one token in one call without the GIL.
+"""The layers of a decode step, two ways: from Python, one kernel call at a time
+(python_layers, the specification), and compiled, every layer in one call without the GIL
+(CompiledLayers).
 
-Model._step runs a decode step layer by layer from Python: per layer about eleven calls into
-the compiled module (RMSNorm rows, the fused q|k|v projection, q/k norms, RoPE, the cache
-write and attention, the output projection, the residual add, RMSNorm, the router, top-k,
-the experts, the shared expert, the add), each with its argument checks and the GIL taken
-back in between. colibri._kernels.DecodeLayers holds every layer's weights and settings,
+python_layers is Model._step's loop: per layer about eleven calls into the compiled module
+(RMSNorm rows, the fused q|k|v projection, q/k norms, RoPE, the cache write and attention,
+the output projection, the residual add, RMSNorm, the router, top-k, the experts, the
+shared expert, the add), each with its argument checks and the GIL taken back in between.
+colibri._kernels.DecodeLayers holds every layer's weights and settings,
 checked once when the model is built; DecodeBinding binds them to one cache and its RunState
 and runs all layers in one nogil call, through the same C functions in the same order
 (pyx/decode_layer.pxi). So its results are the Python step's, bit for bit, on every weight
@@ -12,8 +14,7 @@ format, activation setting, cache dtype, thread count and ISA path (the sigmoid 
 Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf differs from
 it in the last bit for ~40 % of arguments).
 
-What it does not do, the Python step still does (Model._step's loop is the specification
-and the fallback). Chosen when the model is built (`uncovered`: the reason, or None): MLA
+What the compiled layers do not do, python_layers does (the fallback). Chosen when the model is built (`uncovered`: the reason, or None): MLA
 attention, LayerNorm models, attention sinks, q / k / v that are not one fused projection,
 biased experts (GPT-OSS), a shared-expert gate where NumPy's exp loop is not found. Chosen per step (no exceptions, two cheap checks): a step that
 records its routing (return_routing), a model whose MoE layers have an experts_hook (an
@@ -21,17 +22,54 @@ expert cache, the residency telemetry).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import _kernels
 from .attention import Attention
 from .guards import NonFiniteError, layer_nan_stage
 from .moe import DenseMLP, MoE
+from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
 
-__all__ = ["CompiledLayers", "compile_layers", "uncovered"]
+__all__ = ["python_layers", "CompiledLayers", "compile_layers", "uncovered"]
 
 _STAGES = _kernels.STAGE_NAMES      # the stages of DecodeBinding.seconds (Model.timings keys)
+
+
+def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cache,
+                  trace: RoutingTrace | None) -> None:
+    """The layers of Model._step from Python (Model._step_layers): the token in state.h
+    (1, D) at the position of cos / sin (Rope.cos_sin_one, (Dr/2,)) through every layer,
+    its key and value to slot cache.length; its routing appended to trace when given."""
+    tm, eps, h, xa, xf = model.timings, state.eps, state.h, state.xa, state.xf
+    norm, rm = model._norm_rows_into, model._residual_mult
+    t0 = time.perf_counter()
+    for i, layer in enumerate(model.layers):
+        norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        o = layer.attn.decode(xa, cos, sin, cache, i, state)
+        if rm is not None:
+            np.multiply(o, rm, out=o)
+        np.add(h, o, out=h)
+        norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
+        t0 = tm.add("attention", t0)
+        if isinstance(layer.ffn, MoE):
+            try:
+                y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+            except ValueError as e:
+                if "NaN" not in str(e):
+                    raise
+                raise NonFiniteError(f"NaN in the forward pass, from "
+                                     f"{layer_nan_stage(i, xa, o, xf)}") from None
+            if trace is not None:
+                trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, model.threads)
+        else:
+            y = layer.ffn(xf, tm)
+        if rm is not None:
+            np.multiply(y, rm, out=y)
+        np.add(h, y, out=h)
+        t0 = time.perf_counter()
 
 
 def uncovered(model) -> str | None:

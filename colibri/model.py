@@ -13,13 +13,13 @@ It runs one of three ways:
   - the general path: any B and S, padding, masks, with or without a cache; NumPy
     attention over the whole batch (colibri.attention), new arrays per layer;
   - the decode step (Model._step): one new token of one sequence through a cache without
-    padding, what every generation step is. The same operations specialised to T = 1: the
-    residual stream updated in place, every per-layer vector in the cache's RunState, the
-    norms, RoPE and the attention over the cache as compiled row operations, the
-    projections, experts and head as prepared kernel calls (weights checked at load). A
-    plain call (token ids, no mask) gets there directly, without the general input checks
-    and the BLAS thread limit; any other call that is such a step (input_embeds, a mask of
-    ones, explicit positions) gets there after the checks.
+    padding, what every generation step is. The same operations specialised to T = 1, every
+    per-layer vector in the cache's RunState: all layers in one compiled call where
+    colibri.decode_layer covers them, else layer by layer (_step_layers, its specification:
+    norms, RoPE and the attention over the cache as compiled row operations, projections
+    and experts as prepared kernel calls). A plain call (token ids, no mask) gets there
+    directly, without the general input checks; any other such step (input_embeds, a mask
+    of ones, explicit positions) after the checks.
   - the ragged step (Model.forward_ragged, colibri.ragged): several sequences of different
     lengths, each through its own cache, their rows concatenated for the projections, the
     MoE and the head, attention per sequence; what continuous batching runs.
@@ -37,7 +37,7 @@ import numpy as np
 
 from . import kernels, quant
 from .attention import Attention, build_mask
-from .decode_layer import compile_layers
+from .decode_layer import compile_layers, python_layers
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
@@ -449,37 +449,9 @@ class Model:
         cache.commit_one(position)
         return logits
 
-    def _step_layers(self, state: RunState, cos: np.ndarray, sin: np.ndarray, cache: KVCache,
-                     trace: RoutingTrace | None) -> None:
-        """_step's layers from Python, one kernel call at a time: the specification of the
-        compiled layers (colibri.decode_layer) and what runs where they do not."""
-        tm, eps, h, xa, xf = self.timings, state.eps, state.h, state.xa, state.xf
-        norm, rm = self._norm_rows_into, self._residual_mult
-        t0 = time.perf_counter()
-        for i, layer in enumerate(self.layers):
-            norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
-            o = layer.attn.decode(xa, cos, sin, cache, i, state)
-            if rm is not None:
-                np.multiply(o, rm, out=o)
-            np.add(h, o, out=h)
-            norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
-            t0 = tm.add("attention", t0)
-            if isinstance(layer.ffn, MoE):
-                try:
-                    y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
-                except ValueError as e:
-                    if "NaN" not in str(e):
-                        raise
-                    raise NonFiniteError(f"NaN in the forward pass, from "
-                                         f"{layer_nan_stage(i, xa, o, xf)}") from None
-                if trace is not None:
-                    trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
-            else:
-                y = layer.ffn(xf, tm)
-            if rm is not None:
-                np.multiply(y, rm, out=y)
-            np.add(h, y, out=h)
-            t0 = time.perf_counter()
+    # the layers of a decode step from Python, one kernel call at a time (the specification
+    # of the compiled ones, and what runs where they do not): colibri.decode_layer
+    _step_layers = python_layers
 
     def _forward(self, input_ids, cache, positions, return_routing, input_embeds,
                  attention_mask, last_only):

@@ -13,6 +13,10 @@ sinks, biased experts, LayerNorm) or per step (routing traces, an experts_hook).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -295,3 +299,33 @@ def test_gate_sigmoid_is_numpys():
         want = (np.float32(1.0) / (np.float32(1.0) + np.exp(-z))).astype(np.float32)
     got = np.array([_kernels.gate_sigmoid(float(v)) for v in z], dtype=np.float32)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+_ENV_CHECK = """
+import sys, numpy as np, colibri.api as api
+from colibri import runtime
+assert runtime.get_isa() == sys.argv[2], runtime.get_isa()
+m = api.load(sys.argv[1], threads=2, activations="int16")
+assert m._compiled is not None
+tokens = np.arange(3, 15)
+fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
+for c in (fast, slow):
+    api.forward(m, tokens[:3], cache=c)
+compiled = m._compiled
+for t in tokens[3:]:
+    a = api.forward(m, np.array([t]), cache=fast)
+    m._compiled = None
+    b = api.forward(m, np.array([t]), cache=slow)
+    m._compiled = compiled
+    assert np.array_equal(a, b)
+print("same")
+"""
+
+
+@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx2") if i in runtime.available_isas()])
+def test_colibri_isa_forced_in_the_environment(converted, isa):
+    """COLIBRI_ISA set before the import: the compiled layers on that path, the same bits."""
+    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, str(converted("olmoe", "q4")), isa],
+                         env={**os.environ, "COLIBRI_ISA": isa}, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr
