@@ -4,6 +4,14 @@
     python scripts/bench_decode_layer.py MODEL.colibri [MODEL ...] [--threads 1,2]
                                          [--steps 32] [--rounds 5] [--prompt 16]
                                          [--activations int16]
+    python scripts/bench_decode_layer.py --tiny [--threads 1,2] ...
+
+--tiny: instead of files, two random models with the layer structure of the benchmark models
+but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
+layers, 8 experts top-2) and olmoe-16L's (16 layers, 64 experts top-8, full q/k norms).
+Their kernels take next to no time, so the time saved per step is what the Python between
+the kernels costs when the interpreter's code and data are in cache (a real model's weight
+streaming evicts them, so there it costs more).
 
 Per model and thread count, one model loaded and two caches prefilled with the same
 `prompt` tokens (untimed). Then `rounds` rounds (and one warm-up round) of `steps` tokens,
@@ -23,7 +31,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -84,19 +94,50 @@ def bench(path: str, threads: int, args) -> None:
     model.close()
 
 
+def tiny_models(folder: Path) -> list[str]:
+    """The --tiny models (q4) in folder; their paths."""
+    import transformers   # only for --tiny: an optional dependency of colibri
+
+    from colibri.convert import convert
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    common = dict(vocab_size=320, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    configs = {
+        "tiny-mixtral-8L": transformers.MixtralConfig(
+            **common, num_hidden_layers=8, intermediate_size=96, num_local_experts=8,
+            num_experts_per_tok=2),
+        "tiny-olmoe-16L": transformers.OlmoeConfig(
+            **common, num_hidden_layers=16, intermediate_size=64, num_experts=64,
+            num_experts_per_tok=8),
+    }
+    paths = []
+    for name, config in configs.items():
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder / name)
+        paths.append(str(folder / f"{name}.colibri"))
+        convert(folder / name, paths[-1], progress=False, quant="q4")
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("models", nargs="+")
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--tiny", action="store_true", help="the tiny models described above")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--activations", default=DEFAULT_ACTIVATIONS)
     args = ap.parse_args()
+    if not args.models and not args.tiny:
+        ap.error("give model files or --tiny")
     print(f"load before: {os.getloadavg()[0]:.2f}, isa {runtime.get_isa()}")
-    for path in args.models:
-        for th in (int(t) for t in args.threads.split(",")):
-            bench(path, th, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = args.models + (tiny_models(Path(tmp)) if args.tiny else [])
+        for path in paths:
+            for th in (int(t) for t in args.threads.split(",")):
+                bench(path, th, args)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
