@@ -6,19 +6,20 @@ python_layers is Model._step's loop: per layer about eleven calls into the compi
 (RMSNorm rows, the fused q|k|v projection, q/k norms, RoPE, the cache write and attention,
 the output projection, the residual add, RMSNorm, the router, top-k, the experts, the
 shared expert, the add), each with its argument checks and the GIL taken back in between.
-colibri._kernels.DecodeLayers holds every layer's weights and settings,
-checked once when the model is built; DecodeBinding binds them to one cache and its RunState
-and runs all layers in one nogil call, through the same C functions in the same order
+colibri._kernels.DecodeLayers holds every layer's weights and settings, checked once when
+the model is built; DecodeBinding binds them to one cache and its RunState and runs all
+layers in one nogil call, through the same C functions in the same order
 (pyx/decode_layer.pxi). So its results are the Python step's, bit for bit, on every weight
 format, activation setting, cache dtype, thread count and ISA path (the sigmoid of
 Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf differs from
 it in the last bit for ~40 % of arguments).
 
-What the compiled layers do not do, python_layers does (the fallback). Chosen when the model is built (`uncovered`: the reason, or None): MLA
-attention, LayerNorm models, attention sinks, q / k / v that are not one fused projection,
-biased experts (GPT-OSS), a shared-expert gate where NumPy's exp loop is not found. Chosen per step (no exceptions, two cheap checks): a step that
-records its routing (return_routing), a model whose MoE layers have an experts_hook (an
-expert cache, the residency telemetry).
+What the compiled layers do not do, python_layers does (the fallback), chosen when the
+model is built (`uncovered`: the reason, or None): MLA attention, LayerNorm models,
+attention sinks, q / k / v that are not one fused projection, biased experts (GPT-OSS), a
+shared-expert gate where NumPy's exp loop is not found; or per step (two cheap checks, no
+exception handling): a step that records its routing (return_routing), a model whose MoE
+layers have an experts_hook (an expert cache, the residency telemetry).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@
 # write (colibri_kv_store) and the attention over the cache (_attend_core), the output
 # projection, the residual add, RMSNorm, the router linear (f32 activations), one token's
 # routing (_route_token), the experts (_ffn_core), the shared expert and its gate, the
-# residual add (csrc/decode_layer.h). So the results are the Python step's bits (but the
-# shared-expert gate's exp: csrc/decode_layer.h). The pool jobs are the same too: what this
+# residual add (csrc/decode_layer.h; the gate's exp is NumPy's own float32 loop). So the
+# results are the Python step's bits. The pool jobs are the same too: what this
 # removes is the Python between them (~11 calls into the module per layer, their argument
 # checks and the interpreter's work, with the GIL taken and given at each).
 
@@ -160,8 +160,7 @@ cdef class DecodeLayers:
     def _load(self):
         """Check every layer's weights and fill the table for the current ISA."""
         cdef DLayer *L
-        cdef Py_ssize_t D = self.m.D, i, E, I, Is
-        cdef int rcode
+        cdef Py_ssize_t D = self.m.D, i, E, I, Is, nq = self.m.nq, nk = self.m.nk
         self.keep = []
         self.m.E_max, self.m.K_max = 1, 1
         for i in range(self.m.n_layers):
@@ -170,14 +169,14 @@ cdef class DecodeLayers:
             self._vec(s, "ffn_norm", D, i, &L.ffn_norm)
             if L.attn_norm == NULL or L.ffn_norm == NULL:
                 raise ValueError(f"DecodeLayers: layer {i} needs attn_norm and ffn_norm")
-            self._mat(s, "qkv", &L.qkv, self.act, self.m.nq + 2 * self.m.nk, D, i)
-            self._vec(s, "qkv_bias", self.m.nq + 2 * self.m.nk, i, &L.qkv_bias)
-            self._mat(s, "wo", &L.wo, self.act, D, self.m.nq, i)
+            self._mat(s, "qkv", &L.qkv, self.act, nq + 2 * nk, D, i)
+            self._vec(s, "qkv_bias", nq + 2 * nk, i, &L.qkv_bias)
+            self._mat(s, "wo", &L.wo, self.act, D, nq, i)
             self._vec(s, "wo_bias", D, i, &L.wo_bias)
             L.qk_norm = QK_NORM_CODES[s["qk_norm"]]
-            n = self.m.nq if L.qk_norm == QK_FULL else self.m.Dh
-            self._vec(s, "q_norm", n, i, &L.q_norm)
-            self._vec(s, "k_norm", self.m.nk if L.qk_norm == QK_FULL else self.m.Dh, i, &L.k_norm)
+            full = L.qk_norm == QK_FULL                 # (H*Dh,) / (Hkv*Dh,), else (Dh,)
+            self._vec(s, "q_norm", nq if full else self.m.Dh, i, &L.q_norm)
+            self._vec(s, "k_norm", nk if full else self.m.Dh, i, &L.k_norm)
             if L.qk_norm != QK_NONE and (L.q_norm == NULL or L.k_norm == NULL):
                 raise ValueError(f"DecodeLayers: layer {i} qk_norm {s['qk_norm']!r} needs "
                                  f"q_norm and k_norm")
@@ -186,7 +185,7 @@ cdef class DecodeLayers:
             L.window = s["window"] or 0
             L.moe = s["moe"]
             L.shared = L.gated = False
-            E = 1
+            E, L.K, L.corr_bias, L.router_bias = 1, 1, NULL, NULL
             self.keep.append(_load(s["gate"], f"layer {i} gate", &L.g, self.act))
             self.keep.append(_load(s["up"], f"layer {i} up", &L.u, self.act))
             self.keep.append(_load(s["down"], f"layer {i} down", &L.d, self.act))
@@ -214,7 +213,7 @@ cdef class DecodeLayers:
                 L.rscale = s["rscale"]
                 if s["shared"] is not None:
                     L.shared = True
-                    self.keep.append(_load(s["shared"][0], f"layer {i} shared gate_proj",
+                    self.keep.append(_load(s["shared"][0], f"layer {i} shared gate",
                                            &L.sg, self.act))
                     self.keep.append(_load(s["shared"][1], f"layer {i} shared up", &L.su,
                                            self.act))
