@@ -5,6 +5,7 @@
                                          [--steps 32] [--rounds 5] [--prompt 16]
                                          [--activations int16]
     python scripts/bench_decode_layer.py --tiny [--threads 1,2] ...
+    python scripts/bench_decode_layer.py MODEL --one-path python|compiled [--steps N]
 
 --tiny: instead of files, two random models with the layer structure of the benchmark models
 but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
@@ -12,6 +13,12 @@ layers, 8 experts top-2) and olmoe-16L's (16 layers, 64 experts top-8, full q/k 
 Their kernels take next to no time, so the time saved per step is what the Python between
 the kernels costs when the interpreter's code and data are in cache (a real model's weight
 streaming evicts them, so there it costs more).
+
+--one-path: only a prefill of 8 tokens and `steps` decode steps on that path, 1 thread
+(--threads' first), nothing timed: the run to count instructions of, e.g.
+`PYTHONHASHSEED=0 COLIBRI_ISA=avx2 valgrind --tool=callgrind python
+scripts/bench_decode_layer.py MODEL --one-path python --steps 10` (and --steps 2: the
+difference over 8 steps is the per-token count, the load and the checks cancel).
 
 Per model and thread count, one model loaded and two caches prefilled with the same
 `prompt` tokens (untimed). Then `rounds` rounds (and one warm-up round) of `steps` tokens,
@@ -94,6 +101,18 @@ def bench(path: str, threads: int, args) -> None:
     model.close()
 
 
+def one_path(path: str, path_name: str, threads: int, steps: int) -> None:
+    """--one-path: a prefill of 8 tokens, then `steps` decode steps on one path."""
+    model = colibri.load(path, threads=threads)
+    if path_name == "python":
+        model._compiled = None
+    rng = np.random.default_rng(0)
+    cache = model.new_cache(ctx=8 + steps)
+    colibri.forward(model, rng.integers(3, model.vocab_size, size=8), cache=cache)
+    for t in rng.integers(3, model.vocab_size, size=steps):
+        colibri.forward(model, np.array([t]), cache=cache)
+
+
 def tiny_models(folder: Path) -> list[str]:
     """The --tiny models (q4) in folder; their paths."""
     import transformers   # only for --tiny: an optional dependency of colibri
@@ -124,6 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*")
     ap.add_argument("--tiny", action="store_true", help="the tiny models described above")
+    ap.add_argument("--one-path", choices=PATHS, help="decode on this path only, untimed")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
@@ -132,6 +152,9 @@ def main() -> None:
     args = ap.parse_args()
     if not args.models and not args.tiny:
         ap.error("give model files or --tiny")
+    if args.one_path:
+        one_path(args.models[0], args.one_path, int(args.threads.split(",")[0]), args.steps)
+        return
     print(f"load before: {os.getloadavg()[0]:.2f}, isa {runtime.get_isa()}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = args.models + (tiny_models(Path(tmp)) if args.tiny else [])
