@@ -6,6 +6,7 @@
                                          [--activations int16]
     python scripts/bench_decode_layer.py --tiny [--threads 1,2] ...
     python scripts/bench_decode_layer.py MODEL --one-path python|compiled [--steps N]
+    python scripts/bench_decode_layer.py MODEL --job-cost
 
 --tiny: instead of files, two random models with the layer structure of the benchmark models
 but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
@@ -13,6 +14,12 @@ layers, 8 experts top-2) and olmoe-16L's (16 layers, 64 experts top-8, full q/k 
 Their kernels take next to no time, so the time saved per step is what the Python between
 the kernels costs when the interpreter's code and data are in cache (a real model's weight
 streaming evicts them, so there it costs more).
+
+--job-cost: what one pool job costs at 2 threads: layer 0's q|k|v and wo linears (the
+model's activations, one token) called 100 times in a row on the same x, so the weights stay
+in cache, at 1 and 2 threads alternating (3 rounds of 40 batches, the fastest batch of each
+round, the median round): the 2-thread time over half the 1-thread time is the job's
+overhead; with the pool's work items taken by the worker per call.
 
 --one-path: only a prefill of 8 tokens and `steps` decode steps on that path, 1 thread
 (--threads' first), nothing timed: the run to count instructions of, e.g.
@@ -45,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 import colibri
-from colibri import _kernels, runtime
+from colibri import _kernels, kernels, runtime
 from colibri.decode_layer import uncovered
 from colibri.model import DEFAULT_ACTIVATIONS
 
@@ -113,6 +120,39 @@ def one_path(path: str, path_name: str, threads: int, steps: int) -> None:
         colibri.forward(model, np.array([t]), cache=cache)
 
 
+def job_cost(path: str, activations: str) -> None:
+    """--job-cost (see the module docstring)."""
+    model = colibri.load(path, threads=1, activations=activations)
+    rng = np.random.default_rng(0)
+    attn = model.layers[0].attn
+    for name, lin in (("q|k|v", attn.wqkv), ("wo", attn.wo)):
+        if lin is None:
+            continue
+        x = rng.standard_normal((1, lin.w.cols)).astype(np.float32)
+        out = np.empty((1, lin.w.rows), dtype=np.float32)
+        best = {1: [], 2: []}
+        items = 0
+        for _ in range(3):
+            for th in (1, 2):
+                p = kernels.prepare_linear(lin.w, lin.b, threads=th, activations=activations)
+                w0 = _kernels.pool_worker_items()
+                batches = []
+                for _ in range(40):
+                    t0 = time.perf_counter()
+                    for _ in range(100):
+                        p(x, out)
+                    batches.append((time.perf_counter() - t0) / 100)
+                best[th].append(min(batches))
+                if th == 2:
+                    items += _kernels.pool_worker_items() - w0
+        one, two = statistics.median(best[1]) * 1e6, statistics.median(best[2]) * 1e6
+        print(f"{os.path.basename(path)} {name} ({lin.w.rows} x {lin.w.cols} {lin.w.dtype}, "
+              f"{activations}): 1 thread {one:.2f} us, 2 threads {two:.2f} us, overhead "
+              f"{two - one / 2:.2f} us per job; worker items per 2-thread call "
+              f"{items / (3 * 40 * 100):.2f}")
+    model.close()
+
+
 def tiny_models(folder: Path) -> list[str]:
     """The --tiny models (q4) in folder; their paths."""
     import transformers   # only for --tiny: an optional dependency of colibri
@@ -144,6 +184,7 @@ def main() -> None:
     ap.add_argument("models", nargs="*")
     ap.add_argument("--tiny", action="store_true", help="the tiny models described above")
     ap.add_argument("--one-path", choices=PATHS, help="decode on this path only, untimed")
+    ap.add_argument("--job-cost", action="store_true", help="one pool job's cost (above)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
@@ -152,6 +193,10 @@ def main() -> None:
     args = ap.parse_args()
     if not args.models and not args.tiny:
         ap.error("give model files or --tiny")
+    if args.job_cost:
+        for path in args.models:
+            job_cost(path, args.activations)
+        return
     if args.one_path:
         one_path(args.models[0], args.one_path, int(args.threads.split(",")[0]), args.steps)
         return
