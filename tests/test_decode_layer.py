@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -175,6 +176,37 @@ def test_a_copied_or_rewound_cache(converted):
         c.truncate(5)
         got = [api.forward(m, np.array([t]), cache=c) for t in tokens[5:]]
         np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    finally:
+        m.close()
+
+
+def test_two_caches_decoding_at_once(converted):
+    """Two Python threads, each decoding its own cache through the compiled layers (the GIL
+    released for the whole step, each binding with its own scratch): the bits of decoding
+    them one after the other."""
+    m = api.load(converted("qwen2_moe", "q4"), threads=2)
+    try:
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(3, m.vocab_size, size=12) for _ in range(2)]
+
+        def decode(tokens, out):
+            c = m.new_cache(ctx=len(tokens))
+            api.forward(m, tokens[:2], cache=c)
+            for t in tokens[2:]:
+                out.append(api.forward(m, np.array([t]), cache=c))
+
+        want = [[], []]
+        for tokens, out in zip(prompts, want):
+            decode(tokens, out)
+        got = [[], []]
+        workers = [threading.Thread(target=decode, args=(tokens, out))
+                   for tokens, out in zip(prompts, got)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.stack(a), np.stack(b))
     finally:
         m.close()
 
