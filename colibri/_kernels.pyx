@@ -64,12 +64,11 @@ Sections, in colibri/pyx/, included in this order:
   bandwidth.pxi        read_sum
   rowops.pxi           a decode step's row operations: rms_norm_rows, rope_rows, attend_cached
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
+  decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.math cimport INFINITY, expf, fabsf
-
-from math import gcd
 
 import numpy as np
 
@@ -88,3 +87,4 @@ include "pyx/attention.pxi"
 include "pyx/bandwidth.pxi"
 include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
+include "pyx/decode_layer.pxi"
