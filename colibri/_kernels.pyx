@@ -64,6 +64,7 @@ Sections, in colibri/pyx/, included in this order:
   bandwidth.pxi        read_sum
   rowops.pxi           a decode step's row operations: rms_norm_rows, rope_rows, attend_cached
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
+  mla.pxi              PreparedMLA: the absorbed latent-attention decode step (csrc/mla.h)
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
@@ -88,3 +89,4 @@ include "pyx/attention.pxi"
 include "pyx/bandwidth.pxi"
 include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
+include "pyx/mla.pxi"

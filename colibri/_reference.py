@@ -33,7 +33,7 @@ __all__ = [
     "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
     "linear_iact_ref", "linear_igemm_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
-    "rms_norm_rows_ref", "rope_rows_ref",
+    "rms_norm_rows_ref", "rope_rows_ref", "mla_absorbed_ref",
 ]
 
 F32 = np.float32
@@ -508,6 +508,22 @@ def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float)
     s = np.exp(s - s.max(axis=1, keepdims=True))
     p = s / s.sum(axis=1, keepdims=True)
     return np.einsum("hn,hnd->hd", p, vh)
+
+
+def mla_absorbed_ref(q_nope: np.ndarray, q_rope: np.ndarray, kv_b: np.ndarray,
+                     lat: np.ndarray, rot: np.ndarray, scale: float) -> np.ndarray:
+    """float64 absorbed latent attention of one token (csrc/mla.h): q_nope (H, Dn), q_rope
+    (H, Dr) rotated, kv_b (H*(Dn+Dv), Rkv) decoded, lat (n, Rkv) latents, rot (n, Dr)
+    rotated keys -> (H*Dv,): per head q_lat = q_nope W_kb, p = softmax(scale * (q_lat lat^T
+    + q_rope rot^T)), out = W_vb (p lat)."""
+    q64, r64, lat64, rot64 = (np.asarray(a, dtype=np.float64) for a in (q_nope, q_rope, lat, rot))
+    H, Dn = q64.shape
+    w = np.asarray(kv_b, dtype=np.float64).reshape(H, -1, lat64.shape[1])   # (H, Dn+Dv, R)
+    q_lat = np.einsum("hd,hdr->hr", q64, w[:, :Dn])
+    s = (q_lat @ lat64.T + r64 @ rot64.T) * float(scale)                       # (H, n)
+    s = np.exp(s - s.max(axis=1, keepdims=True))
+    p = s / s.sum(axis=1, keepdims=True)
+    return np.einsum("hvr,hr->hv", w[:, Dn:], p @ lat64).reshape(-1)
 
 
 def rms_norm_rows_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

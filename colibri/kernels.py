@@ -47,7 +47,7 @@ __all__ = [
     "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
     "kv_widen_into",
-    "prepare_linear", "prepare_route", "prepare_expert_ffn",
+    "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -526,3 +526,22 @@ def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
     return _kernels.PreparedExperts(w_gate, w_up, w_down, resolve_threads(threads), activations)
+
+
+def prepare_mla_absorbed(kv_b: WeightRef, n_heads: int, nope_dim: int, v_dim: int, *,
+                         threads: int | None = None) -> Callable[..., None]:
+    """The absorbed decode step of latent attention (csrc/mla.h) with its kv_b
+    (H*(Dn+Dv), Rkv), any weight format, read in place, checked once.
+
+    Returns p with p(q, q_rope, lat_cache, rot_cache, c_new, kr_new, slot, scale, out):
+    q float32 (H, Dn+Dr) (q_nope its first Dn columns), q_rope (H, Dr) rotated; the new
+    latent c_new (1, Rkv) and rotated key kr_new (1, Dr) written to slot `slot` of sequence
+    0 of lat_cache (B, 1, S, Rkv) / rot_cache (B, 1, S, Dr) (float32, float16 or uint16 bf16
+    bits, rounded to nearest-even); out float32 (1, H*Dv) = per head W_vb[h] (softmax over
+    slots 0..slot of scale * (q_nope W_kb[h] . c_j + q_rope . kr_j)) c_j: _reference's
+    mla_absorbed on kv_b decoded to float32, up to summation order (~1e-6 relative).
+    """
+    if not isinstance(kv_b, WeightRef):
+        raise ValueError(f"kv_b must be a WeightRef, found {type(kv_b).__name__}")
+    return _kernels.PreparedMLA(kv_b, int(n_heads), int(nope_dim), int(v_dim),
+                                resolve_threads(threads))
