@@ -23,7 +23,11 @@ kv_b into per-head keys and values, as transformers does. MLA.decode, one token 
 sequence through a cache without padding, never expands the cache: kv_b is absorbed into
 the query and the output (q_nope · W_kb[h] is a query in latent space, the attention-weighted
 latent times W_vb[h] the head's output), so a step costs O(L · H · (Rkv + Dr)) instead of
-O(L · H · Rkv · (Dn + Dv)); the same sums in another order (within ~1e-6 of __call__).
+O(L · H · Rkv · (Dn + Dv)); the same sums in another order (within ~1e-6 of __call__). That
+step is one compiled call (kernels.prepare_mla_absorbed, csrc/mla.h): the cache write, the
+absorbed query, the latent attention over the cache and the W_vb products, on kv_b's own
+bytes in the file's format (decoded exactly, f32 activations), threads over the heads; its
+NumPy form is _reference.mla_absorbed_ref.
 Shapes as in the package docstring, plus Rq / Rkv (q / kv LoRA ranks), Dn / Dr / Dv
 (per-head key dims without / with RoPE, value dims).
 """
