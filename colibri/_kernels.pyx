@@ -70,8 +70,6 @@ from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 from libc.math cimport INFINITY, expf, fabsf
 
-from math import gcd
-
 import numpy as np
 
 from colibri.dtypes import BLOCK, DTYPES, MATMUL, QUANTIZED

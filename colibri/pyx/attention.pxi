@@ -20,21 +20,38 @@ cdef _attend_run(int fmt, const float *q, const void *k, const void *v, float *o
     format fmt (COLIBRI_F32 / F16 / BF16; head h at element h * hs of k, position j at
     + j * rs; v the same) into out (H, Dh), on the pool, one work item per kv head (checked
     arguments)."""
-    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
-    if nth > Hkv:
-        nth = <int>Hkv
+    cdef int nth = _attend_team(Hkv, n, Dh, threads)
     cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
     if scratch == NULL:
         raise MemoryError(f"{name}: no memory for {nth} x {n} scores")
+    try:
+        with nogil:
+            _attend_core(fmt, q, k, v, out, hs, rs, n, H, Hkv, Dh, scale, nth, scratch)
+    finally:
+        free(scratch)
+
+
+cdef inline int _attend_team(Py_ssize_t Hkv, Py_ssize_t n, Py_ssize_t Dh,
+                             int threads) noexcept nogil:
+    """The threads of an attention over n positions of Hkv heads (at most one per kv head);
+    its score scratch is nth * n * G floats."""
+    cdef int nth = _team(<double>8 * Hkv * n * Dh, threads)
+    if nth > Hkv:
+        nth = <int>Hkv
+    return nth
+
+
+cdef void _attend_core(int fmt, const float *q, const void *k, const void *v, float *out,
+                       Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, Py_ssize_t H,
+                       Py_ssize_t Hkv, Py_ssize_t Dh, float scale, int nth,
+                       float *scratch) noexcept nogil:
+    """_attend_run's work on nth = _attend_team(...) threads, scratch nth * n * (H / Hkv)
+    floats; the attention of the compiled decode step (decode_layer.pxi) too."""
     cdef AttendJob job
     job.q, job.k, job.v, job.out, job.s = q, k, v, out, scratch
     job.hs, job.rs, job.n = hs, rs, n
     job.G, job.Dh, job.isa, job.fmt, job.scale = <int>(H // Hkv), <int>Dh, _isa, fmt, scale
-    try:
-        with nogil:
-            colibri_pool_run(nth, _attend_task, &job, Hkv)
-    finally:
-        free(scratch)
+    colibri_pool_run(nth, _attend_task, &job, Hkv)
 
 
 cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:

@@ -282,35 +282,80 @@ cdef void _ffn_run_experts(Ffn *f, int nth) noexcept nogil:
 cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,
           Wmat *g, Wmat *u, Wmat *d, float[:, ::1] out, int threads):
     """out (T, D) = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]) (checked arguments)."""
+    cdef Py_ssize_t T = x.shape[0], K = ids.shape[1]
+    buf = _take(_ffn_bytes(T, K, g, u, d, threads))
+    cdef char *base = _base(buf)
+    try:
+        with nogil:
+            _ffn_core(&x[0, 0], &ids[0, 0], &weights[0, 0], T, K, g, u, d, &out[0, 0],
+                      threads, base)
+    finally:
+        _give(buf)
+
+
+cdef inline Py_ssize_t _gcd(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    cdef Py_ssize_t t
+    while b:
+        t = a % b
+        a = b
+        b = t
+    return a
+
+
+cdef inline Py_ssize_t _ffn_gemm_bytes(Py_ssize_t TK, const Wmat *g, const Wmat *u,
+                                       const Wmat *d, int threads, int *nth_gemm) noexcept nogil:
+    """The team of an expert_ffn call by its positions TK (into nth_gemm) and the bytes of
+    its GEMM scratch (0: the row kernels)."""
+    cdef Py_ssize_t I = g.rows, D = g.cols
+    cdef Py_ssize_t bytes_gu = I * (g.row_stride + u.row_stride), bytes_dn = D * d.row_stride
+    # the team size _ffn_run will use (work = weight bytes x positions, summed over experts)
+    nth_gemm[0] = _team(<double>(bytes_gu + bytes_dn) * TK, threads)
+    # a GEMM path serves every matrix (f32 activations: csrc/gemm.h; int8 / int16 codes:
+    # csrc/igemm.h) but gate / up with one on each kind (they share the row-kernel pass)
+    cdef Py_ssize_t n_min = _gemm_min_for(d)
+    if g.iact == u.iact and _gemm_min_for(g) < n_min:
+        n_min = _gemm_min_for(g)
+    return _gemm_bytes(TK, nth_gemm[0], n_min)
+
+
+cdef Py_ssize_t _ffn_bytes(Py_ssize_t T, Py_ssize_t K, const Wmat *g, const Wmat *u,
+                           const Wmat *d, int threads) noexcept nogil:
+    """Bytes of scratch _ffn_core needs from a 64-aligned base, for the current knobs."""
+    cdef Py_ssize_t E = g.n_experts, D = g.cols, I = g.rows, TK = T * K
+    cdef int nth_gemm
+    cdef Py_ssize_t gbytes = _ffn_gemm_bytes(TK, g, u, d, threads, &nth_gemm)
+    cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
+    cdef bint one = T == 1, qx = g.iact or u.iact
+    cdef Py_ssize_t rows_x = 1 if one else TK
+    return (8 * (E + 1) + 8 * E + 4 * TK + 8 * TK + 4 * E
+            + 4 * rows_x * (0 if one else D) + 4 * rows_x * (sg + su)
+            + 4 * TK * (I + sd + D) + 9 * 64 + gbytes
+            + (_act_bytes(rows_x, D, g.wide or u.wide) if qx else 0)
+            + (_act_bytes(TK, I, d.wide) if d.iact else 0))
+
+
+cdef void _ffn_core(const float *x, const int32_t *ids, const float *weights, Py_ssize_t T,
+                    Py_ssize_t K, const Wmat *g, const Wmat *u, const Wmat *d, float *out,
+                    int threads, char *cur) noexcept nogil:
+    """_ffn's work on scratch cur (_ffn_bytes(T, K, g, u, d, threads) bytes, 64-aligned):
+    x (T, D), ids (T, K) in range, weights (T, K), out (T, D), all C-contiguous. The expert
+    FFN of the compiled decode step (decode_layer.pxi) too."""
     cdef Ffn f
-    cdef Py_ssize_t T = x.shape[0], D = x.shape[1], K = ids.shape[1], E = g.n_experts
+    cdef Py_ssize_t D = g.cols, E = g.n_experts
     cdef Py_ssize_t I = g.rows, TK = T * K, p, e, n_active = 0, e_tokens
     cdef double work = 0.0
     cdef Py_ssize_t max_tokens = 0               # of any expert
     cdef bint one = T == 1, one_pass
     cdef Py_ssize_t bytes_gu = I * (g.row_stride + u.row_stride), bytes_dn = D * d.row_stride
-    # the team size _ffn_run will use (work = weight bytes x positions, summed over experts)
-    cdef int nth_gemm = _team(<double>(bytes_gu + bytes_dn) * TK, threads)
-    # a GEMM path serves every matrix (f32 activations: csrc/gemm.h; int8 / int16 codes:
-    # csrc/igemm.h) but gate / up with one on each kind (they share the row-kernel pass)
+    cdef int nth_gemm
+    cdef Py_ssize_t gbytes = _ffn_gemm_bytes(TK, g, u, d, threads, &nth_gemm)
     cdef bint gemm_gu = g.iact == u.iact, gemm_dn = True
-    cdef Py_ssize_t n_min = _gemm_min_for(d)
-    if gemm_gu and _gemm_min_for(g) < n_min:
-        n_min = _gemm_min_for(g)
-    cdef Py_ssize_t gbytes = _gemm_bytes(TK, nth_gemm, n_min)
     cdef Py_ssize_t nr_gu = COLIBRI_IGEMM_NR if g.iact else COLIBRI_GEMM_NR
     f.g, f.u, f.d = g[0], u[0], d[0]
     f.T, f.K, f.D, f.I = T, K, D, I
     cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
     cdef Py_ssize_t rows_x = 1 if one else TK
     cdef bint qx = g.iact or u.iact
-    cdef Py_ssize_t nbytes = (8 * (E + 1) + 8 * E + 4 * TK + 8 * TK + 4 * E
-                              + 4 * rows_x * (0 if one else D) + 4 * rows_x * (sg + su)
-                              + 4 * TK * (I + sd + D) + 9 * 64 + gbytes
-                              + (_act_bytes(rows_x, D, g.wide or u.wide) if qx else 0)
-                              + (_act_bytes(TK, I, d.wide) if d.iact else 0))
-    buf = _take(nbytes)
-    cdef char *cur = _base(buf)
     cdef int64_t *offsets = <int64_t *>_carve(&cur, 8 * (E + 1))
     cdef int64_t *cursor = <int64_t *>_carve(&cur, 8 * E)
     cdef int32_t *slots = <int32_t *>_carve(&cur, 4 * TK)
@@ -333,9 +378,9 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
         _carve_act(&cur, &f.ax, rows_x, D, g.wide or u.wide)
     if d.iact:
         _carve_act(&cur, &f.ah, TK, I, d.wide)
-    f.x = &x[0, 0]
-    f.weights = &weights[0, 0]
-    f.y = &out[0, 0]
+    f.x = x
+    f.weights = weights
+    f.y = out
     cdef Py_ssize_t n_gather, n_gu, n_dn
     cdef int nth
     # GEMM path: tiles of whole panels, w_down's of GEMM_TILE_PANELS panels (the row-kernel
@@ -343,64 +388,60 @@ cdef _ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] 
     # two; here once per tile)
     cdef Py_ssize_t align_gu = d.group if sd > 0 else (32 if d.iact else 1), align_dn = 1
     if gbytes > 0 and gemm_gu:
-        align_gu = align_gu * nr_gu // gcd(align_gu, nr_gu)
+        align_gu = align_gu * nr_gu // _gcd(align_gu, nr_gu)
     if gbytes > 0 and gemm_dn:
         align_dn = COLIBRI_IGEMM_NR if d.iact else COLIBRI_GEMM_NR
-    try:
-        with nogil:
-            _count_sort(&ids[0, 0], TK, E, offsets, slots, cursor)
-            for p in range(TK):
-                pos[slots[p]] = p
-            for e in range(E):
-                e_tokens = offsets[e + 1] - offsets[e]
-                if e_tokens > 0:
-                    if e_tokens > max_tokens:
-                        max_tokens = e_tokens
-                    active[n_active] = <int32_t>e
-                    n_active += 1
-                    work += <double>(bytes_gu + bytes_dn) * e_tokens
-            nth = _team(work, threads)
-            if gbytes > 0 and nth > nth_gemm:    # (equal: work == (bytes_gu + bytes_dn) TK)
-                nth = nth_gemm
-            f.offsets, f.slots, f.pos, f.active, f.n_active = offsets, slots, pos, active, n_active
-            if one:                              # decode: every position reads x[0]
-                f.xg, f.xg_stride, f.ssg, f.ssu = <float *>f.x, 0, 0, 0
-                if sg > 0:
-                    colibri_group_sums(f.x, D, g.group, f.xsg)
-                if su > 0:
-                    colibri_group_sums(f.x, D, u.group, f.xsu)
-                if qx:
-                    _quantize_serial(f.x, 1, D, &f.ax)
-                    f.ax.qs, f.ax.ds = 0, 0
-                n_gather = 0
-            else:
-                f.xg, f.xg_stride, f.ssg, f.ssu = xg, D, sg, su
-                n_gather = TK
-            if d.iact:                           # the padding of h's packed rows
-                for p in range(TK):
-                    colibri_quantize_pad(f.ah.wide, I, f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds,
-                                         f.ah.s + p * f.ah.ds, f.ah.ds)
-            # gate/up tiles are whole groups of w_down's input (q4: group sums) or whole
-            # 32-blocks (idot path), so each item can sum / quantize the h columns it made
-            one_pass = max_tokens <= COLIBRI_MAX_NT       # each expert's tokens in one pass
-            f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, align_gu, one_pass)
-            f.nt_gu = (I + f.tr_gu - 1) // f.tr_gu
-            # down tiles: sized by one expert's rows (each expert's token passes reuse its
-            # part of the tile from cache); never below 16 rows, so that the combine reads
-            # whole lines of og and y (it walks every token's K rows of the tile)
-            f.tr_dn = _tile_rows(D, _GEMM_TILE_ROW_BYTES if gbytes and gemm_dn
-                                 else d.row_stride,
-                                 nth, align_dn, one_pass)
-            if f.tr_dn < 16 and D >= 16 * 4 * nth:
-                f.tr_dn = 16
-            n_gu = n_active * f.nt_gu
-            n_dn = (D + f.tr_dn - 1) // f.tr_dn
-            if one and n_active % nth == 0:          # decode, experts shared out evenly
-                _ffn_run_experts(&f, nth)
-            else:
-                _ffn_run(&f, n_gather, n_gu, n_dn, nth)
-    finally:
-        _give(buf)
+    _count_sort(ids, TK, E, offsets, slots, cursor)
+    for p in range(TK):
+        pos[slots[p]] = p
+    for e in range(E):
+        e_tokens = offsets[e + 1] - offsets[e]
+        if e_tokens > 0:
+            if e_tokens > max_tokens:
+                max_tokens = e_tokens
+            active[n_active] = <int32_t>e
+            n_active += 1
+            work += <double>(bytes_gu + bytes_dn) * e_tokens
+    nth = _team(work, threads)
+    if gbytes > 0 and nth > nth_gemm:    # (equal: work == (bytes_gu + bytes_dn) TK)
+        nth = nth_gemm
+    f.offsets, f.slots, f.pos, f.active, f.n_active = offsets, slots, pos, active, n_active
+    if one:                              # decode: every position reads x[0]
+        f.xg, f.xg_stride, f.ssg, f.ssu = <float *>f.x, 0, 0, 0
+        if sg > 0:
+            colibri_group_sums(f.x, D, g.group, f.xsg)
+        if su > 0:
+            colibri_group_sums(f.x, D, u.group, f.xsu)
+        if qx:
+            _quantize_serial(f.x, 1, D, &f.ax)
+            f.ax.qs, f.ax.ds = 0, 0
+        n_gather = 0
+    else:
+        f.xg, f.xg_stride, f.ssg, f.ssu = xg, D, sg, su
+        n_gather = TK
+    if d.iact:                           # the padding of h's packed rows
+        for p in range(TK):
+            colibri_quantize_pad(f.ah.wide, I, f.ah.q + p * f.ah.qs, f.ah.d + p * f.ah.ds,
+                                 f.ah.s + p * f.ah.ds, f.ah.ds)
+    # gate/up tiles are whole groups of w_down's input (q4: group sums) or whole
+    # 32-blocks (idot path), so each item can sum / quantize the h columns it made
+    one_pass = max_tokens <= COLIBRI_MAX_NT       # each expert's tokens in one pass
+    f.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, align_gu, one_pass)
+    f.nt_gu = (I + f.tr_gu - 1) // f.tr_gu
+    # down tiles: sized by one expert's rows (each expert's token passes reuse its
+    # part of the tile from cache); never below 16 rows, so that the combine reads
+    # whole lines of og and y (it walks every token's K rows of the tile)
+    f.tr_dn = _tile_rows(D, _GEMM_TILE_ROW_BYTES if gbytes and gemm_dn
+                         else d.row_stride,
+                         nth, align_dn, one_pass)
+    if f.tr_dn < 16 and D >= 16 * 4 * nth:
+        f.tr_dn = 16
+    n_gu = n_active * f.nt_gu
+    n_dn = (D + f.tr_dn - 1) // f.tr_dn
+    if one and n_active % nth == 0:          # decode, experts shared out evenly
+        _ffn_run_experts(&f, nth)
+    else:
+        _ffn_run(&f, n_gather, n_gu, n_dn, nth)
 
 
 def expert_ffn(const float[:, ::1] x, const int32_t[:, ::1] ids, const float[:, ::1] weights,

@@ -147,10 +147,47 @@ cdef _linear_run(const float *x, Py_ssize_t T, const Wmat *w, const float *bp, f
                  Py_ssize_t expert, int threads):
     """linear's work once its arguments are checked: x (T, C) and out (T, R) C-contiguous,
     T >= 1, not overlapping; w is copied (the call sets the copy's GEMM scratch)."""
+    cdef Py_ssize_t nbytes = _linear_bytes(T, w, threads)
+    scratch = _take(nbytes) if nbytes > 0 else None
+    cdef char *base = _base(scratch) if nbytes > 0 else NULL
+    try:
+        with nogil:
+            _linear_core(x, T, w, bp, out, expert, threads, base)
+    finally:
+        if scratch is not None:
+            _give(scratch)
+
+
+cdef inline Py_ssize_t _linear_gemm_bytes(Py_ssize_t T, const Wmat *w, int threads,
+                                          int *nth) noexcept nogil:
+    """The team of linear's call (into nth) and the bytes of its GEMM scratch (0: the row
+    kernel)."""
+    nth[0] = _team(<double>w.rows * w.row_stride * T, threads)
+    return _gemm_bytes(T, nth[0], _gemm_min_for(w))
+
+
+cdef Py_ssize_t _linear_bytes(Py_ssize_t T, const Wmat *w, int threads) noexcept nogil:
+    """Bytes of scratch _linear_core needs from a 64-aligned base (0: none), for the current
+    knobs (the team and the GEMM crossover)."""
+    cdef int nth
+    cdef Py_ssize_t gbytes = _linear_gemm_bytes(T, w, threads, &nth)
+    cdef Py_ssize_t xbytes = 0 if gbytes else T * w.xsum_cols * 4     # GEMM: no sums
+    if w.iact:
+        return _act_bytes(T, w.cols, w.wide) + 64 + gbytes
+    if xbytes > 0 or gbytes > 0:
+        return xbytes + 64 + gbytes
+    return 0
+
+
+cdef void _linear_core(const float *x, Py_ssize_t T, const Wmat *w, const float *bp,
+                       float *out, Py_ssize_t expert, int threads, char *scratch) noexcept nogil:
+    """_linear_run's work on scratch (_linear_bytes(T, w, threads) bytes, 64-aligned): the
+    activations quantized (int8 / int16) or their group sums (q4), then the row tiles on the
+    pool. The linear call of the compiled decode step (decode_layer.pxi) too."""
     cdef Wmat m = w[0]
     cdef Py_ssize_t R = m.rows, C = m.cols
-    cdef int nth = _team(<double>R * m.row_stride * T, threads)
-    cdef Py_ssize_t gbytes = _gemm_bytes(T, nth, _gemm_min_for(&m))
+    cdef int nth
+    cdef Py_ssize_t gbytes = _linear_gemm_bytes(T, &m, threads, &nth)
     cdef Py_ssize_t panel_rows = COLIBRI_IGEMM_NR if m.iact else COLIBRI_GEMM_NR
     cdef Py_ssize_t tr = _tile_rows(R, _GEMM_TILE_ROW_BYTES if gbytes else m.row_stride, nth,
                                     panel_rows if gbytes else 1,
@@ -159,32 +196,22 @@ cdef _linear_run(const float *x, Py_ssize_t T, const Wmat *w, const float *bp, f
     cdef LinearJob job
     cdef float *xs = NULL
     cdef Act a
-    cdef char *cur
+    cdef char *cur = scratch
     a.q, a.d, a.s, a.qs, a.ds, a.isa, a.wide = NULL, NULL, NULL, 0, 0, 0, 0
-    scratch = None
     cdef Py_ssize_t xbytes = 0 if gbytes else T * m.xsum_cols * 4     # GEMM: no sums
     if m.iact:
-        scratch = _take(_act_bytes(T, C, m.wide) + 64 + gbytes)
-        cur = _base(scratch)
         _carve_act(&cur, &a, T, C, m.wide)
         if gbytes > 0:
             m.gemm_scratch = <float *>_carve(&cur, gbytes)
     elif xbytes > 0 or gbytes > 0:
-        scratch = _take(xbytes + 64 + gbytes)
-        cur = _base(scratch)
         xs = <float *>_carve(&cur, xbytes)
         if gbytes > 0:
             m.gemm_scratch = <float *>_carve(&cur, gbytes)
-    try:
-        with nogil:
-            if m.iact:
-                _quantize_serial(x, T, C, &a)
-            elif xbytes > 0:
-                _group_sums_serial(x, T, C, m.group, xs)
-            # (one thread: the pool runs the tiles in order on this thread)
-            job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, x, T, xs, a
-            job.bias, job.y, job.R, job.tr = bp, out, R, tr
-            colibri_pool_run(nth, _linear_task, &job, n_tiles)
-    finally:
-        if scratch is not None:
-            _give(scratch)
+    if m.iact:
+        _quantize_serial(x, T, C, &a)
+    elif xbytes > 0:
+        _group_sums_serial(x, T, C, m.group, xs)
+    # (one thread: the pool runs the tiles in order on this thread)
+    job.m, job.expert, job.x, job.T, job.xs, job.a = &m, expert, x, T, xs, a
+    job.bias, job.y, job.R, job.tr = bp, out, R, tr
+    colibri_pool_run(nth, _linear_task, &job, n_tiles)
