@@ -498,16 +498,23 @@ def swiglu_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef", w_down: "W
     return (h @ Wd.T).astype(np.float32)
 
 
-def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                      sinks: np.ndarray | None = None) -> np.ndarray:
     """float64 softmax attention of one token: q (H, Dh), k / v (Hkv, n, Dh) -> (H, Dh);
-    head h reads kv head h // (H / Hkv)."""
+    head h reads kv head h // (H / Hkv). sinks (H,) or None: one more logit per head whose
+    value row is zero (GPT-OSS)."""
     q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     g = q64.shape[0] // k64.shape[0]
     kh, vh = np.repeat(k64, g, axis=0), np.repeat(v64, g, axis=0)          # (H, n, Dh)
     s = np.einsum("hd,hnd->hn", q64, kh) * float(scale)
-    s = np.exp(s - s.max(axis=1, keepdims=True))
-    p = s / s.sum(axis=1, keepdims=True)
-    return np.einsum("hn,hnd->hd", p, vh)
+    top = s.max(axis=1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, np.asarray(sinks, dtype=np.float64)[:, None])
+    e = np.exp(s - top)
+    denom = e.sum(axis=1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(np.asarray(sinks, dtype=np.float64)[:, None] - top)
+    return np.einsum("hn,hnd->hd", e / denom, vh)
 
 
 def mla_absorbed_ref(q_nope: np.ndarray, q_rope: np.ndarray, kv_b: np.ndarray,

@@ -46,7 +46,7 @@ __all__ = [
     "ACTIVATIONS", "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu",
     "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
-    "kv_widen_into",
+    "attend_cached_sinks_into", "kv_widen_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
 ]
 
@@ -474,6 +474,10 @@ rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, si
 # new rows rounded into them to nearest-even; every other array float32; all C-contiguous
 # (ValueError otherwise).
 attend_cached_into: Callable[..., None] = _kernels.attend_cached
+# attend_cached_into with attention sinks (GPT-OSS): (q, k_cache, v_cache, k_new, v_new, slot,
+# start, scale, sinks float32 (H,), out, threads); a sink is one more logit per query head
+# whose value row is zero (csrc/attend.h).
+attend_cached_sinks_into: Callable[..., None] = _kernels.attend_cached_sinks
 # A 16-bit cache slice widened exactly: (src float16 / uint16 bf16 bits (N, C), rows strided,
 # out float32 (N, C) C-contiguous), F16C on the SIMD paths (NumPy's float16 cast is ~6x slower).
 kv_widen_into: Callable[..., None] = _kernels.kv_widen
