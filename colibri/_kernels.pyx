@@ -65,6 +65,7 @@ Sections, in colibri/pyx/, included in this order:
   rowops.pxi           a decode step's row operations: rms_norm_rows, rope_rows, attend_cached
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
   mla.pxi              PreparedMLA: the absorbed latent-attention decode step (csrc/mla.h)
+  biased_experts.pxi   PreparedBiasedExperts: one token's biased / swigluoai experts (GPT-OSS)
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
@@ -88,3 +89,4 @@ include "pyx/bandwidth.pxi"
 include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
 include "pyx/mla.pxi"
+include "pyx/biased_experts.pxi"

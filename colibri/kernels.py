@@ -48,6 +48,7 @@ __all__ = [
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
     "attend_cached_sinks_into", "kv_widen_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
+    "prepare_biased_experts",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -549,3 +550,27 @@ def prepare_mla_absorbed(kv_b: WeightRef, n_heads: int, nope_dim: int, v_dim: in
         raise ValueError(f"kv_b must be a WeightRef, found {type(kv_b).__name__}")
     return _kernels.PreparedMLA(kv_b, int(n_heads), int(nope_dim), int(v_dim),
                                 resolve_threads(threads))
+
+
+def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
+                           b_gate: np.ndarray | None, b_up: np.ndarray | None,
+                           b_down: np.ndarray | None, activation: str, alpha: float,
+                           limit: float, *, threads: int | None = None,
+                           activations: str = "f32") -> Callable[..., None]:
+    """One token's routed experts with biases and / or swigluoai (moe.BiasedExperts' decode)
+    as one compiled call, its stacks (E, I, D), (E, I, D), (E, D, I) and biases float32
+    (E, I), (E, I), (E, D) (or None) checked once.
+
+    Returns p with p(x, ids, weights, out): x float32 (1, D), ids int32 (1, K) distinct,
+    weights float32 (1, K), out float32 (1, D) not overlapping x, all C-contiguous: out =
+    sum over the experts in ascending id order of w * (down(act(gate(x) + b_gate, up(x) +
+    b_up)) + b_down), act "swigluoai" (alpha, limit) or "silu" (silu(g) * u); the row
+    kernels of prepare_linear on each expert (the same bits), the activation compiled
+    (csrc/swigluoai.h: within a few ulp of moe.swigluoai).
+    """
+    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                          activation, float(alpha), float(limit),
+                                          resolve_threads(threads), activations)

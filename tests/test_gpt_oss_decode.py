@@ -142,3 +142,116 @@ def test_attention_decode_with_sinks_matches_general_path(kv_dtype, window):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
         a.commit_one(pos)
         b.commit_one(pos)
+
+
+# ---------------------------------------------------------------------------------------------
+# the biased experts of one token in one compiled call (kernels.prepare_biased_experts)
+# ---------------------------------------------------------------------------------------------
+
+# (E, K, D, I): GPT-OSS-like (K of E, I = D), and I != D, K = 1
+EXPERT_SHAPES = [(8, 4, 64, 64), (6, 2, 96, 64), (4, 1, 64, 128)]
+EXPERT_CASES = [("f32", "f32"), ("bf16", "f32"), ("q8", "f32"), ("q4", "f32"),
+                ("mxfp4", "f32"), ("q8", "int16"), ("q4", "int8"), ("mxfp4", "int16"),
+                ("mxfp4", "int8")]
+# activations' tolerance against the NumPy loop (relative to the output's max): f32 and int16
+# differ only by the activation's exp (a few ulp); int8's h codes may round the other way
+# where h moved by an ulp
+TOL = {"f32": 2e-6, "int16": 2e-5, "int8": 2e-3}
+
+
+def _experts(key, shape, fmt, biased=True):
+    from colibri.weights import WeightRef
+    E, K, D, I = shape
+    rng = rng_for("biased", key, shape, fmt, biased)
+
+    def stack(r, c):
+        return WeightRef.from_array((rng.standard_normal((E, r, c)) * c ** -0.5).astype(F32),
+                                    fmt, 32 if fmt in ("q8", "q4", "mxfp4") else 0)
+    ws = (stack(I, D), stack(I, D), stack(D, I))
+    bs = ((0.3 * rng.standard_normal((E, I))).astype(F32),
+          (0.3 * rng.standard_normal((E, I))).astype(F32),
+          (0.3 * rng.standard_normal((E, D))).astype(F32)) if biased else (None,) * 3
+    x = (2 * rng.standard_normal((1, D))).astype(F32)
+    ids = rng.permutation(E)[:K].astype(np.int32)[None]
+    w = rng.random((1, K)).astype(F32)
+    return ws, bs, x, ids, w
+
+
+def _biased(ws, bs, activation, threads=1, activations="f32"):
+    from colibri.moe import BiasedExperts
+    return BiasedExperts(*ws, *bs, activation, 1.702, 1.5, threads, activations)
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+@pytest.mark.parametrize("fmt, activations", EXPERT_CASES)
+@pytest.mark.parametrize("shape", EXPERT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_biased_experts_decode_matches_loop_and_reference(isa, shape, fmt, activations,
+                                                           activation):
+    """One compiled call against BiasedExperts' loop of prepared linears (the spec: the same
+    row kernels) and, with f32 activations, against the float64 reference; limit 1.5
+    clamps a share of the gate and up values; any thread count the same bits."""
+    ws, bs, x, ids, w = _experts("loop", shape, fmt)
+    be = _biased(ws, bs, activation, 1, activations)
+    got = np.full_like(x, np.nan)
+    be(x, ids, w, got)
+    want = be.reference(x, ids, w, np.empty_like(x))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[activations] * np.abs(want).max())
+    if activations == "f32":
+        ref = Ref.biased_experts_ref(x, ids, w, *ws, *bs, activation, 1.702, 1.5)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    for threads in (2, 3):
+        again = np.empty_like(x)
+        _biased(ws, bs, activation, threads, activations)(x, ids, w, again)
+        assert np.array_equal(again, got)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4", "mxfp4"])
+def test_biased_experts_isa_paths_agree_with_scalar(fmt):
+    shape = (8, 4, 64, 64)
+    ws, bs, x, ids, w = _experts("isa", shape, fmt)
+    x *= 3                                         # past the limit more often
+    previous = runtime.get_isa()
+    try:
+        runtime.set_isa("scalar")
+        want = np.empty_like(x)
+        _biased(ws, bs, "swigluoai")(x, ids, w, want)
+        for name in runtime.available_isas():
+            runtime.set_isa(name)
+            got = np.empty_like(x)
+            _biased(ws, bs, "swigluoai")(x, ids, w, got)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max(),
+                                       err_msg=name)
+    finally:
+        runtime.set_isa(previous)
+
+
+def test_biased_experts_without_biases_and_nan():
+    """No biases (a silu model with biases absent); a NaN input gives NaN, as the loop."""
+    ws, bs, x, ids, w = _experts("nobias", (6, 2, 96, 64), "q8", biased=False)
+    be = _biased(ws, bs, "swigluoai")
+    got = np.empty_like(x)
+    be(x, ids, w, got)
+    np.testing.assert_allclose(got, be.reference(x, ids, w, np.empty_like(x)), rtol=0,
+                               atol=2e-6 * np.abs(got).max())
+    x[0, 5] = np.nan
+    be(x, ids, w, got)
+    assert np.isnan(got).all() and np.isnan(be.reference(x, ids, w, np.empty_like(x))).all()
+
+
+def test_biased_experts_decode_errors():
+    ws, bs, x, ids, w = _experts("errors", (8, 4, 64, 64), "q8")
+    p = K.prepare_biased_experts(*ws, *bs, "swigluoai", 1.702, 7.0)
+    out = np.empty_like(x)
+    with pytest.raises(ValueError, match="expert id 8 is out of range for 8 experts"):
+        p(x, np.array([[0, 1, 2, 8]], np.int32), w, out)
+    with pytest.raises(ValueError, match="expert 1 chosen twice"):
+        p(x, np.array([[1, 3, 1, 2]], np.int32), w, out)
+    with pytest.raises(ValueError, match="must be \\(1, 64\\) \\(one token\\)"):
+        p(np.ones((2, 64), F32), ids, w, np.empty((2, 64), F32))
+    with pytest.raises(ValueError, match="must not overlap"):
+        p(x, ids, w, x)
+    with pytest.raises(ValueError, match="b_up has shape \\(8, 63\\), expected \\(8, 64\\)"):
+        K.prepare_biased_experts(*ws, bs[0], bs[1][:, :63], bs[2], "swigluoai", 1.7, 7.0)
+    with pytest.raises(ValueError, match="activation must be 'swigluoai' or 'silu'"):
+        K.prepare_biased_experts(*ws, *bs, "gelu", 1.7, 7.0)
