@@ -18,8 +18,9 @@
  * panels of COLIBRI_GEMM_NR x COLIBRI_GEMM_KC (gemm.h's AVX2 panel decode), then per row one
  * fused multiply-add into the 8-lane accumulators, rows in order; when cols is a multiple of
  * 64 (and the format not MXFP4) the same decode and FMAs with 64 columns of accumulators in
- * registers down all rows (the same bits, no panel). The AVX-512 path runs the AVX2 bodies
- * (as gemm.h: the decode, not the FMA width, is the cost).
+ * registers down all rows (the same bits, no panel). AVX-512 (cols % 64 == 0, not MXFP4):
+ * the register body on 16 lanes, the same decode and FMAs, the same bits as AVX2; other
+ * shapes on the AVX-512 paths run the AVX2 bodies.
  *
  * colibri_mla_attend_*: the latent attention of nh heads over n positions (c and kr rows of
  * cache format fmt, f32 / f16 / bf16, widened exactly as they are loaded). Scalar: dot
@@ -150,6 +151,58 @@ COLIBRI_DEF_TMV_AVX2(colibri_tmv_bf16_avx2, COLIBRI_BF16)
 COLIBRI_DEF_TMV_AVX2(colibri_tmv_q8_avx2, COLIBRI_Q8)
 COLIBRI_DEF_TMV_AVX2(colibri_tmv_q4_avx2, COLIBRI_Q4)
 COLIBRI_DEF_TMV_AVX2(colibri_tmv_mxfp4_avx2, COLIBRI_MXFP4)
+
+/* The register body on 16 lanes: per 64 columns 4 vectors down all rows, each weight decoded
+ * as the AVX2 body decodes it and added by the same fused multiply-add in the same row
+ * order: the same bits as the AVX2 bodies. q8 / q4 and plain formats, cols % 64 == 0. */
+COLIBRI_AVX512_INLINE void colibri_tmv_avx512_body(const int fmt, const uint8_t *row0,
+                                                   ptrdiff_t rs, ptrdiff_t n, ptrdiff_t cols,
+                                                   ptrdiff_t group, const float *q, float *out)
+{
+    const int quant = fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4;
+    const ptrdiff_t codes = fmt == COLIBRI_Q4 ? cols / 2 : cols;
+    ptrdiff_t c0, i;
+    int b, k;
+    for (c0 = 0; c0 < cols; c0 += 64) {
+        __m512 a[4];
+        for (k = 0; k < 4; k++) a[k] = _mm512_setzero_ps();
+        for (i = 0; i < n; i++) {
+            const uint8_t *row = row0 + i * rs;
+            const __m512 qv = _mm512_set1_ps(q[i]);
+            if (i + 2 < n) __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
+            if (quant) {
+                for (b = 0; b < 2; b++) {
+                    const ptrdiff_t c = c0 + 32 * b;
+                    const float sc = _cvtsh_ss(colibri_ld_u16(row + codes + 2 * (c / group)));
+                    const __m512 sv = _mm512_set1_ps(sc), ov = _mm512_set1_ps(-8.0f * sc);
+                    __m512 w[2];
+                    colibri_codes32_avx512(fmt, row + (fmt == COLIBRI_Q4 ? c / 2 : c), w);
+                    for (k = 0; k < 2; k++)
+                        a[2 * b + k] = _mm512_fmadd_ps(
+                            qv, fmt == COLIBRI_Q4 ? _mm512_fmadd_ps(w[k], sv, ov)
+                                                  : _mm512_mul_ps(w[k], sv), a[2 * b + k]);
+                }
+            } else {
+                for (k = 0; k < 4; k++)
+                    a[k] = _mm512_fmadd_ps(qv, colibri_load16_avx512(fmt, row, c0 + 16 * k,
+                                                                     (__mmask16)0xFFFF), a[k]);
+            }
+        }
+        for (k = 0; k < 4; k++) _mm512_storeu_ps(out + c0 + 16 * k, a[k]);
+    }
+}
+
+#define COLIBRI_DEF_TMV_AVX512(name, FMT)                                                    \
+    COLIBRI_AVX512_FN void name(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t n,             \
+                                ptrdiff_t cols, ptrdiff_t group, const float *q, float *out) \
+    {                                                                                        \
+        colibri_tmv_avx512_body(FMT, row0, rs, n, cols, group, q, out);                      \
+    }
+COLIBRI_DEF_TMV_AVX512(colibri_tmv_f32_avx512, COLIBRI_F32)
+COLIBRI_DEF_TMV_AVX512(colibri_tmv_f16_avx512, COLIBRI_F16)
+COLIBRI_DEF_TMV_AVX512(colibri_tmv_bf16_avx512, COLIBRI_BF16)
+COLIBRI_DEF_TMV_AVX512(colibri_tmv_q8_avx512, COLIBRI_Q8)
+COLIBRI_DEF_TMV_AVX512(colibri_tmv_q4_avx512, COLIBRI_Q4)
 #endif /* COLIBRI_X86 */
 
 /* colibri_tmv on path isa; panel as the AVX2 body's (unused by the scalar one). */
@@ -158,6 +211,16 @@ static inline void colibri_tmv(int isa, int fmt, const uint8_t *row0, ptrdiff_t 
                                float *out, float *panel)
 {
 #if COLIBRI_X86
+    if (colibri_isa_base(isa) == COLIBRI_ISA_AVX512 && cols % 64 == 0) {
+        switch (fmt) {
+        case COLIBRI_F32: colibri_tmv_f32_avx512(row0, rs, n, cols, group, q, out); return;
+        case COLIBRI_F16: colibri_tmv_f16_avx512(row0, rs, n, cols, group, q, out); return;
+        case COLIBRI_BF16: colibri_tmv_bf16_avx512(row0, rs, n, cols, group, q, out); return;
+        case COLIBRI_Q8: colibri_tmv_q8_avx512(row0, rs, n, cols, group, q, out); return;
+        case COLIBRI_Q4: colibri_tmv_q4_avx512(row0, rs, n, cols, group, q, out); return;
+        default: break;
+        }
+    }
     if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR) {
         switch (fmt) {
         case COLIBRI_F32: colibri_tmv_f32_avx2(row0, rs, n, cols, group, q, out, panel); return;
