@@ -239,7 +239,7 @@ class Attention:
         each segment alone through __call__ / decode, up to the projections' summation
         order (kernels.linear's GEMM path from gemm_min_tokens rows on).
         """
-        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        H, Dh = self.n_heads, self.head_dim
         q, k, v = self.project_qkv(x[None])          # (1, H, T, Dh), (1, Hkv, T, Dh) x 2
         o = np.empty((x.shape[0], H * Dh), dtype=np.float32)                  # (T, H*Dh)
         for seg in segments:

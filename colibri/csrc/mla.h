@@ -114,7 +114,8 @@ COLIBRI_AVX2_INLINE void colibri_tmv_regs_avx2_body(const int fmt, const uint8_t
         for (i = 0; i < n; i++) {
             const uint8_t *row = row0 + i * rs;
             const __m256 qv = _mm256_set1_ps(q[i]);
-            if (i + 2 < n) __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
+            if (i + 2 < n)
+                __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
             if (quant) {
                 for (b = 0; b < 2; b++) {
                     const ptrdiff_t c = c0 + 32 * b;
@@ -169,7 +170,8 @@ COLIBRI_AVX512_INLINE void colibri_tmv_avx512_body(const int fmt, const uint8_t 
         for (i = 0; i < n; i++) {
             const uint8_t *row = row0 + i * rs;
             const __m512 qv = _mm512_set1_ps(q[i]);
-            if (i + 2 < n) __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
+            if (i + 2 < n)
+                __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
             if (quant) {
                 for (b = 0; b < 2; b++) {
                     const ptrdiff_t c = c0 + 32 * b;
