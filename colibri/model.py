@@ -13,13 +13,13 @@ It runs one of three ways:
   - the general path: any B and S, padding, masks, with or without a cache; NumPy
     attention over the whole batch (colibri.attention), new arrays per layer;
   - the decode step (Model._step): one new token of one sequence through a cache without
-    padding, what every generation step is. The same operations specialised to T = 1: the
-    residual stream updated in place, every per-layer vector in the cache's RunState, the
-    norms, RoPE and the attention over the cache as compiled row operations, the
-    projections, experts and head as prepared kernel calls (weights checked at load). A
-    plain call (token ids, no mask) gets there directly, without the general input checks
-    and the BLAS thread limit; any other call that is such a step (input_embeds, a mask of
-    ones, explicit positions) gets there after the checks.
+    padding, what every generation step is. The same operations specialised to T = 1, every
+    per-layer vector in the cache's RunState: all layers in one compiled call where
+    colibri.decode_layer covers them, else layer by layer (_step_layers, its specification:
+    norms, RoPE and the attention over the cache as compiled row operations, projections
+    and experts as prepared kernel calls). A plain call (token ids, no mask) gets there
+    directly, without the general input checks; any other such step (input_embeds, a mask
+    of ones, explicit positions) after the checks.
   - the ragged step (Model.forward_ragged, colibri.ragged): several sequences of different
     lengths, each through its own cache, their rows concatenated for the projections, the
     MoE and the head, attention per sequence; what continuous batching runs.
@@ -37,6 +37,7 @@ import numpy as np
 
 from . import kernels, quant
 from .attention import Attention, build_mask
+from .decode_layer import compile_layers, python_layers
 from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
@@ -193,6 +194,7 @@ class Model:
         self._residual_mult = f32(c.residual_multiplier) if c.residual_multiplier != 1 else None
         self._logits_div = f32(c.logits_scaling) if c.logits_scaling != 1 else None
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
+        self._compiled = compile_layers(self)    # the decode step's layers in one call, or None
 
     def _cache_geometry(self) -> tuple[int, int, int, int]:
         """(layers, kv heads, key width, value width) of this model's KV cache; MLA caches
@@ -429,45 +431,27 @@ class Model:
         `position`, through every layer and the head, its key and value written to the
         cache's next slot, which is committed. Logits float32 (1, V), a new array; the
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
-        tm, eps, h = self.timings, state.eps, state.h          # eps: float32
-        xa, xf = state.xa, state.xf
-        norm, rm = self._norm_rows_into, self._residual_mult
+        tm, eps, h, xa = self.timings, state.eps, state.h, state.xa          # eps: float32
         if self._embedding_mult is not None:
             np.multiply(h, self._embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)
-        for i, layer in enumerate(self.layers):
-            norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
-            o = layer.attn.decode(xa, cos, sin, cache, i, state)
-            if rm is not None:
-                np.multiply(o, rm, out=o)
-            np.add(h, o, out=h)
-            norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
-            t0 = tm.add("attention", t0)
-            if isinstance(layer.ffn, MoE):
-                try:
-                    y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
-                except ValueError as e:
-                    if "NaN" not in str(e):
-                        raise
-                    raise NonFiniteError(f"NaN in the forward pass, from "
-                                         f"{layer_nan_stage(i, xa, o, xf)}") from None
-                if trace is not None:
-                    trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, self.threads)
-            else:
-                y = layer.ffn(xf, tm)
-            if rm is not None:
-                np.multiply(y, rm, out=y)
-            np.add(h, y, out=h)
-            t0 = time.perf_counter()
+        fast = self._compiled       # (colibri.decode_layer; _step_layers: its specification)
+        if fast is None or trace is not None or not fast.run(state, cache, cos, sin, tm):
+            self._step_layers(state, cos, sin, cache, trace)
+        t0 = time.perf_counter()
         logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        norm(h, self.final_norm, self.final_norm_bias, eps, xa)
+        self._norm_rows_into(h, self.final_norm, self.final_norm_bias, eps, xa)
         self._head(xa, logits)
         self._scale_logits(logits)
         check_logits(logits, self.n_layers, h, xa)
         tm.add("head", t0)
         cache.commit_one(position)
         return logits
+
+    # the layers of a decode step from Python, one kernel call at a time (the specification
+    # of the compiled ones, and what runs where they do not): colibri.decode_layer
+    _step_layers = python_layers
 
     def _forward(self, input_ids, cache, positions, return_routing, input_embeds,
                  attention_mask, last_only):

@@ -1,0 +1,167 @@
+"""The layers of a decode step, two ways: from Python, one kernel call at a time
+(python_layers, the specification), and compiled, every layer in one call without the GIL
+(CompiledLayers).
+
+python_layers is Model._step's loop: per layer about eleven calls into the compiled module
+(RMSNorm rows, the fused q|k|v projection, q/k norms, RoPE, the cache write and attention,
+the output projection, the residual add, RMSNorm, the router, top-k, the experts, the
+shared expert, the add), each with its argument checks and the GIL taken back in between.
+colibri._kernels.DecodeLayers holds every layer's weights and settings, checked once when
+the model is built; DecodeBinding binds them to one cache and its RunState and runs all
+layers in one nogil call, through the same C functions in the same order
+(pyx/decode_layer.pxi). So its results are the Python step's, bit for bit, on every weight
+format, activation setting, cache dtype, thread count and ISA path (the sigmoid of
+Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf differs from
+it in the last bit for ~40 % of arguments).
+
+What the compiled layers do not do, python_layers does (the fallback), chosen when the
+model is built (`uncovered`: the reason, or None): MLA attention, LayerNorm models,
+attention sinks, q / k / v that are not one fused projection, biased experts (GPT-OSS), a
+shared-expert gate where NumPy's exp loop is not found; or per step (two cheap checks, no
+exception handling): a step that records its routing (return_routing), a model whose MoE
+layers have an experts_hook (an expert cache, the residency telemetry).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import _kernels
+from .attention import Attention
+from .guards import NonFiniteError, layer_nan_stage
+from .moe import DenseMLP, MoE
+from .routing import RoutingTrace, trace_layer
+from .run_state import RunState
+
+__all__ = ["python_layers", "CompiledLayers", "compile_layers", "uncovered"]
+
+_STAGES = _kernels.STAGE_NAMES      # the stages of DecodeBinding.seconds (Model.timings keys)
+
+
+def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cache,
+                  trace: RoutingTrace | None) -> None:
+    """The layers of Model._step from Python (Model._step_layers): the token in state.h
+    (1, D) at the position of cos / sin (Rope.cos_sin_one, (Dr/2,)) through every layer,
+    its key and value to slot cache.length; its routing appended to trace when given."""
+    tm, eps, h, xa, xf = model.timings, state.eps, state.h, state.xa, state.xf
+    norm, rm = model._norm_rows_into, model._residual_mult
+    t0 = time.perf_counter()
+    for i, layer in enumerate(model.layers):
+        norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        o = layer.attn.decode(xa, cos, sin, cache, i, state)
+        if rm is not None:
+            np.multiply(o, rm, out=o)
+        np.add(h, o, out=h)
+        norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
+        t0 = tm.add("attention", t0)
+        if isinstance(layer.ffn, MoE):
+            try:
+                y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
+            except ValueError as e:
+                if "NaN" not in str(e):
+                    raise
+                raise NonFiniteError(f"NaN in the forward pass, from "
+                                     f"{layer_nan_stage(i, xa, o, xf)}") from None
+            if trace is not None:
+                trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, model.threads)
+        else:
+            y = layer.ffn(xf, tm)
+        if rm is not None:
+            np.multiply(y, rm, out=y)
+        np.add(h, y, out=h)
+        t0 = time.perf_counter()
+
+
+def uncovered(model) -> str | None:
+    """Why the compiled step cannot run `model`'s layers, or None when it can."""
+    c = model.config
+    if c.is_mla:
+        return "multi-head latent attention (MLA)"
+    if c.norm != "rms_norm":
+        return f"{c.norm} norms"
+    scales = {np.float32(layer.attn.scale) for layer in model.layers
+              if isinstance(layer.attn, Attention)}
+    if len(scales) > 1:
+        return "attention scales that differ between layers"
+    for i, layer in enumerate(model.layers):
+        a, f = layer.attn, layer.ffn
+        if type(a) is not Attention:
+            return f"layer {i}: attention of type {type(a).__name__}"
+        if a.sinks is not None:
+            return f"layer {i}: attention sinks"
+        if a.wqkv is None:
+            return f"layer {i}: q, k and v are not one fused projection"
+        if type(f) is MoE:
+            if f.biased_experts is not None:
+                return f"layer {i}: experts with biases or another activation"
+            if f.shared_gate is not None and not _kernels.EXP_LOOP:
+                return f"layer {i}: a shared-expert gate (NumPy's float32 exp loop not found)"
+        elif type(f) is not DenseMLP:
+            return f"layer {i}: a feed-forward of type {type(f).__name__}"
+    return None
+
+
+def _spec(layer) -> dict:
+    """One layer's weights and settings, as DecodeLayers reads them."""
+    a, f = layer.attn, layer.ffn
+    spec = dict(attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm,
+                qkv=a.wqkv.w, qkv_bias=a.wqkv.b, wo=a.wo.w, wo_bias=a.wo.b,
+                qk_norm=a.qk_norm, q_norm=a.q_norm, k_norm=a.k_norm, clip=a.clip_qkv,
+                window=a.window or 0, gate=f.w_gate, up=f.w_up, down=f.w_down,
+                moe=isinstance(f, MoE))
+    if isinstance(f, MoE):
+        spec.update(router=f.router, router_bias=f.router_bias, k=f.top_k, rule=f.rule,
+                    norm_topk=f.norm_topk_prob, jitter=f.jitter_eps,
+                    corr_bias=f.correction_bias, n_group=f.n_group, topk_group=f.topk_group,
+                    rscale=float(np.float32(f.routed_scaling_factor)), shared=f.shared,
+                    shared_gate=f.shared_gate)
+    return spec
+
+
+class CompiledLayers:
+    """A model's layers for the compiled decode step (see the module docstring).
+
+    run(state, cache, cos, sin, timings) runs every layer on the token in state.h (1, D),
+    its key and value going to slot cache.length, as Model._step's loop does; False (nothing
+    done) when this step must take the Python loop.
+    """
+
+    def __init__(self, model):
+        c = model.config
+        self._moes = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)]
+        rm = model._residual_mult
+        self.layers = _kernels.DecodeLayers(
+            [_spec(layer) for layer in model.layers], c.hidden_size, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, len(model.rope.cos_sin_one(0)[0]),
+            float(np.float32(c.rms_norm_eps)), float(model.layers[0].attn._scale32),
+            None if rm is None else float(rm), model.threads, model.activations)
+
+    def _binding(self, state: RunState, cache) -> _kernels.DecodeBinding:
+        """The cache's binding to these layers and its RunState (made on first use)."""
+        b = cache.scratch.get("decode_layers")
+        if b is None or b.layers is not self.layers or b.state is not state:
+            b = cache.scratch["decode_layers"] = _kernels.DecodeBinding(
+                self.layers, state, cache.k, cache.v)
+        return b
+
+    def run(self, state: RunState, cache, cos: np.ndarray, sin: np.ndarray, timings) -> bool:
+        for moe in self._moes:
+            if moe.experts_hook is not None:
+                return False
+        b = self._binding(state, cache)
+        bad = b.step(cache.k, cache.v, cache.length, cos, sin)
+        seconds = timings.seconds
+        for name, s in zip(_STAGES, b.seconds.tolist()):
+            seconds[name] += s
+        if bad >= 0:
+            raise NonFiniteError(f"NaN in the forward pass, from "
+                                 f"{layer_nan_stage(bad, state.xa, state.o, state.xf)}")
+        return True
+
+
+def compile_layers(model) -> CompiledLayers | None:
+    """The compiled layers of `model`, or None when it has layers they do not cover."""
+    if uncovered(model) is not None or not model.layers:
+        return None
+    return CompiledLayers(model)

@@ -1,0 +1,497 @@
+# colibri/pyx/decode_layer.pxi: the compiled decode step, every layer of one token in one
+# nogil call (DecodeLayers: the layers' weights and settings, checked once; DecodeBinding:
+# those layers over one cache and its RunState's buffers, one call per step).
+#
+# A layer is the Python step's sequence of kernel calls (Model._step, Attention.decode,
+# MoE.__call__), in the same order and through the same C functions: RMSNorm rows
+# (csrc/rowops.h), the fused q|k|v linear (_linear_core), q/k norms, clip, RoPE, the cache
+# write (colibri_kv_store) and the attention over the cache (_attend_core), the output
+# projection, the residual add, RMSNorm, the router linear (f32 activations), one token's
+# routing (_route_token), the experts (_ffn_core), the shared expert and its gate, the
+# residual add (csrc/decode_layer.h; the gate's exp is NumPy's own float32 loop). So the
+# results are the Python step's bits. The pool jobs are the same too: what this
+# removes is the Python between them (~11 calls into the module per layer, their argument
+# checks and the interpreter's work, with the GIL taken and given at each).
+
+cdef extern from "csrc/decode_layer.h" nogil:
+    void colibri_add_into(float *h, const float *o, Py_ssize_t n)
+    void colibri_scale_into(float *x, float m, Py_ssize_t n)
+    void colibri_clip_into(float *x, float c, Py_ssize_t n)
+    float colibri_gate_sigmoid(float z)
+    double colibri_stage_clock()
+
+cdef extern from "csrc/decode_layer.h":
+    int colibri_find_exp_loop(object ufunc)
+
+# NumPy's float32 exp loop, for the shared-expert gate (the Python step's np.exp, the same bits)
+EXP_LOOP = type(np.exp) is np.ufunc and colibri_find_exp_loop(np.exp) == 1
+
+
+def gate_sigmoid(float z):
+    """1 / (1 + exp(-z)) in float32 as the compiled step computes a shared-expert gate
+    (MoE.__call__'s NumPy expression, the same bits); needs EXP_LOOP."""
+    if not EXP_LOOP:
+        raise RuntimeError("gate_sigmoid: NumPy's float32 exp loop was not found")
+    return colibri_gate_sigmoid(z)
+
+cdef enum:
+    QK_NONE = 0
+    QK_FULL = 1
+    QK_PER_HEAD = 2
+    STAGE_ATTENTION = 0             # DecodeBinding.seconds, as colibri.runtime.STAGES
+    STAGE_ROUTER = 1
+    STAGE_EXPERTS = 2
+    STAGE_SHARED = 3
+    STAGE_DENSE = 4
+    N_STAGES = 5
+
+QK_NORM_CODES = {"none": QK_NONE, "full": QK_FULL, "per_head": QK_PER_HEAD}
+STAGE_NAMES = ("attention", "router", "experts", "shared", "dense")
+
+
+ctypedef struct DLayer:
+    # one layer's weights (Wmats of the current ISA) and settings
+    Wmat qkv, wo                    # (H*Dh + 2*Hkv*Dh, D), (D, H*Dh)
+    Wmat router, g, u, d            # (E, D); experts (E, I, D) x 2, (E, D, I), or a dense MLP
+    Wmat sg, su, sd, sgate          # the shared expert (Is, D) x 2, (D, Is); its gate (1, D)
+    const float *attn_norm
+    const float *ffn_norm
+    const float *qkv_bias           # NULL: none (likewise below)
+    const float *wo_bias
+    const float *router_bias
+    const float *q_norm
+    const float *k_norm
+    const float *corr_bias          # sigmoid_group_topk's correction bias (E,)
+    int qk_norm                     # QK_NONE / QK_FULL / QK_PER_HEAD
+    bint clip, moe, shared, gated
+    float clip_c, thresh, rscale
+    Py_ssize_t window               # sliding window slots, 0: full attention
+    Py_ssize_t E, K, n_group, topk_group
+    int rule
+    bint norm_topk
+
+
+ctypedef struct DModel:
+    # what a step needs of DecodeLayers, for the nogil call
+    DLayer *layers
+    Py_ssize_t n_layers, D, H, Hkv, Dh, h_rope, nq, nk, E_max, K_max
+    float eps, scale, rmult
+    bint has_rmult
+    int threads
+
+
+ctypedef struct DBind:
+    # what a step needs of DecodeBinding: the RunState's buffers and the cache planes
+    float *h
+    float *xa
+    float *xf
+    float *o
+    float *y
+    float *qkv
+    float *att
+    double *sec                     # seconds per stage (N_STAGES)
+    char **kp                       # per layer: sequence 0's key plane (Hkv, S, Dh)
+    char **vp
+    int fmt
+    Py_ssize_t S, es
+
+
+cdef class DecodeLayers:
+    """Every layer of a model for the compiled decode step: `DecodeLayers(specs, hidden,
+    n_heads, n_kv_heads, head_dim, rope_pairs, eps, scale, residual_mult, threads,
+    activations)`, specs a list of one dict per layer (colibri.decode_layer builds them:
+    WeightRefs and float32 vectors, checked here once). Bind it to a cache with
+    DecodeBinding."""
+    cdef DModel m
+    cdef int act, isa
+    cdef list specs, keep
+
+    @property
+    def n_layers(self):
+        return self.m.n_layers
+
+    def __cinit__(self):
+        self.m.layers = NULL
+
+    def __dealloc__(self):
+        free(self.m.layers)
+
+    def __init__(self, list specs, Py_ssize_t hidden, Py_ssize_t n_heads,
+                 Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t rope_pairs, float eps,
+                 float scale, residual_mult, int threads, activations):
+        _check_threads(threads)
+        if n_kv_heads < 1 or n_heads % n_kv_heads or head_dim < 1 or 2 * rope_pairs > head_dim:
+            raise ValueError(f"DecodeLayers: {n_heads} heads over {n_kv_heads} kv heads of "
+                             f"{head_dim} with {rope_pairs} rotary pairs")
+        self.act = _activations(activations)
+        self.m.n_layers, self.m.D, self.m.H = len(specs), hidden, n_heads
+        self.m.Hkv, self.m.Dh, self.m.h_rope = n_kv_heads, head_dim, rope_pairs
+        self.m.nq, self.m.nk = n_heads * head_dim, n_kv_heads * head_dim
+        self.m.eps, self.m.scale, self.m.threads = eps, scale, threads
+        self.m.has_rmult = residual_mult is not None
+        self.m.rmult = residual_mult if self.m.has_rmult else 1.0
+        self.specs = specs
+        self.m.layers = <DLayer *>malloc(max(1, self.m.n_layers) * sizeof(DLayer))
+        if self.m.layers == NULL:
+            raise MemoryError("DecodeLayers: no memory for the layer table")
+        self._load()
+
+    cdef object _vec(self, spec, str key, Py_ssize_t n, int i, const float **out):
+        """spec[key] (None, or float32 (n,)) into *out; kept alive in self.keep."""
+        cdef Py_ssize_t dims[1]
+        a = spec.get(key)
+        if a is None:
+            out[0] = NULL
+            return
+        out[0] = _f32(a, f"layer {i} {key}", 1, False, dims)
+        if dims[0] != n:
+            raise ValueError(f"DecodeLayers: layer {i} {key} has {dims[0]} elements, "
+                             f"expected {n}")
+        self.keep.append(a)
+
+    cdef object _mat(self, spec, str key, Wmat *m, int act, Py_ssize_t rows, Py_ssize_t cols,
+                     int i):
+        """spec[key] (a WeightRef) loaded into m for the current ISA, its shape checked."""
+        self.keep.append(_load(spec[key], f"layer {i} {key}", m, act))
+        if m.rows != rows or m.cols != cols:
+            raise ValueError(f"DecodeLayers: layer {i} {key} is ({m.rows}, {m.cols}), "
+                             f"expected ({rows}, {cols})")
+
+    def _load(self):
+        """Check every layer's weights and fill the table for the current ISA."""
+        cdef DLayer *L
+        cdef Py_ssize_t D = self.m.D, i, E, I, Is, nq = self.m.nq, nk = self.m.nk
+        self.keep = []
+        self.m.E_max, self.m.K_max = 1, 1
+        for i in range(self.m.n_layers):
+            s, L = self.specs[i], &self.m.layers[i]
+            self._vec(s, "attn_norm", D, i, &L.attn_norm)
+            self._vec(s, "ffn_norm", D, i, &L.ffn_norm)
+            if L.attn_norm == NULL or L.ffn_norm == NULL:
+                raise ValueError(f"DecodeLayers: layer {i} needs attn_norm and ffn_norm")
+            self._mat(s, "qkv", &L.qkv, self.act, nq + 2 * nk, D, i)
+            self._vec(s, "qkv_bias", nq + 2 * nk, i, &L.qkv_bias)
+            self._mat(s, "wo", &L.wo, self.act, D, nq, i)
+            self._vec(s, "wo_bias", D, i, &L.wo_bias)
+            L.qk_norm = QK_NORM_CODES[s["qk_norm"]]
+            full = L.qk_norm == QK_FULL                 # (H*Dh,) / (Hkv*Dh,), else (Dh,)
+            self._vec(s, "q_norm", nq if full else self.m.Dh, i, &L.q_norm)
+            self._vec(s, "k_norm", nk if full else self.m.Dh, i, &L.k_norm)
+            if L.qk_norm != QK_NONE and (L.q_norm == NULL or L.k_norm == NULL):
+                raise ValueError(f"DecodeLayers: layer {i} qk_norm {s['qk_norm']!r} needs "
+                                 f"q_norm and k_norm")
+            L.clip = s["clip"] is not None
+            L.clip_c = s["clip"] if L.clip else 0.0
+            L.window = s["window"] or 0
+            L.moe = s["moe"]
+            L.shared = L.gated = False
+            E, L.K, L.corr_bias, L.router_bias = 1, 1, NULL, NULL
+            self.keep.append(_load(s["gate"], f"layer {i} gate", &L.g, self.act))
+            self.keep.append(_load(s["up"], f"layer {i} up", &L.u, self.act))
+            self.keep.append(_load(s["down"], f"layer {i} down", &L.d, self.act))
+            I = L.g.rows
+            if (L.g.cols != D or L.u.rows != I or L.u.cols != D or L.d.rows != D
+                    or L.d.cols != I or L.u.n_experts != L.g.n_experts
+                    or L.d.n_experts != L.g.n_experts):
+                raise ValueError(f"DecodeLayers: layer {i} FFN weights disagree: gate "
+                                 f"({L.g.n_experts} x {L.g.rows} x {L.g.cols}), up ({L.u.rows} "
+                                 f"x {L.u.cols}), down ({L.d.rows} x {L.d.cols}) for D {D}")
+            if L.moe:
+                E = L.g.n_experts
+                self._mat(s, "router", &L.router, 0, E, D, i)      # f32 activations
+                self._vec(s, "router_bias", E, i, &L.router_bias)
+                L.K, L.rule, L.norm_topk = s["k"], RULES[s["rule"]], s["norm_topk"]
+                if not 1 <= L.K <= E:
+                    raise ValueError(f"DecodeLayers: layer {i} routes to k = {L.K} of {E}")
+                L.thresh = _sparsemixer_threshold(s["rule"], L.K, s["jitter"])
+                L.n_group, L.topk_group = s["n_group"], s["topk_group"]
+                bias_view = _group_settings(L.rule, E, L.K, s["corr_bias"], L.n_group,
+                                            L.topk_group)
+                L.corr_bias = NULL
+                if bias_view is not None:
+                    self._vec(s, "corr_bias", E, i, &L.corr_bias)
+                L.rscale = s["rscale"]
+                if s["shared"] is not None:
+                    L.shared = True
+                    self.keep.append(_load(s["shared"][0], f"layer {i} shared gate",
+                                           &L.sg, self.act))
+                    self.keep.append(_load(s["shared"][1], f"layer {i} shared up", &L.su,
+                                           self.act))
+                    self.keep.append(_load(s["shared"][2], f"layer {i} shared down", &L.sd,
+                                           self.act))
+                    Is = L.sg.rows
+                    if (L.sg.cols != D or L.su.rows != Is or L.su.cols != D or L.sd.rows != D
+                            or L.sd.cols != Is or L.sg.n_experts != 1 or L.su.n_experts != 1
+                            or L.sd.n_experts != 1):
+                        raise ValueError(f"DecodeLayers: layer {i} shared expert weights "
+                                         f"disagree")
+                    if s["shared_gate"] is not None:
+                        if not EXP_LOOP:
+                            raise ValueError(f"DecodeLayers: layer {i}'s shared-expert gate "
+                                             f"needs NumPy's float32 exp loop (not found)")
+                        L.gated = True
+                        self._mat(s, "shared_gate", &L.sgate, 0, 1, D, i)
+            elif L.g.n_experts != 1:
+                raise ValueError(f"DecodeLayers: layer {i} dense MLP has {L.g.n_experts} "
+                                 f"experts")
+            L.E = E
+            if E > self.m.E_max:
+                self.m.E_max = E
+            if L.moe and L.K > self.m.K_max:
+                self.m.K_max = L.K
+        self.isa = _isa
+
+    cdef int _ensure(self) except -1:
+        """Reload the weights' row kernels when the ISA path changed (as PreparedLinear)."""
+        if self.isa != _isa:
+            self._load()
+        return 0
+
+    cdef Py_ssize_t _work_bytes(self, Py_ssize_t slots) noexcept nogil:
+        """Scratch any one kernel call of a step needs (linear, expert FFN, attention over
+        up to `slots` positions), for the current knobs."""
+        cdef Py_ssize_t i, n = 4 * self.m.threads * slots * (self.m.H // self.m.Hkv), b
+        cdef const DLayer *L
+        for i in range(self.m.n_layers):
+            L = &self.m.layers[i]
+            b = _linear_bytes(1, &L.qkv, self.m.threads)
+            n = b if b > n else n
+            b = _linear_bytes(1, &L.wo, self.m.threads)
+            n = b if b > n else n
+            b = _ffn_bytes(1, L.K if L.moe else 1, &L.g, &L.u, &L.d, self.m.threads)
+            n = b if b > n else n
+            if L.moe:
+                b = _linear_bytes(1, &L.router, self.m.threads)
+                n = b if b > n else n
+            if L.shared:
+                b = _ffn_bytes(1, 1, &L.sg, &L.su, &L.sd, self.m.threads)
+                n = b if b > n else n
+            if L.gated:
+                b = _linear_bytes(1, &L.sgate, self.m.threads)
+                n = b if b > n else n
+        return n
+
+
+cdef class DecodeBinding:
+    """DecodeLayers over one KV cache (batch 1) and a RunState's buffers: `b.step(k, v,
+    slot, cos, sin)` runs every layer for the token whose embedding is in state.h (1, D),
+    its keys and values written to slot `slot` of the cache planes k, v (the cache's lists,
+    checked against the bound arrays at each step, rebound if they changed), cos / sin
+    float32 (Dr/2,) of its position; returns -1, or the layer whose router logits were NaN
+    (the step stopped there, the state's buffers holding that layer's vectors).
+    seconds: float64 (5,), the last step's time per stage (STAGE_NAMES)."""
+    cdef readonly DecodeLayers layers
+    cdef readonly object state
+    cdef readonly object seconds
+    cdef list k_planes, v_planes
+    cdef DBind b
+    cdef object scratch
+    cdef Py_ssize_t cap, gm, igm, mb
+    cdef int isa
+
+    def __cinit__(self):
+        self.b.kp = NULL
+        self.b.vp = NULL
+
+    def __dealloc__(self):
+        free(self.b.kp)
+        free(self.b.vp)
+
+    def __init__(self, DecodeLayers layers, state, list k_planes, list v_planes):
+        cdef Py_ssize_t d[2]
+        cdef Py_ssize_t D = layers.m.D, nq = layers.m.nq, nk = layers.m.nk
+        self.layers, self.state = layers, state
+        for name in ("h", "xa", "xf", "o", "y"):
+            if getattr(state, name).shape != (1, D):
+                raise ValueError(f"DecodeBinding: state.{name} must be (1, {D}), found "
+                                 f"{getattr(state, name).shape}")
+        self.b.h = _f32(state.h, "state.h", 2, True, d)
+        self.b.xa = _f32(state.xa, "state.xa", 2, True, d)
+        self.b.xf = _f32(state.xf, "state.xf", 2, True, d)
+        self.b.o = _f32(state.o, "state.o", 2, True, d)
+        self.b.y = _f32(state.y, "state.y", 2, True, d)
+        self.b.qkv = _f32(state.qkv_row, "state.qkv_row", 2, True, d)
+        if d[0] != 1 or d[1] != nq + 2 * nk:
+            raise ValueError(f"DecodeBinding: state.qkv_row must be (1, {nq + 2 * nk})")
+        self.b.att = _f32(state.att_row, "state.att_row", 2, True, d)
+        if d[0] != 1 or d[1] != nq:
+            raise ValueError(f"DecodeBinding: state.att_row must be (1, {nq})")
+        self.seconds = np.zeros(N_STAGES, dtype=np.float64)
+        self.b.sec = <double *>colibri_array_data(self.seconds)
+        self.b.kp = <char **>malloc(max(1, layers.m.n_layers) * sizeof(char *))
+        self.b.vp = <char **>malloc(max(1, layers.m.n_layers) * sizeof(char *))
+        if self.b.kp == NULL or self.b.vp == NULL:
+            raise MemoryError("DecodeBinding: no memory for the plane table")
+        self.scratch = None
+        self.cap = -1
+        self._bind(k_planes, v_planes)
+
+    def _bind(self, list k_planes, list v_planes):
+        """Check the cache planes (one (1, Hkv, S, Dh) array of one storage dtype per layer,
+        as KVCache makes them) and keep their addresses."""
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t kd[4]
+        cdef Py_ssize_t vd[4]
+        cdef int kfmt, vfmt, fmt = COLIBRI_F32
+        cdef Py_ssize_t i, j, S = 1
+        if len(k_planes) != m.n_layers or len(v_planes) != m.n_layers:
+            raise ValueError(f"DecodeBinding: {len(k_planes)} key and {len(v_planes)} value "
+                             f"planes for {m.n_layers} layers")
+        for i in range(m.n_layers):
+            self.b.kp[i] = <char *>_kv(k_planes[i], f"k[{i}]", 4, kd, &kfmt)
+            self.b.vp[i] = <char *>_kv(v_planes[i], f"v[{i}]", 4, vd, &vfmt)
+            for j in range(4):
+                if kd[j] != vd[j]:
+                    raise ValueError(f"DecodeBinding: layer {i}'s key and value planes differ")
+            if kd[0] != 1 or kd[1] != m.Hkv or kd[3] != m.Dh or (i > 0 and kd[2] != S):
+                raise ValueError(f"DecodeBinding: layer {i}'s planes are {k_planes[i].shape}, "
+                                 f"expected (1, {m.Hkv}, S, {m.Dh}) for every layer")
+            if kfmt != vfmt or (i > 0 and kfmt != fmt):
+                raise ValueError("DecodeBinding: the planes differ in storage dtype")
+            fmt, S = kfmt, kd[2]
+        self.b.fmt, self.b.S, self.b.es = fmt, S, 4 if fmt == COLIBRI_F32 else 2
+        self.k_planes, self.v_planes = list(k_planes), list(v_planes)
+        self._grow()
+
+    cdef int _grow(self) except -1:
+        """Scratch for the current knobs and ISA: the fixed part (router logits, routing
+        scratch, ids, weights, the shared expert's output, a dense MLP's id and weight) and
+        the part of the largest kernel call."""
+        self.layers._ensure()
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t need = (4 * 5 * m.E_max + 8 * m.K_max + 4 * m.D + 8 + 10 * 64
+                                + self.layers._work_bytes(self.b.S))
+        if need > self.cap:
+            self.scratch = np.empty(need + 64, dtype=np.uint8)
+            self.cap = need
+        self.gm, self.igm, self.mb, self.isa = _gemm_min, _igemm_min, _min_bytes, _isa
+        return 0
+
+    def step(self, list k_planes, list v_planes, Py_ssize_t slot, cos, sin):
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t cd[1]
+        cdef Py_ssize_t sd[1]
+        cdef Py_ssize_t i, bad
+        cdef bint same = len(k_planes) == m.n_layers and len(v_planes) == m.n_layers
+        if same:
+            for i in range(m.n_layers):
+                if (k_planes[i] is not self.k_planes[i]
+                        or v_planes[i] is not self.v_planes[i]):
+                    same = False
+                    break
+        if not same:
+            self._bind(k_planes, v_planes)
+        if (self.isa != _isa or self.gm != _gemm_min or self.igm != _igemm_min
+                or self.mb != _min_bytes):
+            self._grow()
+        cdef const float *cp = _f32(cos, "cos", 1, False, cd)
+        cdef const float *sp = _f32(sin, "sin", 1, False, sd)
+        if cd[0] != m.h_rope or sd[0] != m.h_rope:
+            raise ValueError(f"step: cos ({cd[0]},) and sin ({sd[0]},) must have "
+                             f"{m.h_rope} elements")
+        if not 0 <= slot < self.b.S:
+            raise ValueError(f"step: slot {slot} is outside the cache's {self.b.S} slots")
+        cdef char *base = _base(self.scratch)
+        with nogil:
+            bad = _decode_step(m, &self.b, slot, cp, sp, base)
+        return bad
+
+
+cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const float *cos,
+                             const float *sin, char *cur) noexcept nogil:
+    """Every layer for one token (see DecodeBinding.step); -1 or the layer of NaN logits."""
+    cdef Py_ssize_t D = m.D, H = m.H, Hkv = m.Hkv, Dh = m.Dh, nq = m.nq, nk = m.nk
+    cdef Py_ssize_t i, j, e, start, n, S = b.S, es = b.es
+    cdef int th = m.threads, nth
+    cdef const DLayer *ly
+    cdef float *logits = <float *>_carve(&cur, 4 * m.E_max)
+    cdef float *rp = <float *>_carve(&cur, 4 * m.E_max)           # routing scratch: p,
+    cdef float *rkey = <float *>_carve(&cur, 4 * m.E_max)         # key,
+    cdef float *rgs = <float *>_carve(&cur, 4 * m.E_max)          # group scores,
+    cdef int32_t *rgids = <int32_t *>_carve(&cur, 4 * m.E_max)    # group ids
+    cdef int32_t *ids = <int32_t *>_carve(&cur, 4 * m.K_max)
+    cdef float *wts = <float *>_carve(&cur, 4 * m.K_max)
+    cdef float *s = <float *>_carve(&cur, 4 * D)                  # the shared expert's output
+    cdef int32_t *one_id = <int32_t *>_carve(&cur, 4)
+    cdef float *one_w = <float *>_carve(&cur, 4)
+    cdef char *work = cur
+    cdef float *q_heads = b.qkv
+    cdef float *k_heads = b.qkv + nq
+    cdef float *v_heads = b.qkv + nq + nk
+    cdef float gv, z
+    cdef double t0, t1
+    cdef RouteJob job
+    one_id[0] = 0
+    one_w[0] = 1.0
+    for j in range(N_STAGES):
+        b.sec[j] = 0.0
+    t0 = colibri_stage_clock()
+    for i in range(m.n_layers):
+        ly = &m.layers[i]
+        # attention: norm, q|k|v, q/k norms, clip, RoPE, cache write + attention, wo
+        colibri_rms_norm_rows(b.h, D, 1, D, ly.attn_norm, m.eps, b.xa, D)
+        _linear_core(b.xa, 1, &ly.qkv, ly.qkv_bias, b.qkv, 0, th, work)
+        if ly.qk_norm == QK_FULL:
+            colibri_rms_norm_rows(q_heads, nq, 1, nq, ly.q_norm, m.eps, q_heads, nq)
+            colibri_rms_norm_rows(k_heads, nk, 1, nk, ly.k_norm, m.eps, k_heads, nk)
+        if ly.clip:
+            colibri_clip_into(b.qkv, ly.clip_c, nq + 2 * nk)
+        if ly.qk_norm == QK_PER_HEAD:
+            colibri_rms_norm_rows(q_heads, Dh, H, Dh, ly.q_norm, m.eps, q_heads, Dh)
+            colibri_rms_norm_rows(k_heads, Dh, Hkv, Dh, ly.k_norm, m.eps, k_heads, Dh)
+        if m.h_rope > 0:
+            colibri_rope_rows(q_heads, Dh, H + Hkv, m.h_rope, cos, sin)
+        start = slot + 1 - ly.window if ly.window and slot >= ly.window else 0
+        n = slot + 1 - start
+        for j in range(Hkv):
+            colibri_kv_store(b.fmt, b.kp[i] + (j * S + slot) * Dh * es, k_heads + j * Dh, Dh)
+            colibri_kv_store(b.fmt, b.vp[i] + (j * S + slot) * Dh * es, v_heads + j * Dh, Dh)
+        nth = _attend_team(Hkv, n, Dh, th)
+        _attend_core(b.fmt, q_heads, b.kp[i] + start * Dh * es, b.vp[i] + start * Dh * es,
+                     b.att, S * Dh, Dh, n, H, Hkv, Dh, m.scale, nth, <float *>work)
+        _linear_core(b.att, 1, &ly.wo, ly.wo_bias, b.o, 0, th, work)
+        if m.has_rmult:
+            colibri_scale_into(b.o, m.rmult, D)
+        colibri_add_into(b.h, b.o, D)
+        colibri_rms_norm_rows(b.h, D, 1, D, ly.ffn_norm, m.eps, b.xf, D)
+        t1 = colibri_stage_clock()
+        b.sec[STAGE_ATTENTION] += t1 - t0
+        t0 = t1
+        if ly.moe:
+            # the router (f32 activations) and one token's top-k, as PreparedRoute
+            _linear_core(b.xf, 1, &ly.router, ly.router_bias, logits, 0, th, work)
+            for e in range(ly.E):
+                if logits[e] != logits[e]:
+                    return i
+            job.n_group, job.topk_group, job.bias = ly.n_group, ly.topk_group, ly.corr_bias
+            _route_token(logits, ly.E, ly.K, ly.rule, ly.norm_topk, False, 0, ly.thresh, 0,
+                         rp, rkey, ids, wts, &job, rgs, rgids)
+            if ly.rscale != 1.0:
+                for j in range(ly.K):
+                    wts[j] = wts[j] * ly.rscale
+            t1 = colibri_stage_clock()
+            b.sec[STAGE_ROUTER] += t1 - t0
+            t0 = t1
+            _ffn_core(b.xf, ids, wts, 1, ly.K, &ly.g, &ly.u, &ly.d, b.y, th, work)
+            t1 = colibri_stage_clock()
+            b.sec[STAGE_EXPERTS] += t1 - t0
+            t0 = t1
+            if ly.shared:
+                _ffn_core(b.xf, one_id, one_w, 1, 1, &ly.sg, &ly.su, &ly.sd, s, th, work)
+                if ly.gated:
+                    _linear_core(b.xf, 1, &ly.sgate, NULL, &z, 0, th, work)
+                    gv = colibri_gate_sigmoid(z)
+                    colibri_scale_into(s, gv, D)
+                colibri_add_into(b.y, s, D)
+                t1 = colibri_stage_clock()
+                b.sec[STAGE_SHARED] += t1 - t0
+                t0 = t1
+        else:
+            _ffn_core(b.xf, one_id, one_w, 1, 1, &ly.g, &ly.u, &ly.d, b.y, th, work)
+            t1 = colibri_stage_clock()
+            b.sec[STAGE_DENSE] += t1 - t0
+            t0 = t1
+        if m.has_rmult:
+            colibri_scale_into(b.y, m.rmult, D)
+        colibri_add_into(b.h, b.y, D)
+    return -1

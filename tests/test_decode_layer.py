@@ -1,0 +1,331 @@
+"""The compiled decode step (colibri.decode_layer: every layer of one token in one call)
+against the Python step it replaces (Model._step_layers, its specification).
+
+The compiled layers run the same C functions in the same order as the Python step, so a
+decode through them gives the same bits: logits and every cache plane, step after step
+(past a sliding window), for each family whose layers they cover (GQA attention with plain,
+biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows; routed experts
+under the softmax, top-k-softmax and sigmoid-group rules, shared experts gated or not, dense
+layers; Granite's multipliers),
+every weight format, activation setting, KV cache dtype, thread count and ISA path. What
+they do not cover takes the Python step: chosen when the model is built (MLA, attention
+sinks, biased experts, LayerNorm) or per step (routing traces, an experts_hook).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import colibri.api as api  # noqa: E402
+from colibri import _kernels, runtime  # noqa: E402
+from colibri.convert import convert  # noqa: E402
+from colibri.decode_layer import uncovered  # noqa: E402
+from colibri.guards import NonFiniteError  # noqa: E402
+from family_parity import make_checkpoint  # noqa: E402
+from hf_factory import tiny_config  # noqa: E402
+
+_SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, initializer_range=0.15)
+
+# family case -> a transformers config; each exercises the quirks named
+CONFIGS = {
+    "mixtral": lambda: tiny_config("mixtral", initializer_range=0.15),
+    # sliding window 4 on every layer: the steps below go past it
+    "mixtral-window": lambda: tiny_config("mixtral", initializer_range=0.15, sliding_window=4),
+    # a gated shared expert (NumPy's exp loop), a dense layer, a window on layer 0 only
+    "qwen2_moe": lambda: tiny_config("qwen2_moe", initializer_range=0.15,
+                                     use_sliding_window=True, sliding_window=4,
+                                     max_window_layers=1),
+    # per-head q/k norms, head_dim unlike hidden / heads, renormalised top-k
+    "qwen3_moe": lambda: tiny_config("qwen3_moe", initializer_range=0.15),
+    # full q/k norms and clip_qkv (0.5: reached by most of q, k, v)
+    "olmoe": lambda: tiny_config("olmoe", initializer_range=0.15, clip_qkv=0.5),
+    # partial RoPE, q/k/v biases, per-head norms, sigmoid group routing with a correction
+    # bias and a scaling factor, an ungated shared expert, a dense first layer
+    "glm4_moe": lambda: tiny_config("glm4_moe", initializer_range=0.15),
+    # the muP multipliers (embedding, attention, residual, logits), q/k/v/o biases
+    "granitemoe": lambda: transformers.GraniteMoeConfig(
+        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False, embedding_multiplier=3.0, attention_multiplier=0.1,
+        residual_multiplier=0.5, logits_scaling=2.5, attention_bias=True),
+}
+FORMATS = {"f32": dict(dtype="f32"), "bf16": dict(dtype="bf16"),
+           "q8": dict(dtype="f32", quant="q8", quantize="experts,shared,attn,head,dense"),
+           "q4": dict(dtype="f32", quant="q4", quantize="experts,shared,attn,head,dense")}
+PROMPT, STEPS = 3, 9          # 12 tokens: past the window of 4 by far
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """converted(case, fmt) -> the path of that case's file in that format (made once)."""
+    made: dict = {}
+
+    def get(case: str, fmt: str):
+        if (case, fmt) not in made:
+            d = tmp_path_factory.mktemp(f"declayer-{case}")
+            hf = made.get(case) or make_checkpoint(d / "hf", CONFIGS[case]())
+            made[case] = hf
+            made[case, fmt] = d / f"{fmt}.colibri"
+            convert(hf, made[case, fmt], progress=False, **FORMATS[fmt])
+        return made[case, fmt]
+
+    return get
+
+
+def _lockstep(m, steps: int = STEPS, prompt: int = PROMPT, seed: int = 0):
+    """Decode the same tokens through two caches, one step on the compiled layers and one on
+    the Python ones; assert logits and caches equal bit for bit at every step."""
+    assert m._compiled is not None, uncovered(m)
+    tokens = np.random.default_rng(seed).integers(3, m.vocab_size, size=prompt + steps)
+    fast, slow = m.new_cache(ctx=prompt + steps), m.new_cache(ctx=prompt + steps)
+    for c in (fast, slow):
+        api.forward(m, tokens[:prompt], cache=c)
+    compiled = m._compiled
+    for t in tokens[prompt:]:
+        a = api.forward(m, np.array([t]), cache=fast)
+        m._compiled = None
+        try:
+            b = api.forward(m, np.array([t]), cache=slow)
+        finally:
+            m._compiled = compiled
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    for x, y in zip(fast.k + fast.v, slow.k + slow.v):
+        np.testing.assert_array_equal(x, y)
+    assert fast.length == slow.length == prompt + steps
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_compiled_step_is_the_python_step(converted, case, fmt):
+    """Every activation setting, cache dtype and thread count: the same bits."""
+    path = converted(case, fmt)
+    for activations in ("f32", "int16", "int8"):
+        for kv in ("f16", "bf16", "f32"):
+            for threads in (1, 2):
+                m = api.load(path, threads=threads, activations=activations, kv_dtype=kv)
+                try:
+                    _lockstep(m, steps=5 if threads == 2 else STEPS)
+                finally:
+                    m.close()
+
+
+@pytest.mark.parametrize("isa", runtime.available_isas())
+def test_each_isa_path(converted, isa):
+    """Each ISA path forced (as COLIBRI_ISA does), the compiled layers reloading their row
+    kernels when the path changes under them."""
+    previous = runtime.get_isa()
+    try:
+        for case in ("qwen2_moe", "olmoe", "glm4_moe"):
+            for fmt in ("q4", "q8"):
+                for activations in ("f32", "int16", "int8"):
+                    m = api.load(converted(case, fmt), threads=2, activations=activations)
+                    try:
+                        runtime.set_isa(isa)
+                        _lockstep(m, steps=5)
+                    finally:
+                        runtime.set_isa(previous)
+                        m.close()
+    finally:
+        runtime.set_isa(previous)
+
+
+def test_a_knob_change_regrows_the_scratch(converted):
+    """gemm_min_tokens 1 puts one token on the GEMM path (more scratch): still the same bits
+    as the Python step, on the same binding."""
+    m = api.load(converted("qwen2_moe", "q4"), threads=2, activations="f32")
+    before = runtime.gemm_min_tokens()
+    try:
+        _lockstep(m, steps=3)
+        runtime.set_gemm_min_tokens(1)
+        _lockstep(m, steps=3)
+    finally:
+        runtime.set_gemm_min_tokens(before)
+        m.close()
+
+
+def test_a_copied_or_rewound_cache(converted):
+    """A cache truncated and decoded again, and a copy of it (new planes, a new binding),
+    decode as the Python step does."""
+    m = api.load(converted("mixtral-window", "q4"), threads=1)
+    try:
+        tokens = np.random.default_rng(3).integers(3, m.vocab_size, size=10)
+        c = m.new_cache(ctx=16)
+        api.forward(m, tokens[:4], cache=c)
+        for t in tokens[4:]:
+            api.forward(m, np.array([t]), cache=c)
+        c.truncate(5)
+        twin = c.copy()
+        compiled = m._compiled
+        for t in tokens[5:]:
+            a = api.forward(m, np.array([t]), cache=c)
+            b = api.forward(m, np.array([t]), cache=twin)
+            np.testing.assert_array_equal(a, b)
+        assert c.scratch["decode_layers"] is not twin.scratch.get("decode_layers")
+        m._compiled = None
+        c.truncate(5)
+        want = [api.forward(m, np.array([t]), cache=c) for t in tokens[5:]]
+        m._compiled = compiled
+        c.truncate(5)
+        got = [api.forward(m, np.array([t]), cache=c) for t in tokens[5:]]
+        np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# what takes the Python step
+# ---------------------------------------------------------------------------------------------
+
+def _python_steps(m, monkeypatch) -> list:
+    taken, layers = [], m._step_layers
+
+    def counted(*args):
+        taken.append(1)
+        return layers(*args)
+
+    monkeypatch.setattr(m, "_step_layers", counted)
+    return taken
+
+
+def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
+    m = api.load(converted("qwen2_moe", "q4"), threads=1)
+    try:
+        taken = _python_steps(m, monkeypatch)
+        c = m.new_cache(ctx=8)
+        api.forward(m, np.array([5, 6]), cache=c)
+        api.forward(m, np.array([7]), cache=c)
+        assert taken == []                              # the compiled layers
+        logits, trace = api.forward(m, np.array([8]), cache=c, return_routing=True)
+        assert taken == [1] and trace.ids[0].shape == (1, 2)
+        moe = next(layer.ffn for layer in m.layers if layer.ffn.__class__.__name__ == "MoE")
+        seen = []
+
+        def hook(x, ids, weights, y):
+            seen.append(ids.copy())
+            moe._experts(x, ids, weights, y)
+
+        moe.experts_hook = hook
+        api.forward(m, np.array([9]), cache=c)
+        assert taken == [1, 1] and len(seen) == 1
+        moe.experts_hook = None
+        api.forward(m, np.array([10]), cache=c)
+        assert taken == [1, 1]
+    finally:
+        m.close()
+
+
+def test_stage_timings_are_kept(converted):
+    m = api.load(converted("qwen2_moe", "q4"), threads=1)
+    try:
+        c = m.new_cache(ctx=8)
+        api.forward(m, np.array([5, 6]), cache=c)
+        m.timings.reset()
+        api.forward(m, np.array([7]), cache=c)
+        s = m.timings.seconds
+        assert all(s[k] > 0 for k in ("attention", "router", "experts", "shared", "dense",
+                                      "head"))
+    finally:
+        m.close()
+
+
+UNCOVERED = {
+    "gpt_oss": (lambda: transformers.GptOssConfig(
+        **_SMALL, head_dim=16, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4), "attention sinks"),
+    "deepseek_v2": (lambda: tiny_config("deepseek_v2"), "multi-head latent attention"),
+    "dbrx": (lambda: transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        "layer_norm norms"),
+    "phimoe": (lambda: transformers.PhimoeConfig(
+        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+        "layer_norm norms"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNCOVERED))
+def test_uncovered_models_take_the_python_step(case, tmp_path, monkeypatch):
+    config, reason = UNCOVERED[case]
+    hf = make_checkpoint(tmp_path / "hf", config())
+    convert(hf, tmp_path / "m.colibri", progress=False)
+    m = api.load(tmp_path / "m.colibri", threads=1)
+    try:
+        assert m._compiled is None and reason in uncovered(m)
+        taken = _python_steps(m, monkeypatch)
+        c = m.new_cache(ctx=8)
+        api.forward(m, np.array([5, 6]), cache=c)
+        api.forward(m, np.array([7]), cache=c)
+        assert taken == [1]
+    finally:
+        m.close()
+
+
+def test_nan_router_logits_name_the_layer_as_the_python_step(converted):
+    """NaN in a router's weights: the same NonFiniteError from both paths."""
+    m = api.load(converted("mixtral", "f32"), threads=1, mmap=False)
+    try:
+        router = m.layers[1].ffn.router
+        assert m._buf.flags.writeable and router.dtype == "f32"
+        m._buf[router.offset:router.offset + 4] = np.frombuffer(
+            np.float32(np.nan).tobytes(), np.uint8)
+        messages = []
+        for compiled in (m._compiled, None):
+            m._compiled = compiled
+            c = m.new_cache(ctx=8)
+            with pytest.raises(NonFiniteError) as e:
+                api.forward(m, np.array([7]), cache=c)
+            messages.append(str(e.value))
+        assert messages[0] == messages[1] and "layer 1's router" in messages[0]
+    finally:
+        m.close()
+
+
+def test_gate_sigmoid_is_numpys():
+    """The shared-expert gate: NumPy's float32 expression, the same bits (its exp loop)."""
+    assert _kernels.EXP_LOOP
+    rng = np.random.default_rng(0)
+    z = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 6,
+                        np.float32([0.0, -0.0, 30.0, -30.0, 88.5, -88.5, 104.0, -104.0])])
+    with np.errstate(over="ignore"):
+        want = (np.float32(1.0) / (np.float32(1.0) + np.exp(-z))).astype(np.float32)
+    got = np.array([_kernels.gate_sigmoid(float(v)) for v in z], dtype=np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+_ENV_CHECK = """
+import sys, numpy as np, colibri.api as api
+from colibri import runtime
+assert runtime.get_isa() == sys.argv[2], runtime.get_isa()
+m = api.load(sys.argv[1], threads=2, activations="int16")
+assert m._compiled is not None
+tokens = np.arange(3, 15)
+fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
+for c in (fast, slow):
+    api.forward(m, tokens[:3], cache=c)
+compiled = m._compiled
+for t in tokens[3:]:
+    a = api.forward(m, np.array([t]), cache=fast)
+    m._compiled = None
+    b = api.forward(m, np.array([t]), cache=slow)
+    m._compiled = compiled
+    assert np.array_equal(a, b)
+print("same")
+"""
+
+
+@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx2") if i in runtime.available_isas()])
+def test_colibri_isa_forced_in_the_environment(converted, isa):
+    """COLIBRI_ISA set before the import: the compiled layers on that path, the same bits."""
+    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, str(converted("olmoe", "q4")), isa],
+                         env={**os.environ, "COLIBRI_ISA": isa}, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr
