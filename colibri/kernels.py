@@ -561,9 +561,9 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
     as one compiled call, its stacks (E, I, D), (E, I, D), (E, D, I) and biases float32
     (E, I), (E, I), (E, D) (or None) checked once.
 
-    Returns p with p(x, ids, weights, out): x float32 (1, D), ids int32 (1, K) distinct,
-    weights float32 (1, K), out float32 (1, D) not overlapping x, all C-contiguous: out =
-    sum over the experts in ascending id order of w * (down(act(gate(x) + b_gate, up(x) +
+    Returns p with p(x, ids, weights, out): x float32 (1, D), ids int32 (1, K), weights
+    float32 (1, K), out float32 (1, D) not overlapping x, all C-contiguous: out = sum over
+    the K slots in ascending id order (stable) of w * (down(act(gate(x) + b_gate, up(x) +
     b_up)) + b_down), act "swigluoai" (alpha, limit) or "silu" (silu(g) * u); the row
     kernels of prepare_linear on each expert (the same bits), the activation compiled
     (csrc/swigluoai.h: within a few ulp of moe.swigluoai).

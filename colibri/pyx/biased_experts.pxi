@@ -79,8 +79,8 @@ cdef void _biased_down_task(void *ctx, Py_ssize_t it) noexcept nogil:
 
 cdef class PreparedBiasedExperts:
     """BiasedExperts' decode (one token) in one nogil call: `p(x, ids, weights, out)` with x
-    (1, D), ids int32 (1, K) (distinct experts), weights (1, K), out (1, D) float32
-    C-contiguous: out = sum over the K experts in ascending id order of w_k * (down_e(act(
+    (1, D), ids int32 (1, K), weights (1, K), out (1, D) float32 C-contiguous: out = sum
+    over the K slots in ascending id order (a repeated id: in slot order) of w_k * (down_e(act(
     gate_e(x) + b_gate[e], up_e(x) + b_up[e])) + b_down[e]); act swigluoai (alpha, limit) or
     silu(g) * u. Stacks (E, I, D), (E, I, D), (E, D, I) as WeightRefs, biases float32 (E, I),
     (E, I), (E, D) or None. The same row-kernel calls as the per-expert prepared linears of
@@ -145,7 +145,7 @@ cdef class PreparedBiasedExperts:
             raise ValueError("PreparedBiasedExperts: out must not overlap x")
         if self.isa != _isa:
             self._load()
-        for k in range(K):                   # insertion sort by expert id
+        for k in range(K):                   # insertion sort by expert id, stable
             i = k
             while i > 0 and experts[i - 1] > iv[0, k]:
                 experts[i], wk[i] = experts[i - 1], wk[i - 1]
@@ -155,8 +155,6 @@ cdef class PreparedBiasedExperts:
             if not 0 <= experts[k] < E:
                 raise ValueError(f"PreparedBiasedExperts: expert id {experts[k]} is out of "
                                  f"range for {E} experts")
-            if k and experts[k] == experts[k - 1]:
-                raise ValueError(f"PreparedBiasedExperts: expert {experts[k]} chosen twice")
         cdef const Wmat *g = &self.g
         cdef const Wmat *u = &self.u
         cdef const Wmat *d = &self.d
