@@ -64,6 +64,8 @@ Sections, in colibri/pyx/, included in this order:
   bandwidth.pxi        read_sum
   rowops.pxi           a decode step's row operations: rms_norm_rows, rope_rows, attend_cached
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
+  mla.pxi              PreparedMLA: the absorbed latent-attention decode step (csrc/mla.h)
+  biased_experts.pxi   PreparedBiasedExperts: one token's biased / swigluoai experts (GPT-OSS)
   decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
 """
 from libc.stdlib cimport free, malloc
@@ -87,4 +89,6 @@ include "pyx/attention.pxi"
 include "pyx/bandwidth.pxi"
 include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
+include "pyx/mla.pxi"
+include "pyx/biased_experts.pxi"
 include "pyx/decode_layer.pxi"

@@ -33,7 +33,8 @@ __all__ = [
     "group_by_expert_ref",
     "expert_ffn_ref", "swiglu_ref", "silu_ref", "quantize_activations_ref",
     "linear_iact_ref", "linear_igemm_ref", "expert_ffn_iact_ref", "swiglu_iact_ref",
-    "rms_norm_rows_ref", "rope_rows_ref",
+    "rms_norm_rows_ref", "rope_rows_ref", "mla_absorbed_ref",
+    "swigluoai_ref", "biased_experts_ref",
 ]
 
 F32 = np.float32
@@ -498,16 +499,70 @@ def swiglu_ref(x: np.ndarray, w_gate: "WeightRef", w_up: "WeightRef", w_down: "W
     return (h @ Wd.T).astype(np.float32)
 
 
-def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def attend_decode_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                      sinks: np.ndarray | None = None) -> np.ndarray:
     """float64 softmax attention of one token: q (H, Dh), k / v (Hkv, n, Dh) -> (H, Dh);
-    head h reads kv head h // (H / Hkv)."""
+    head h reads kv head h // (H / Hkv). sinks (H,) or None: one more logit per head whose
+    value row is zero (GPT-OSS)."""
     q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     g = q64.shape[0] // k64.shape[0]
     kh, vh = np.repeat(k64, g, axis=0), np.repeat(v64, g, axis=0)          # (H, n, Dh)
     s = np.einsum("hd,hnd->hn", q64, kh) * float(scale)
+    top = s.max(axis=1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, np.asarray(sinks, dtype=np.float64)[:, None])
+    e = np.exp(s - top)
+    denom = e.sum(axis=1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(np.asarray(sinks, dtype=np.float64)[:, None] - top)
+    return np.einsum("hn,hnd->hd", e / denom, vh)
+
+
+def swigluoai_ref(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """GPT-OSS's expert activation in float64 (csrc/swigluoai.h): g clamped to <= limit, u to
+    [-limit, limit]; (u + 1) * g * sigmoid(alpha * g)."""
+    g64 = np.minimum(np.asarray(g, dtype=np.float64), float(limit))
+    u64 = np.clip(np.asarray(u, dtype=np.float64), -float(limit), float(limit))
+    return (u64 + 1.0) * g64 / (1.0 + np.exp(-float(alpha) * g64))
+
+
+def biased_experts_ref(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                       w_gate: "WeightRef", w_up: "WeightRef", w_down: "WeightRef",
+                       b_gate: np.ndarray | None, b_up: np.ndarray | None,
+                       b_down: np.ndarray | None, activation: str, alpha: float = 1.702,
+                       limit: float = 7.0) -> np.ndarray:
+    """Routed experts with biases and swigluoai or silu (moe.BiasedExperts) in float64: x
+    (T, D) -> float32 (T, D), y[t] = sum_k weights[t, k] * (W_down[e] @ act(W_gate[e] @ x[t]
+    + b_gate[e], W_up[e] @ x[t] + b_up[e]) + b_down[e]), e = ids[t, k]."""
+    x64 = np.asarray(x, dtype=np.float64)
+    y = np.zeros(x64.shape, dtype=np.float64)
+
+    def bias(b, e):
+        return 0.0 if b is None else np.asarray(b[e], dtype=np.float64)
+    for t in range(x64.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            Wg, Wu, Wd = (dequantize_ref(w, e).astype(np.float64) for w in (w_gate, w_up, w_down))
+            g, u = Wg @ x64[t] + bias(b_gate, e), Wu @ x64[t] + bias(b_up, e)
+            h = swigluoai_ref(g, u, alpha, limit) if activation == "swigluoai" else silu_ref(g) * u
+            y[t] += float(weights[t, k]) * (Wd @ h + bias(b_down, e))
+    return y.astype(np.float32)
+
+
+def mla_absorbed_ref(q_nope: np.ndarray, q_rope: np.ndarray, kv_b: np.ndarray,
+                     lat: np.ndarray, rot: np.ndarray, scale: float) -> np.ndarray:
+    """float64 absorbed latent attention of one token (csrc/mla.h): q_nope (H, Dn), q_rope
+    (H, Dr) rotated, kv_b (H*(Dn+Dv), Rkv) decoded, lat (n, Rkv) latents, rot (n, Dr)
+    rotated keys -> (H*Dv,): per head q_lat = q_nope W_kb, p = softmax(scale * (q_lat lat^T
+    + q_rope rot^T)), out = W_vb (p lat)."""
+    q64, r64, lat64, rot64 = (np.asarray(a, dtype=np.float64) for a in (q_nope, q_rope, lat, rot))
+    H, Dn = q64.shape
+    w = np.asarray(kv_b, dtype=np.float64).reshape(H, -1, lat64.shape[1])   # (H, Dn+Dv, R)
+    q_lat = np.einsum("hd,hdr->hr", q64, w[:, :Dn])
+    s = (q_lat @ lat64.T + r64 @ rot64.T) * float(scale)                       # (H, n)
     s = np.exp(s - s.max(axis=1, keepdims=True))
     p = s / s.sum(axis=1, keepdims=True)
-    return np.einsum("hn,hnd->hd", p, vh)
+    return np.einsum("hvr,hr->hv", w[:, Dn:], p @ lat64).reshape(-1)
 
 
 def rms_norm_rows_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

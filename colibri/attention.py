@@ -17,7 +17,8 @@ Segment, a one-token segment through the decode step's compiled call); and
 Attention.decode, one new token of one sequence through a cache with no padding: no mask (a sliding window is the last slots), every vector in the
 step's RunState, norms and RoPE as compiled row operations (the same bits as the NumPy
 ones here), the cache write and the attention over the cache in one compiled call
-(kernels.attend_cached_into: its own summation order, within ~1e-6 of attend).
+(kernels.attend_cached_into, or attend_cached_sinks_into with GPT-OSS's sinks: its own
+summation order, within ~1e-6 of attend).
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import numpy as np
 
 from . import kernels
 from .config import QK_NORMS
-from .kv_cache import to_f32
 from .norms import rms_norm
 from .rope import apply_rope
 from .run_state import RunState
@@ -42,6 +42,7 @@ _SCORE_BYTES = 64 * 2**20
 _norm_rows = kernels.rms_norm_rows_into        # (x (N, C), weight (C,), eps, out (N, C))
 _rope_rows = kernels.rope_rows_into            # (x (N, Dh), cos, sin (Dr/2,)), in place
 _attend_cached = kernels.attend_cached_into    # cache write + attention, see Attention.decode
+_attend_cached_sinks = kernels.attend_cached_sinks_into      # ... with attention sinks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +182,8 @@ class Attention:
         if self.scale is None:
             self.scale = self.head_dim ** -0.5
         self._scale32 = np.float32(self.scale)      # the decode step's (the same value)
+        self._sinks32 = (None if self.sinks is None
+                         else np.ascontiguousarray(self.sinks, dtype=np.float32))
 
     def project_qkv(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x float32 (B, S, D) -> q (B, H, S, Dh), k, v (B, Hkv, S, Dh), before RoPE."""
@@ -236,7 +239,7 @@ class Attention:
         each segment alone through __call__ / decode, up to the projections' summation
         order (kernels.linear's GEMM path from gemm_min_tokens rows on).
         """
-        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        H, Dh = self.n_heads, self.head_dim
         q, k, v = self.project_qkv(x[None])          # (1, H, T, Dh), (1, Hkv, T, Dh) x 2
         o = np.empty((x.shape[0], H * Dh), dtype=np.float32)                  # (T, H*Dh)
         for seg in segments:
@@ -248,11 +251,8 @@ class Attention:
                 vh = np.ascontiguousarray(v[0, :, a])                         # (Hkv, Dh)
                 slot = cache.length
                 start = slot + 1 - self.window if self.window and slot >= self.window else 0
-                out = o[a].reshape(H, Dh)
-                _attend_cached(qk[:H], cache.k[layer], cache.v[layer], qk[H:], vh,
-                               slot, start, self._scale32, out, self.threads)
-                if self.sinks is not None:
-                    self._sink_rescale(qk[:H], out, to_f32(cache.k[layer][0, :, start:slot + 1]))
+                self._attend_one(qk[:H], cache, layer, qk[H:], vh, slot, start,
+                                 o[a].reshape(H, Dh))
                 continue
             qs = apply_rope(q[:, :, a:b], seg.cos, seg.sin)
             ks = apply_rope(k[:, :, a:b], seg.cos, seg.sin)
@@ -292,23 +292,20 @@ class Attention:
         _rope_rows(s.qk_rows, cos, sin)                   # the q and k heads, in place
         slot = cache.length                               # the new token's; L = slot + 1
         start = slot + 1 - self.window if self.window and slot >= self.window else 0
-        _attend_cached(s.q_heads, cache.k[layer], cache.v[layer], s.k_heads, s.v_heads,
-                       slot, start, self._scale32, s.att_heads, self.threads)
-        if self.sinks is not None:
-            self._sink_rescale(s.q_heads, s.att_heads, to_f32(cache.k[layer][0, :, start:slot + 1]))
+        self._attend_one(s.q_heads, cache, layer, s.k_heads, s.v_heads, slot, start,
+                         s.att_heads)
         self.wo(s.att_row, s.o)
         return s.o
 
-    def _sink_rescale(self, q_heads: np.ndarray, att_heads: np.ndarray, keys: np.ndarray
-                      ) -> None:
-        """The decode step's sinks: the compiled attention's heads att_heads (H, Dh) are
-        softmax(a) @ V; with a sink logit z the softmax over [a, z] gives
-        out * 1 / (1 + exp(z - logsumexp(a))), exactly; rescaled in place. q_heads (H, Dh)
-        after RoPE; keys (Hkv, L, Dh): the visible slots."""
-        H, Hkv = self.n_heads, self.n_kv_heads
-        q = q_heads.reshape(Hkv, H // Hkv, -1)                                 # (Hkv, G, Dh)
-        a = np.matmul(q, keys.transpose(0, 2, 1)) * self._scale32             # (Hkv, G, L)
-        top = a.max(axis=-1)
-        lse = top + np.log(np.exp(a - top[..., None]).sum(axis=-1))           # (Hkv, G)
-        factor = np.float32(1.0) / (np.float32(1.0) + np.exp(self.sinks.reshape(Hkv, -1) - lse))
-        att_heads *= factor.reshape(H, 1)
+    def _attend_one(self, q_heads: np.ndarray, cache, layer: int, k_new: np.ndarray,
+                    v_new: np.ndarray, slot: int, start: int, out: np.ndarray) -> None:
+        """The compiled cache write and attention of one token: q_heads (H, Dh) after RoPE,
+        k_new / v_new (Hkv, Dh) to slot `slot`, slots start..slot attended, into out (H, Dh);
+        with the layer's sinks (GPT-OSS) in the same call (kernels.attend_cached_sinks_into:
+        a sink is one more softmax logit per head whose value row is zero)."""
+        if self.sinks is None:
+            _attend_cached(q_heads, cache.k[layer], cache.v[layer], k_new, v_new, slot, start,
+                           self._scale32, out, self.threads)
+        else:
+            _attend_cached_sinks(q_heads, cache.k[layer], cache.v[layer], k_new, v_new, slot,
+                                 start, self._scale32, self._sinks32, out, self.threads)

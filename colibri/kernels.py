@@ -46,8 +46,9 @@ __all__ = [
     "ACTIVATIONS", "linear", "route_topk", "group_by_expert", "expert_ffn", "swiglu",
     "quantize_activations", "attend_decode", "dequantize", "read_bandwidth",
     "rms_norm_rows", "rope_rows", "rms_norm_rows_into", "rope_rows_into", "attend_cached_into",
-    "kv_widen_into",
-    "prepare_linear", "prepare_route", "prepare_expert_ffn",
+    "attend_cached_sinks_into", "kv_widen_into",
+    "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
+    "prepare_biased_experts",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -474,6 +475,10 @@ rope_rows_into: Callable[..., None] = _kernels.rope_rows           # (x, cos, si
 # new rows rounded into them to nearest-even; every other array float32; all C-contiguous
 # (ValueError otherwise).
 attend_cached_into: Callable[..., None] = _kernels.attend_cached
+# attend_cached_into with attention sinks (GPT-OSS): (q, k_cache, v_cache, k_new, v_new, slot,
+# start, scale, sinks float32 (H,), out, threads); a sink is one more logit per query head
+# whose value row is zero (csrc/attend.h).
+attend_cached_sinks_into: Callable[..., None] = _kernels.attend_cached_sinks
 # A 16-bit cache slice widened exactly: (src float16 / uint16 bf16 bits (N, C), rows strided,
 # out float32 (N, C) C-contiguous), F16C on the SIMD paths (NumPy's float16 cast is ~6x slower).
 kv_widen_into: Callable[..., None] = _kernels.kv_widen
@@ -526,3 +531,46 @@ def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
     return _kernels.PreparedExperts(w_gate, w_up, w_down, resolve_threads(threads), activations)
+
+
+def prepare_mla_absorbed(kv_b: WeightRef, n_heads: int, nope_dim: int, v_dim: int, *,
+                         threads: int | None = None) -> Callable[..., None]:
+    """The absorbed decode step of latent attention (csrc/mla.h) with its kv_b
+    (H*(Dn+Dv), Rkv), any weight format, read in place, checked once.
+
+    Returns p with p(q, q_rope, lat_cache, rot_cache, c_new, kr_new, slot, scale, out):
+    q float32 (H, Dn+Dr) (q_nope its first Dn columns), q_rope (H, Dr) rotated; the new
+    latent c_new (1, Rkv) and rotated key kr_new (1, Dr) written to slot `slot` of sequence
+    0 of lat_cache (B, 1, S, Rkv) / rot_cache (B, 1, S, Dr) (float32, float16 or uint16 bf16
+    bits, rounded to nearest-even); out float32 (1, H*Dv) = per head W_vb[h] (softmax over
+    slots 0..slot of scale * (q_nope W_kb[h] . c_j + q_rope . kr_j)) c_j: _reference's
+    mla_absorbed on kv_b decoded to float32, up to summation order (~1e-6 relative).
+    """
+    if not isinstance(kv_b, WeightRef):
+        raise ValueError(f"kv_b must be a WeightRef, found {type(kv_b).__name__}")
+    return _kernels.PreparedMLA(kv_b, int(n_heads), int(nope_dim), int(v_dim),
+                                resolve_threads(threads))
+
+
+def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
+                           b_gate: np.ndarray | None, b_up: np.ndarray | None,
+                           b_down: np.ndarray | None, activation: str, alpha: float,
+                           limit: float, *, threads: int | None = None,
+                           activations: str = "f32") -> Callable[..., None]:
+    """One token's routed experts with biases and / or swigluoai (moe.BiasedExperts' decode)
+    as one compiled call, its stacks (E, I, D), (E, I, D), (E, D, I) and biases float32
+    (E, I), (E, I), (E, D) (or None) checked once.
+
+    Returns p with p(x, ids, weights, out): x float32 (1, D), ids int32 (1, K), weights
+    float32 (1, K), out float32 (1, D) not overlapping x, all C-contiguous: out = sum over
+    the K slots in ascending id order (stable) of w * (down(act(gate(x) + b_gate, up(x) +
+    b_up)) + b_down), act "swigluoai" (alpha, limit) or "silu" (silu(g) * u); the row
+    kernels of prepare_linear on each expert (the same bits), the activation compiled
+    (csrc/swigluoai.h: within a few ulp of moe.swigluoai).
+    """
+    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                          activation, float(alpha), float(limit),
+                                          resolve_threads(threads), activations)

@@ -23,7 +23,11 @@ kv_b into per-head keys and values, as transformers does. MLA.decode, one token 
 sequence through a cache without padding, never expands the cache: kv_b is absorbed into
 the query and the output (q_nope · W_kb[h] is a query in latent space, the attention-weighted
 latent times W_vb[h] the head's output), so a step costs O(L · H · (Rkv + Dr)) instead of
-O(L · H · Rkv · (Dn + Dv)); the same sums in another order (within ~1e-6 of __call__).
+O(L · H · Rkv · (Dn + Dv)); the same sums in another order (within ~1e-6 of __call__). That
+step is one compiled call (kernels.prepare_mla_absorbed, csrc/mla.h): the cache write, the
+absorbed query, the latent attention over the cache and the W_vb products, on kv_b's own
+bytes in the file's format (decoded exactly, f32 activations), threads over the heads; its
+NumPy form is _reference.mla_absorbed_ref.
 Shapes as in the package docstring, plus Rq / Rkv (q / kv LoRA ranks), Dn / Dr / Dv
 (per-head key dims without / with RoPE, value dims).
 """
@@ -41,6 +45,7 @@ from .config import ModelConfig
 from .norms import rms_norm
 from .rope import apply_rope
 from .run_state import RunState
+from .weights import WeightRef
 
 __all__ = ["MLA", "softmax_scale", "LATENT_NORM_EPS"]
 
@@ -69,8 +74,8 @@ class MLA:
 
     wq (H*(Dn+Dr), D), or wq_a (Rq, D) + q_a_norm (Rq,) + wq_b (H*(Dn+Dr), Rq); wkv_a
     (Rkv+Dr, D); kv_a_norm (Rkv,); wkv_b (H*(Dn+Dv), Rkv); wo (D, H*Dv): projections as
-    attention.Attention's (x (N, C) -> (N, R), or into out). kv_b: the kv_b matrix as
-    float32 (H*(Dn+Dv), Rkv), which decode absorbs.
+    attention.Attention's (x (N, C) -> (N, R), or into out). kv_b: the kv_b matrix as a
+    WeightRef (the file's bytes, any format), which decode absorbs in the compiled step.
     """
     wq: Projection | None
     wq_a: Projection | None
@@ -80,27 +85,25 @@ class MLA:
     kv_a_norm: np.ndarray
     wkv_b: Projection
     wo: Projection
-    kv_b: np.ndarray
+    kv_b: WeightRef
     n_heads: int
     nope_dim: int                      # Dn
     rope_dim: int                      # Dr
     v_dim: int                         # Dv
     kv_rank: int                       # Rkv
     scale: float
+    threads: int = 1                   # of the compiled absorbed step
     window: int | None = None          # never set: MLA attends to every slot
 
     def __post_init__(self):
         if (self.wq is None) == (self.wq_b is None):
             raise ValueError("MLA needs either wq or wq_a + q_a_norm + wq_b")
         H, Dn, Dv, R = self.n_heads, self.nope_dim, self.v_dim, self.kv_rank
-        kv_b = np.asarray(self.kv_b, dtype=np.float32)
-        if kv_b.shape != (H * (Dn + Dv), R):
-            raise ValueError(f"kv_b must have shape {(H * (Dn + Dv), R)}, found {kv_b.shape}")
-        w = kv_b.reshape(H, Dn + Dv, R)
-        self._w_kt = np.ascontiguousarray(w[:, :Dn])                   # (H, Dn, Rkv)
-        self._w_v = np.ascontiguousarray(w[:, Dn:])                    # (H, Dv, Rkv)
+        if not isinstance(self.kv_b, WeightRef) or self.kv_b.shape != (H * (Dn + Dv), R):
+            raise ValueError(f"kv_b must be a WeightRef of shape {(H * (Dn + Dv), R)}, found "
+                             f"{getattr(self.kv_b, 'shape', type(self.kv_b).__name__)}")
+        self._absorb = kernels.prepare_mla_absorbed(self.kv_b, H, Dn, Dv, threads=self.threads)
         self._scale = np.float32(self.scale)
-        self._eps = np.float32(LATENT_NORM_EPS)
 
     # -- the projections both paths share ------------------------------------------------------
     def _query(self, flat: np.ndarray) -> np.ndarray:
@@ -171,7 +174,8 @@ class MLA:
                 _rope_rows(q_rope, seg.cos, seg.sin)
                 kr = np.ascontiguousarray(k_rope[a:a + 1])                   # (1, Dr)
                 _rope_rows(kr, seg.cos, seg.sin)
-                o[a] = self._absorbed(q[a, :, :Dn], q_rope, c[a], kr[0], seg.cache, layer)
+                self._absorbed(np.ascontiguousarray(q[a]), q_rope, c[a:a + 1], kr, seg.cache,
+                               layer, o[a:a + 1])
                 continue
             S = b - a
             qs = q[a:b].transpose(1, 0, 2)[None]                             # (1, H, S, .)
@@ -200,23 +204,16 @@ class MLA:
         c, k_rope = self._latent(x)
         k_rope = np.ascontiguousarray(k_rope)                              # (1, Dr)
         _rope_rows(k_rope, cos, sin)
-        self.wo(self._absorbed(q[:, :Dn], q_rope, c[0], k_rope[0], cache, layer)
-                .reshape(1, -1), s.o)
+        o = np.empty((1, H * self.v_dim), dtype=np.float32)
+        self.wo(self._absorbed(q, q_rope, c, k_rope, cache, layer, o), s.o)
         return s.o
 
-    def _absorbed(self, q_nope: np.ndarray, q_rope: np.ndarray, c: np.ndarray,
-                  k_rope: np.ndarray, cache, layer: int) -> np.ndarray:
-        """One token's attention with kv_b absorbed: q_nope (H, Dn), q_rope (H, Dr) rotated,
-        its latent c (Rkv,) and rotated key k_rope (Dr,) written to slot cache.length of
-        `layer` -> the heads' output float32 (H*Dv,)."""
-        lat, rot = cache.write_one(layer, c[None], k_rope[None])           # (1, L, .) x 2
-        lat, rot = lat[0], rot[0]                     # (L, Rkv), (L, Dr) float32 (widened)
-        q_lat = np.matmul(q_nope[:, None], self._w_kt)[:, 0]               # (H, Rkv)
-        scores = q_lat @ lat.T
-        scores += q_rope @ rot.T                                           # (H, L)
-        scores *= self._scale
-        scores -= scores.max(axis=1, keepdims=True)
-        p = np.exp(scores, out=scores)
-        p /= p.sum(axis=1, keepdims=True)
-        o_lat = p @ lat                                                    # (H, Rkv)
-        return np.matmul(self._w_v, o_lat[:, :, None]).reshape(-1)         # (H*Dv,)
+    def _absorbed(self, q: np.ndarray, q_rope: np.ndarray, c: np.ndarray, k_rope: np.ndarray,
+                  cache, layer: int, out: np.ndarray) -> np.ndarray:
+        """One token's attention with kv_b absorbed, compiled (csrc/mla.h, one call): q (H,
+        Dn+Dr) (q_nope its first Dn columns), q_rope (H, Dr) rotated, its latent c (1, Rkv)
+        and rotated key k_rope (1, Dr) written to slot cache.length of `layer` -> the heads'
+        output into out float32 (1, H*Dv). The NumPy form is _reference.mla_absorbed_ref."""
+        self._absorb(q, q_rope, cache.k[layer], cache.v[layer], c, k_rope, cache.length,
+                     self._scale, out)
+        return out

@@ -215,9 +215,9 @@ class Model:
             wq_b=proj("attn.wq_b", "attn.bq_b") if lora else None,
             wkv_a=proj("attn.wkv_a", "attn.bkv_a"), kv_a_norm=vector(f, p + "attn.kv_a_norm"),
             wkv_b=proj("attn.wkv_b", "attn.bkv_b"), wo=proj("attn.wo", "attn.bo"),
-            kv_b=f.to_float32(p + "attn.wkv_b"), n_heads=c.num_attention_heads,
+            kv_b=weight_ref(f, self._buf, p + "attn.wkv_b"), n_heads=c.num_attention_heads,
             nope_dim=c.qk_nope_head_dim, rope_dim=c.head_dim, v_dim=c.v_head_dim,
-            kv_rank=c.kv_lora_rank, scale=softmax_scale(c))
+            kv_rank=c.kv_lora_rank, scale=softmax_scale(c), threads=self.threads)
 
     def _layer(self, i: int) -> _Layer:
         """Layer i's weights (views and WeightRefs into the mapping) and settings."""

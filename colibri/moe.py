@@ -10,8 +10,9 @@
                                                         and GLM's are ungated: + shared(x))
 
 GPT-OSS's experts (biases on every projection, the clamped swigluoai activation) and its
-router bias take BiasedExperts instead of the fused kernel: the same row kernels (a
-prepared linear on one expert of the stack), one chosen expert at a time.
+router bias take BiasedExperts instead of the fused kernel: the same row kernels, one
+compiled call for a decode step's token, else a prepared linear per chosen expert and
+matrix.
 
 The kernels read the weights in place from the mapped file (WeightRef); an expert no token
 chose is never touched. Every kernel call gets the model's thread count.
@@ -84,10 +85,12 @@ class BiasedExperts:
     up(x) + b_up[e])) + b_down[e]. w_*: WeightRef stacks (E, I, D), (E, I, D), (E, D, I);
     b_*: float32 (E, I), (E, I), (E, D) or None; activation one of config.EXPERT_ACTIVATIONS.
 
-    One pass per chosen expert over its tokens (grouped once per call), each matrix a
-    prepared linear (its weight view and bias checked once, kept per expert and
-    activations), the activation in place; the expert outputs are added per token in
-    ascending expert order."""
+    One token (the decode step): one compiled call (kernels.prepare_biased_experts: the
+    chosen experts' gate / up rows, biases and activation on the pool, then their down rows
+    and the weighted sum). More tokens (reference): one pass per chosen expert over its
+    tokens (grouped once per call), each matrix a prepared linear (its weight view and bias
+    checked once, kept per expert and activations), the activation in place. Either way the
+    expert outputs are added per token in ascending expert order."""
     w_gate: WeightRef
     w_up: WeightRef
     w_down: WeightRef
@@ -107,6 +110,11 @@ class BiasedExperts:
         self._many = tuple("f32" if self.activations == "int16" and w.dtype == "mxfp4"
                            else self.activations for w in self._stacks)
         self._prepared: dict[tuple[int, int, str], Callable] = {}
+        # one token (the decode step): every chosen expert in one compiled call
+        self._decode = kernels.prepare_biased_experts(
+            self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down,
+            self.activation, self.alpha, self.limit, threads=self.threads,
+            activations=self.activations)
 
     def _linear(self, j: int, e: int, n: int) -> Callable[[np.ndarray, np.ndarray], None]:
         """The prepared linear of matrix j (0 gate, 1 up, 2 down) of expert e, for n tokens."""
@@ -122,6 +130,18 @@ class BiasedExperts:
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                  out: np.ndarray) -> np.ndarray:
+        T, K = ids.shape
+        if T == 1 and not np.may_share_memory(x, out):
+            self._decode(x, ids, weights, out)
+            return out
+        return self.reference(x, ids, weights, out)
+
+    def reference(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
+        """__call__ as a Python loop over the chosen experts, one prepared linear per
+        matrix and the activation in NumPy: the path of more than one token, and the
+        specification the one-token compiled call is tested against (the same bits but
+        the activation's exp)."""
         T, K = ids.shape
         I, D = self.w_gate.rows, self.w_down.rows
         slots = ids.reshape(-1)

@@ -18,6 +18,12 @@
  * count (a head is one call's work).
  * A NaN or inf in q or k gives NaN scores and a NaN head, as in NumPy.
  *
+ * Attention sinks (GPT-OSS; the *_sinks entries, sinks non-NULL): head h's softmax has one
+ * more logit z_h whose value row is zero, so
+ *   out_h = (sum_j e_j v_g,j) / (sum_j e_j + exp(z_h - max_j s_j))
+ * (the same sum as with max(max_j s_j, z_h) subtracted, exp(z - m) overflowing to inf giving
+ * the limit 0); a NULL sinks is the plain softmax, the same bits as before.
+ *
  * colibri_kv_store rounds float32 rows into the storage format (to nearest, ties to even,
  * as NumPy's float16 cast and quant.f32_to_bf16 round): the decode step's cache write, the
  * same bits on every path.
@@ -100,7 +106,8 @@ static void colibri_kv_widen_scalar(int fmt, const char *src, ptrdiff_t rb, ptrd
 
 static void colibri_attend_scalar(int fmt, const float *q, int G, int Dh, const void *k,
                                   const void *v, ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n,
-                                  float scale, float *s, float *out, int h0, int h1)
+                                  float scale, const float *sinks, float *s, float *out,
+                                  int h0, int h1)
 {
     const ptrdiff_t es = colibri_kv_size(fmt);
     int h, i;
@@ -122,6 +129,7 @@ static void colibri_attend_scalar(int fmt, const float *q, int G, int Dh, const 
             s[j] = expf(s[j] - m);
             sum += s[j];
         }
+        if (sinks) sum += expf(sinks[h] - m);
         inv = 1.0f / sum;
         for (i = 0; i < Dh; i++) oh[i] = 0.0f;
         for (j = 0; j < n; j++) {
@@ -195,8 +203,9 @@ COLIBRI_AVX2_INLINE float colibri_score1_avx2(const int fmt, const float *q, con
     return colibri_hsum256(_mm256_add_ps(a0, a1)) * scale;
 }
 
-/* s[0..n) = exp(s - max s) (NaN everywhere if a score is NaN); returns their sum. */
-COLIBRI_AVX2_INLINE float colibri_softmax_num_avx2(float *s, ptrdiff_t n)
+/* s[0..n) = exp(s - max s) (NaN everywhere if a score is NaN); returns their sum, and the
+ * max (NaN if a score is) in *max. */
+COLIBRI_AVX2_INLINE float colibri_softmax_num_max_avx2(float *s, ptrdiff_t n, float *max)
 {
     __m256 vm = _mm256_set1_ps(-INFINITY), vsum = _mm256_setzero_ps();
     __m256 nanv = _mm256_setzero_ps();
@@ -219,6 +228,7 @@ COLIBRI_AVX2_INLINE float colibri_softmax_num_avx2(float *s, ptrdiff_t n)
         bad |= s[j] != s[j];
     }
     if (bad || _mm256_movemask_ps(nanv) != 0) m = NAN;
+    *max = m;
     {
         const __m256 mv = _mm256_set1_ps(m);
         for (j = 0; j + 8 <= n; j += 8) {
@@ -238,6 +248,22 @@ COLIBRI_AVX2_INLINE float colibri_softmax_num_avx2(float *s, ptrdiff_t n)
         }
     }
     return colibri_hsum256(vsum);
+}
+
+COLIBRI_AVX2_INLINE float colibri_softmax_num_avx2(float *s, ptrdiff_t n)
+{
+    float m;
+    return colibri_softmax_num_max_avx2(s, n, &m);
+}
+
+/* 1 / the softmax denominator of head h: its numerators' sum, plus the sink's exp(z_h - m)
+ * when there are sinks. */
+COLIBRI_AVX2_INLINE float colibri_softmax_inv_avx2(float *s, ptrdiff_t n, const float *sinks,
+                                                   int h)
+{
+    float m, sum = colibri_softmax_num_max_avx2(s, n, &m);
+    if (sinks) sum += expf(sinks[h] - m);
+    return 1.0f / sum;
 }
 
 /* Rows j .. j + m - 1 (those below n) of a (rows rb bytes apart, nb bytes used) towards
@@ -264,7 +290,8 @@ static inline void colibri_prefetch_rows(const char *a, ptrdiff_t j, int m, ptrd
 COLIBRI_AVX2_INLINE void colibri_attend_avx2_body(const int fmt, const float *q, int G, int Dh,
                                                   const void *k, const void *v, ptrdiff_t hs,
                                                   ptrdiff_t rs, ptrdiff_t n, float scale,
-                                                  float *s, float *out, int h0, int h1)
+                                                  const float *sinks, float *s, float *out,
+                                                  int h0, int h1)
 {
     const ptrdiff_t es = colibri_kv_size(fmt), rb = rs * es, nb = Dh * es;
     int g, h, i;
@@ -288,7 +315,7 @@ COLIBRI_AVX2_INLINE void colibri_attend_avx2_body(const int fmt, const float *q,
             }
         }
         for (h = 0; h < G; h++)                                      /* softmax numerators */
-            inv[h] = 1.0f / colibri_softmax_num_avx2(s + h * n, n);
+            inv[h] = colibri_softmax_inv_avx2(s + h * n, n, sinks, g * G + h);
         for (h = 0; h < G; h++)
             for (i = 0; i < Dh; i += 8)
                 _mm256_storeu_ps(out + (ptrdiff_t)(g * G + h) * Dh + i, _mm256_setzero_ps());
@@ -351,9 +378,10 @@ COLIBRI_AVX2_INLINE void colibri_attend_avx2_body(const int fmt, const float *q,
 #define COLIBRI_DEF_ATTEND_AVX2(name, FMT)                                                   \
     COLIBRI_AVX2_FN void name(const float *q, int G, int Dh, const void *k, const void *v,  \
                               ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n, float scale,         \
-                              float *s, float *out, int h0, int h1)                          \
+                              const float *sinks, float *s, float *out, int h0, int h1)      \
     {                                                                                        \
-        colibri_attend_avx2_body(FMT, q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);    \
+        colibri_attend_avx2_body(FMT, q, G, Dh, k, v, hs, rs, n, scale, sinks, s, out, h0,  \
+                                 h1);                                                        \
     }
 COLIBRI_DEF_ATTEND_AVX2(colibri_attend_f32_avx2, COLIBRI_F32)
 COLIBRI_DEF_ATTEND_AVX2(colibri_attend_f16_avx2, COLIBRI_F16)
@@ -422,8 +450,8 @@ COLIBRI_AVX512_INLINE float colibri_score1_avx512(const int fmt, const float *q,
 COLIBRI_AVX512_INLINE void colibri_attend_avx512_body(const int fmt, const float *q, int G,
                                                       int Dh, const void *k, const void *v,
                                                       ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n,
-                                                      float scale, float *s, float *out,
-                                                      int h0, int h1)
+                                                      float scale, const float *sinks,
+                                                      float *s, float *out, int h0, int h1)
 {
     const ptrdiff_t es = colibri_kv_size(fmt), rb = rs * es, nb = Dh * es;
     int g, h, i, t, c;
@@ -447,7 +475,7 @@ COLIBRI_AVX512_INLINE void colibri_attend_avx512_body(const int fmt, const float
             }
         }
         for (h = 0; h < G; h++)                                      /* softmax numerators */
-            inv[h] = 1.0f / colibri_softmax_num_avx2(s + h * n, n);
+            inv[h] = colibri_softmax_inv_avx2(s + h * n, n, sinks, g * G + h);
         for (h = 0; h < G; h++)
             for (i = 0; i < Dh; i += 16)
                 _mm512_storeu_ps(out + (ptrdiff_t)(g * G + h) * Dh + i, _mm512_setzero_ps());
@@ -500,9 +528,10 @@ COLIBRI_AVX512_INLINE void colibri_attend_avx512_body(const int fmt, const float
 #define COLIBRI_DEF_ATTEND_AVX512(name, FMT)                                                 \
     COLIBRI_AVX512_FN void name(const float *q, int G, int Dh, const void *k, const void *v,\
                                 ptrdiff_t hs, ptrdiff_t rs, ptrdiff_t n, float scale,       \
-                                float *s, float *out, int h0, int h1)                        \
+                                const float *sinks, float *s, float *out, int h0, int h1)    \
     {                                                                                        \
-        colibri_attend_avx512_body(FMT, q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);  \
+        colibri_attend_avx512_body(FMT, q, G, Dh, k, v, hs, rs, n, scale, sinks, s, out, h0,\
+                                   h1);                                                      \
     }
 COLIBRI_DEF_ATTEND_AVX512(colibri_attend_f32_avx512, COLIBRI_F32)
 COLIBRI_DEF_ATTEND_AVX512(colibri_attend_f16_avx512, COLIBRI_F16)
@@ -512,34 +541,41 @@ COLIBRI_DEF_ATTEND_AVX512(colibri_attend_bf16_avx512, COLIBRI_BF16)
 
 /* Heads h0 .. h1 - 1 on path isa over a cache of format fmt (COLIBRI_F32 / F16 / BF16;
  * avx512 and avx512vnni run the AVX-512 bodies when Dh is a multiple of 16, every other
- * SIMD case the AVX2 bodies); hs, rs in elements. */
-static inline void colibri_attend(int isa, int fmt, const float *q, int G, int Dh,
-                                  const void *k, const void *v, ptrdiff_t hs, ptrdiff_t rs,
-                                  ptrdiff_t n, float scale, float *s, float *out, int h0, int h1)
+ * SIMD case the AVX2 bodies); hs, rs in elements; sinks: H floats (indexed by query head)
+ * or NULL (no sinks). */
+static inline void colibri_attend_sinks(int isa, int fmt, const float *q, int G, int Dh,
+                                        const void *k, const void *v, ptrdiff_t hs,
+                                        ptrdiff_t rs, ptrdiff_t n, float scale,
+                                        const float *sinks, float *s, float *out, int h0,
+                                        int h1)
 {
 #if COLIBRI_X86
     if (colibri_isa_base(isa) != COLIBRI_ISA_SCALAR && Dh % 8 == 0 &&
         G <= COLIBRI_ATTEND_MAX_G && h0 % G == 0 && h1 % G == 0) {
+#define COLIBRI_ATTEND_ARGS q, G, Dh, k, v, hs, rs, n, scale, sinks, s, out, h0, h1
         if (colibri_isa_base(isa) == COLIBRI_ISA_AVX512 && Dh % 16 == 0) {
-            if (fmt == COLIBRI_F16)
-                colibri_attend_f16_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
-            else if (fmt == COLIBRI_BF16)
-                colibri_attend_bf16_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
-            else
-                colibri_attend_f32_avx512(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+            if (fmt == COLIBRI_F16) colibri_attend_f16_avx512(COLIBRI_ATTEND_ARGS);
+            else if (fmt == COLIBRI_BF16) colibri_attend_bf16_avx512(COLIBRI_ATTEND_ARGS);
+            else colibri_attend_f32_avx512(COLIBRI_ATTEND_ARGS);
             return;
         }
-        if (fmt == COLIBRI_F16)
-            colibri_attend_f16_avx2(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
-        else if (fmt == COLIBRI_BF16)
-            colibri_attend_bf16_avx2(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
-        else
-            colibri_attend_f32_avx2(q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+        if (fmt == COLIBRI_F16) colibri_attend_f16_avx2(COLIBRI_ATTEND_ARGS);
+        else if (fmt == COLIBRI_BF16) colibri_attend_bf16_avx2(COLIBRI_ATTEND_ARGS);
+        else colibri_attend_f32_avx2(COLIBRI_ATTEND_ARGS);
+#undef COLIBRI_ATTEND_ARGS
         return;
     }
 #endif
     (void)isa;
-    colibri_attend_scalar(fmt, q, G, Dh, k, v, hs, rs, n, scale, s, out, h0, h1);
+    colibri_attend_scalar(fmt, q, G, Dh, k, v, hs, rs, n, scale, sinks, s, out, h0, h1);
+}
+
+/* colibri_attend_sinks without sinks. */
+static inline void colibri_attend(int isa, int fmt, const float *q, int G, int Dh,
+                                  const void *k, const void *v, ptrdiff_t hs, ptrdiff_t rs,
+                                  ptrdiff_t n, float scale, float *s, float *out, int h0, int h1)
+{
+    colibri_attend_sinks(isa, fmt, q, G, Dh, k, v, hs, rs, n, scale, NULL, s, out, h0, h1);
 }
 
 /* colibri_kv_widen_scalar on path isa (every SIMD path: the AVX2 body); fmt F16 or BF16. */

@@ -11,22 +11,24 @@ ctypedef struct AttendJob:
     Py_ssize_t hs, rs, n
     int G, Dh, isa, fmt
     float scale
+    const float *sinks          # H floats (per query head) or NULL: attention sinks
 
 
 cdef _attend_run(int fmt, const float *q, const void *k, const void *v, float *out,
                  Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, Py_ssize_t H, Py_ssize_t Hkv,
-                 Py_ssize_t Dh, float scale, int threads, str name):
+                 Py_ssize_t Dh, float scale, int threads, str name,
+                 const float *sinks=NULL):
     """The attention of H query heads q (H, Dh) over n keys / values of Hkv heads of storage
     format fmt (COLIBRI_F32 / F16 / BF16; head h at element h * hs of k, position j at
     + j * rs; v the same) into out (H, Dh), on the pool, one work item per kv head (checked
-    arguments)."""
+    arguments); sinks: H floats, a sink logit per query head (csrc/attend.h), or NULL."""
     cdef int nth = _attend_team(Hkv, n, Dh, threads)
     cdef float *scratch = <float *>malloc(4 * nth * n * (H // Hkv))
     if scratch == NULL:
         raise MemoryError(f"{name}: no memory for {nth} x {n} scores")
     try:
         with nogil:
-            _attend_core(fmt, q, k, v, out, hs, rs, n, H, Hkv, Dh, scale, nth, scratch)
+            _attend_core(fmt, q, k, v, out, hs, rs, n, H, Hkv, Dh, scale, nth, scratch, sinks)
     finally:
         free(scratch)
 
@@ -44,21 +46,23 @@ cdef inline int _attend_team(Py_ssize_t Hkv, Py_ssize_t n, Py_ssize_t Dh,
 cdef void _attend_core(int fmt, const float *q, const void *k, const void *v, float *out,
                        Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, Py_ssize_t H,
                        Py_ssize_t Hkv, Py_ssize_t Dh, float scale, int nth,
-                       float *scratch) noexcept nogil:
+                       float *scratch, const float *sinks=NULL) noexcept nogil:
     """_attend_run's work on nth = _attend_team(...) threads, scratch nth * n * (H / Hkv)
-    floats; the attention of the compiled decode step (decode_layer.pxi) too."""
+    floats; the attention of the compiled decode step (decode_layer.pxi) too. sinks: as
+    _attend_run's."""
     cdef AttendJob job
     job.q, job.k, job.v, job.out, job.s = q, k, v, out, scratch
     job.hs, job.rs, job.n = hs, rs, n
     job.G, job.Dh, job.isa, job.fmt, job.scale = <int>(H // Hkv), <int>Dh, _isa, fmt, scale
+    job.sinks = sinks
     colibri_pool_run(nth, _attend_task, &job, Hkv)
 
 
 cdef void _attend_task(void *ctx, Py_ssize_t g) noexcept nogil:
     cdef const AttendJob *j = <const AttendJob *>ctx
-    colibri_attend(j.isa, j.fmt, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
-                   j.s + colibri_worker_num() * j.n * j.G, j.out, <int>(g * j.G),
-                   <int>((g + 1) * j.G))
+    colibri_attend_sinks(j.isa, j.fmt, j.q, j.G, j.Dh, j.k, j.v, j.hs, j.rs, j.n, j.scale,
+                         j.sinks, j.s + colibri_worker_num() * j.n * j.G, j.out,
+                         <int>(g * j.G), <int>((g + 1) * j.G))
 
 
 # The storage formats of a cache plane, by NumPy dtype (bf16 travels as its uint16 bits).

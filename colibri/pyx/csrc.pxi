@@ -73,6 +73,10 @@ cdef extern from "csrc/attend.h" nogil:
     void colibri_attend(int isa, int fmt, const float *q, int G, int Dh, const void *k,
                         const void *v, Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n, float scale,
                         float *s, float *out, int h0, int h1)
+    void colibri_attend_sinks(int isa, int fmt, const float *q, int G, int Dh, const void *k,
+                              const void *v, Py_ssize_t hs, Py_ssize_t rs, Py_ssize_t n,
+                              float scale, const float *sinks, float *s, float *out, int h0,
+                              int h1)
     void colibri_kv_store(int fmt, void *dst, const float *src, Py_ssize_t n)
     void colibri_kv_widen(int isa, int fmt, const void *src, Py_ssize_t rb, Py_ssize_t rows,
                           Py_ssize_t cols, float *dst)

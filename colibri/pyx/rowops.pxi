@@ -109,6 +109,25 @@ def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t
     slots start..slot (the same kernel and bits as attend_decode over that slice). The
     caches float32, float16 or uint16 (bf16 bits), both the same; everything else float32;
     all C-contiguous; 0 <= start <= slot < S."""
+    _attend_cached(q, k_cache, v_cache, k_new, v_new, slot, start, scale, out, threads, NULL)
+
+
+def attend_cached_sinks(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot,
+                        Py_ssize_t start, float scale, sinks, out, int threads):
+    """attend_cached with attention sinks (GPT-OSS): sinks float32 (H,), one logit per query
+    head in its softmax whose value row is zero (csrc/attend.h): out_h = (sum_j e_j v_j) /
+    (sum_j e_j + exp(sinks[h] - max_j s_j)). Everything else as attend_cached."""
+    cdef Py_ssize_t sd[1]
+    cdef const float *sp = _f32(sinks, "sinks", 1, False, sd)
+    if sd[0] != np.shape(q)[0]:
+        raise ValueError(f"attend_cached_sinks: sinks has {sd[0]} elements, expected one per "
+                         f"query head ({np.shape(q)[0]})")
+    _attend_cached(q, k_cache, v_cache, k_new, v_new, slot, start, scale, out, threads, sp)
+
+
+cdef _attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t start,
+                    float scale, out, int threads, const float *sinks):
+    """attend_cached's checks and work; sinks H floats or NULL."""
     _check_threads(threads)
     cdef Py_ssize_t qd[2]
     cdef Py_ssize_t kd[4]
@@ -158,4 +177,4 @@ def attend_cached(q, k_cache, v_cache, k_new, v_new, Py_ssize_t slot, Py_ssize_t
         colibri_kv_store(kfmt, kc + (g * S + slot) * Dh * es, knp + g * Dh, Dh)
         colibri_kv_store(kfmt, vc + (g * S + slot) * Dh * es, vnp + g * Dh, Dh)
     _attend_run(kfmt, qp, kc + start * Dh * es, vc + start * Dh * es, op, S * Dh, Dh, n, H,
-                Hkv, Dh, scale, threads, "attend_cached")
+                Hkv, Dh, scale, threads, "attend_cached", sinks)
