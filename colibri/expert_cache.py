@@ -27,10 +27,10 @@ Shapes: T tokens, K experts per token, M MoE layers, E experts, N slots.
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def _round_pages(n: int) -> int:
     return -(-n // residency.PAGE) * residency.PAGE
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """How a budget splits for one file: dense ranges kept resident, slots for experts."""
     dense_ranges: tuple[tuple[int, int], ...]   # (offset, size) of every resident tensor
@@ -227,14 +227,10 @@ class ExpertCache:
 
     # -- construction ---------------------------------------------------------------------------
     def _arena_kernels(self, layer: int):
-        """The layer's expert kernel over the arena: its three stacks at their offsets inside
-        a block, the slots plan.slot_bytes apart."""
+        """The layer's expert kernel over the arena, k(x, ids, slots, weights, y): its three
+        stacks at their offsets inside a block, the slots plan.slot_bytes apart. Experts with
+        biases or their own activation (GPT-OSS) read their biases by expert id."""
         f, moe = self.model.file, self.model.layers[layer].ffn
-        if getattr(moe, "biased_experts", None) is not None:   # not the fused kernel's math
-            raise MemoryBudgetError(
-                f"{f.path}: layer {layer}'s experts have biases or their own activation, "
-                f"which the arena's fused kernel does not compute: use cache_mode='madvise' "
-                f"(--cache-mode madvise) with a memory budget")
         base = f.expert_block(layer, 0)[0]
         refs = []
         for proj, ref in zip(PROJS, (moe.w_gate, moe.w_up, moe.w_down)):
@@ -242,8 +238,15 @@ class ExpertCache:
             refs.append(WeightRef(self.arena, info.offset - base, ref.dtype, ref.rows, ref.cols,
                                   ref.group_size, ref.row_stride, n_experts=self.plan.n_slots,
                                   expert_stride=self.plan.slot_bytes))
-        return kernels.prepare_expert_ffn(*refs, threads=moe.threads,
-                                          activations=moe.activations)
+        be = moe.biased_experts
+        if be is not None:
+            # the same BiasedExperts over the slots (moe.py is above this module)
+            arena_experts = dataclasses.replace(be, w_gate=refs[0], w_up=refs[1],
+                                                w_down=refs[2], n_experts=f.n_experts)
+            return lambda x, ids, slots, weights, y: arena_experts(x, ids, weights, y, slots)
+        fused = kernels.prepare_expert_ffn(*refs, threads=moe.threads,
+                                           activations=moe.activations)
+        return lambda x, ids, slots, weights, y: fused(x, slots, weights, y)
 
     def _evict_file_pages(self) -> None:
         """madvise mode: drop the expert blocks' pages from the page cache, so that what
@@ -266,7 +269,7 @@ class ExpertCache:
             if self.prefetcher is not None:
                 self.prefetcher.after_layer(j, x, ids)
             if run_arena:
-                self._kernels[j](x, slots, weights, y)
+                self._kernels[j](x, ids, slots, weights, y)
             else:
                 moe._experts(x, ids, weights, y)
         return hook

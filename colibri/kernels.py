@@ -556,7 +556,8 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
                            b_gate: np.ndarray | None, b_up: np.ndarray | None,
                            b_down: np.ndarray | None, activation: str, alpha: float,
                            limit: float, *, threads: int | None = None,
-                           activations: str = "f32") -> Callable[..., None]:
+                           activations: str = "f32", n_experts: int | None = None
+                           ) -> Callable[..., None]:
     """One token's routed experts with biases and / or swigluoai (moe.BiasedExperts' decode)
     as one compiled call, its stacks (E, I, D), (E, I, D), (E, D, I) and biases float32
     (E, I), (E, I), (E, D) (or None) checked once.
@@ -567,10 +568,14 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
     b_up)) + b_down), act "swigluoai" (alpha, limit) or "silu" (silu(g) * u); the row
     kernels of prepare_linear on each expert (the same bits), the activation compiled
     (csrc/swigluoai.h: within a few ulp of moe.swigluoai).
+
+    Over an expert cache's arena the stacks are its slots (n_slots, ...), the biases (E, ...)
+    with E = n_experts, and p(x, ids, weights, out, slots) reads expert ids[k] from stack
+    row slots[k] (int32 (1, K)).
     """
     for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
     return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
-                                          resolve_threads(threads), activations)
+                                          resolve_threads(threads), activations, n_experts)

@@ -88,9 +88,14 @@ class BiasedExperts:
     One token (the decode step): one compiled call (kernels.prepare_biased_experts: the
     chosen experts' gate / up rows, biases and activation on the pool, then their down rows
     and the weighted sum). More tokens (reference): one pass per chosen expert over its
-    tokens (grouped once per call), each matrix a prepared linear (its weight view and bias
-    checked once, kept per expert and activations), the activation in place. Either way the
-    expert outputs are added per token in ascending expert order."""
+    tokens (grouped once per call), each matrix a prepared linear (its weight view checked
+    once, kept per stack row and activations) and its bias added after it (the kernels add
+    a bias the same way: one float32 addition), the activation in place. Either way the
+    expert outputs are added per token in ascending expert order.
+
+    Over an expert cache's arena (colibri.expert_cache) the stacks hold its slots (n_slots,
+    ...) and n_experts is the biases' E; `p(x, ids, weights, out, slots)` then reads expert
+    ids[t, k] from stack row slots[t, k] (int32 (T, K)), its biases from row ids[t, k]."""
     w_gate: WeightRef
     w_up: WeightRef
     w_down: WeightRef
@@ -102,6 +107,7 @@ class BiasedExperts:
     limit: float
     threads: int
     activations: str = "f32"
+    n_experts: int | None = None       # the biases' E when the stacks are an arena's slots
 
     def __post_init__(self):
         self._stacks = (self.w_gate, self.w_up, self.w_down)
@@ -114,54 +120,66 @@ class BiasedExperts:
         self._decode = kernels.prepare_biased_experts(
             self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down,
             self.activation, self.alpha, self.limit, threads=self.threads,
-            activations=self.activations)
+            activations=self.activations, n_experts=self.n_experts)
 
-    def _linear(self, j: int, e: int, n: int) -> Callable[[np.ndarray, np.ndarray], None]:
-        """The prepared linear of matrix j (0 gate, 1 up, 2 down) of expert e, for n tokens."""
+    def _linear(self, j: int, e: int, n: int, s: int) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Matrix j (0 gate, 1 up, 2 down) of expert e at stack row s, for n tokens: its
+        prepared linear, then its bias added."""
         act = self._many[j] if n >= MXFP4_GEMM_TOKENS else self.activations
-        key = (j, e, act)
+        key = (j, s, act)
         p = self._prepared.get(key)
         if p is None:
-            b = self._biases[j]
-            p = kernels.prepare_linear(self._stacks[j].expert(e), None if b is None else b[e],
-                                       threads=self.threads, activations=act)
+            p = kernels.prepare_linear(self._stacks[j].expert(s), threads=self.threads,
+                                       activations=act)
             self._prepared[key] = p
-        return p
+        b = self._biases[j]
+        if b is None:
+            return p
+
+        def biased(x: np.ndarray, y: np.ndarray) -> None:
+            p(x, y)
+            y += b[e]
+        return biased
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                 out: np.ndarray) -> np.ndarray:
+                 out: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         T, K = ids.shape
         if T == 1 and not np.may_share_memory(x, out):
-            self._decode(x, ids, weights, out)
+            if slots is None:
+                self._decode(x, ids, weights, out)
+            else:
+                self._decode(x, ids, weights, out, slots)
             return out
-        return self.reference(x, ids, weights, out)
+        return self.reference(x, ids, weights, out, slots)
 
     def reference(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                  out: np.ndarray) -> np.ndarray:
+                  out: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """__call__ as a Python loop over the chosen experts, one prepared linear per
         matrix and the activation in NumPy: the path of more than one token, and the
         specification the one-token compiled call is tested against (the same bits but
         the activation's exp)."""
         T, K = ids.shape
         I, D = self.w_gate.rows, self.w_down.rows
-        slots = ids.reshape(-1)
-        order = np.argsort(slots, kind="stable")                  # (token, k) slots by expert
-        by_expert = slots[order]
+        flat = ids.reshape(-1)
+        rows = flat if slots is None else slots.reshape(-1)      # each expert's stack row
+        order = np.argsort(flat, kind="stable")                   # (token, k) slots by expert
+        by_expert = flat[order]
         edges = [0, *(np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1).tolist(), T * K]
         w_slot = weights.reshape(-1)
         acc = np.zeros((T, D), dtype=np.float32)
         for s0, s1 in zip(edges[:-1], edges[1:]):
             e, n, group = int(by_expert[s0]), s1 - s0, order[s0:s1]
+            s = int(rows[group[0]])
             tokens = group // K                                   # ascending
             xs = x if T == 1 and n == 1 else np.ascontiguousarray(x[tokens])
             g = np.empty((n, I), dtype=np.float32)
             u = np.empty((n, I), dtype=np.float32)
-            self._linear(0, e, n)(xs, g)
-            self._linear(1, e, n)(xs, u)
+            self._linear(0, e, n, s)(xs, g)
+            self._linear(1, e, n, s)(xs, u)
             h = (_swigluoai_into(g, u, self.alpha, self.limit) if self.activation == "swigluoai"
                  else _silu_mul_into(g, u))
             y = np.empty((n, D), dtype=np.float32)
-            self._linear(2, e, n)(h, y)
+            self._linear(2, e, n, s)(h, y)
             y *= w_slot[group][:, None]
             if n == 1:
                 acc[tokens[0]] += y[0]

@@ -180,3 +180,39 @@ def test_mxfp4_model_quantized_activations_within_bounds(mx, ref, activations):
     print(f"\n[gpt-oss mxfp4 {activations}] prompt {err:.2e} decode {_rel_err(steps, want1):.2e}")
     assert err <= tol and _rel_err(steps, want1) <= tol
     assert _rel_err(steps, exact) > 0          # the decode step's experts: the integer bodies
+
+
+# --- a memory budget: the experts in the expert cache's arena ----------------------------------
+
+@pytest.mark.parametrize("fmt,activations", [("f32", "f32"), ("q4", "int16"),
+                                             ("mxfp4", "int8")])
+def test_memory_budget_arena_same_bits(ref, mx, fmt, activations):
+    """GPT-OSS's experts (biases, swigluoai) run from the expert cache's arena (its slots
+    as the stacks, the biases read by expert id) with the same bits as from the mapping: a
+    prompt (several tokens per expert) and decode steps (the one-token compiled call), with
+    a budget of fewer slots than blocks, so blocks are evicted and land in other slots."""
+    import colibri.api as api
+    from colibri.expert_cache import memory_plan
+    path = mx[0].file.path if fmt == "mxfp4" else ref.model(fmt).file.path
+    plain = api.load(path, threads=2, activations=activations, kv_dtype="f32")
+    plan = memory_plan(plain.file, None)
+    cached = api.load(path, threads=2, activations=activations, kv_dtype="f32",
+                      memory_budget=plan.minimum + plan.slot_bytes)
+    try:
+        assert cached.expert_cache.mode == "arena"
+        assert cached.expert_cache.plan.n_slots < plan.n_blocks
+        seq = ref.seqs[0]
+        outs = []
+        for m in (plain, cached):
+            prompt = api.forward(m, ref.ids, attention_mask=ref.mask)
+            cache = m.new_cache(ctx=32)
+            steps = np.stack([api.forward(m, np.array([t]), cache=cache)[0] for t in seq])
+            outs.append((prompt, steps))
+        assert np.isfinite(outs[0][1]).all()
+        np.testing.assert_array_equal(outs[0][0][ref.valid], outs[1][0][ref.valid])
+        np.testing.assert_array_equal(outs[0][1], outs[1][1])
+        stats = cached.expert_cache.stats()
+        assert stats["misses"] > plan.n_blocks and stats["hits"] > 0     # evictions happened
+    finally:
+        plain.close()
+        cached.close()

@@ -28,7 +28,8 @@ ctypedef struct BiasedJob:
     const float *xsd            # (K, I/Gd) group sums of h for down (q4)
     Act ah                      # h quantized (down on the idot path), row k = expert k
     float *og                   # (K, D) expert outputs
-    const int32_t *experts      # (K,) ascending
+    const int32_t *experts      # (K,) ascending: the rows of the biases
+    const int32_t *rows         # (K,) the rows of the weight stacks (experts, or arena slots)
     const float *wk             # (K,) their weights
     float *y                    # (1, D)
     Py_ssize_t K, D, I, tr_gu, nt_gu, tr_dn
@@ -41,15 +42,15 @@ cdef void _biased_gateup_task(void *ctx, Py_ssize_t it) noexcept nogil:
     the activation of those rows (into h)."""
     cdef const BiasedJob *j = <const BiasedJob *>ctx
     cdef Py_ssize_t k = it // j.nt_gu, r0 = (it % j.nt_gu) * j.tr_gu, r1 = r0 + j.tr_gu
-    cdef Py_ssize_t e = j.experts[k], I = j.I
+    cdef Py_ssize_t e = j.experts[k], w = j.rows[k], I = j.I
     if r1 > I:
         r1 = I
     # swigluoai writes its result over up, silu_mul over gate: that one goes to h
     cdef float *gate = j.hg if j.swiglu_oai else j.h
     cdef float *up = j.h if j.swiglu_oai else j.hg
-    _linear_rows(j.g, e, j.x, 1, j.xsg, j.ax, NULL if j.bg == NULL else j.bg + e * I,
+    _linear_rows(j.g, w, j.x, 1, j.xsg, j.ax, NULL if j.bg == NULL else j.bg + e * I,
                  gate + k * I, I, r0, r1)
-    _linear_rows(j.u, e, j.x, 1, j.xsu, j.ax, NULL if j.bu == NULL else j.bu + e * I,
+    _linear_rows(j.u, w, j.x, 1, j.xsu, j.ax, NULL if j.bu == NULL else j.bu + e * I,
                  up + k * I, I, r0, r1)
     if j.swiglu_oai:
         colibri_swigluoai(_isa, gate + k * I + r0, up + k * I + r0, r1 - r0, j.alpha, j.limit)
@@ -67,7 +68,7 @@ cdef void _biased_down_task(void *ctx, Py_ssize_t it) noexcept nogil:
         r1 = D
     for k in range(j.K):
         e = j.experts[k]
-        _linear_rows(j.d, e, j.h + k * j.I, 1, j.xsd + k * j.d.xsum_cols, _act_at(&j.ah, k),
+        _linear_rows(j.d, j.rows[k], j.h + k * j.I, 1, j.xsd + k * j.d.xsum_cols, _act_at(&j.ah, k),
                      NULL if j.bd == NULL else j.bd + e * D, j.og + k * D, D, r0, r1)
     for c in range(r0, r1):
         j.y[c] = 0.0
@@ -85,15 +86,22 @@ cdef class PreparedBiasedExperts:
     silu(g) * u. Stacks (E, I, D), (E, I, D), (E, D, I) as WeightRefs, biases float32 (E, I),
     (E, I), (E, D) or None. The same row-kernel calls as the per-expert prepared linears of
     BiasedExperts (the same bits) but the activation (csrc/swigluoai.h / silu_mul: within a
-    few ulp of NumPy's)."""
+    few ulp of NumPy's).
+
+    Over an expert cache's arena (colibri.expert_cache) the stacks hold its slots:
+    n_experts is then the biases' first dimension E (default: the stacks' count), and
+    `p(x, ids, weights, out, slots)` reads expert ids[k]'s weights from stack row slots[k]
+    (int32 (1, K)) and its biases from row ids[k]; the order of the sums is still the
+    experts'."""
     cdef Wmat g, u, d
     cdef object w_gate, w_up, w_down, keep, biases, activations
     cdef const float *bp[3]
     cdef int threads, isa, swiglu_oai
     cdef float alpha, limit
+    cdef Py_ssize_t n_bias
 
     def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, str activation,
-                 float alpha, float limit, int threads, activations="f32"):
+                 float alpha, float limit, int threads, activations="f32", n_experts=None):
         _check_threads(threads)
         _activations(activations)
         if activation not in ("swigluoai", "silu"):
@@ -102,7 +110,11 @@ cdef class PreparedBiasedExperts:
         self.threads, self.activations = threads, activations
         self.swiglu_oai, self.alpha, self.limit = activation == "swigluoai", alpha, limit
         self._load()
-        cdef Py_ssize_t E = self.g.n_experts, I = self.g.rows, D = self.g.cols
+        cdef Py_ssize_t E = self.g.n_experts if n_experts is None else n_experts
+        cdef Py_ssize_t I = self.g.rows, D = self.g.cols
+        if E < 1:
+            raise ValueError(f"n_experts must be at least 1, found {E}")
+        self.n_bias = E
         keep = []
         for i, (name, b, rows) in enumerate((("b_gate", b_gate, I), ("b_up", b_up, I),
                                              ("b_down", b_down, D))):
@@ -122,7 +134,7 @@ cdef class PreparedBiasedExperts:
                   _activations(self.activations))
         self.keep, self.isa = keep, _isa
 
-    def __call__(self, x, ids, weights, out):
+    def __call__(self, x, ids, weights, out, slots=None):
         cdef Py_ssize_t xd[2]
         cdef Py_ssize_t od[2]
         cdef const float *xp = _f32(x, "x", 2, False, xd)
@@ -135,12 +147,17 @@ cdef class PreparedBiasedExperts:
         cdef const float[:, ::1] wv = weights
         cdef Py_ssize_t K = iv.shape[1], k, i
         cdef int32_t experts[BIASED_MAX_K]
+        cdef int32_t rows[BIASED_MAX_K]
         cdef float wk[BIASED_MAX_K]
+        cdef const int32_t[:, ::1] sv = ids if slots is None else slots
         if iv.shape[0] != 1 or not 1 <= K <= BIASED_MAX_K or wv.shape[0] != 1 \
                 or wv.shape[1] != K:
             raise ValueError(f"PreparedBiasedExperts: ids ({iv.shape[0]}, {K}) and weights "
                              f"({wv.shape[0]}, {wv.shape[1]}) must be (1, K), 1 <= K <= "
                              f"{BIASED_MAX_K}")
+        if sv.shape[0] != 1 or sv.shape[1] != K:
+            raise ValueError(f"PreparedBiasedExperts: slots ({sv.shape[0]}, {sv.shape[1]}) "
+                             f"must be shaped as ids (1, {K})")
         if _overlap(xp, D, op, D):
             raise ValueError("PreparedBiasedExperts: out must not overlap x")
         if self.isa != _isa:
@@ -148,13 +165,16 @@ cdef class PreparedBiasedExperts:
         for k in range(K):                   # insertion sort by expert id, stable
             i = k
             while i > 0 and experts[i - 1] > iv[0, k]:
-                experts[i], wk[i] = experts[i - 1], wk[i - 1]
+                experts[i], rows[i], wk[i] = experts[i - 1], rows[i - 1], wk[i - 1]
                 i -= 1
-            experts[i], wk[i] = iv[0, k], wv[0, k]
+            experts[i], rows[i], wk[i] = iv[0, k], sv[0, k], wv[0, k]
         for k in range(K):
-            if not 0 <= experts[k] < E:
+            if not 0 <= experts[k] < self.n_bias:
                 raise ValueError(f"PreparedBiasedExperts: expert id {experts[k]} is out of "
-                                 f"range for {E} experts")
+                                 f"range for {self.n_bias} experts")
+            if not 0 <= rows[k] < E:
+                raise ValueError(f"PreparedBiasedExperts: slot {rows[k]} is out of range for "
+                                 f"{E} stack rows")
         cdef const Wmat *g = &self.g
         cdef const Wmat *u = &self.u
         cdef const Wmat *d = &self.d
@@ -170,7 +190,7 @@ cdef class PreparedBiasedExperts:
         j.g, j.u, j.d = g, u, d
         j.bg, j.bu, j.bd = self.bp[0], self.bp[1], self.bp[2]
         j.x, j.y, j.K, j.D, j.I = xp, op, K, D, I
-        j.experts, j.wk = experts, wk
+        j.experts, j.rows, j.wk = experts, rows, wk
         j.swiglu_oai, j.alpha, j.limit = self.swiglu_oai, self.alpha, self.limit
         j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
         j.ah = j.ax
