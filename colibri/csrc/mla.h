@@ -283,6 +283,40 @@ static void colibri_mla_attend_scalar(int fmt, const float *ql, const float *qr,
 }
 
 #if COLIBRI_X86
+/* The score pass of both SIMD bodies: s[h, j] = (q_lat[h] . lat[j] + q_rope[h] . rot[j]) *
+ * scale for the nh heads over the n cached positions, block by block, so the heads share each
+ * block of COLIBRI_ATTEND_BLOCK rows; attend.h's score helpers of ISA (avx2, avx512). */
+#define COLIBRI_DEF_MLA_SCORES(ISA, ATTR)                                                     \
+ATTR void colibri_mla_scores_##ISA(const int fmt, const float *ql, const float *qr, int R,    \
+                                   int Dr, const char *L0, const char *K0, ptrdiff_t rb,      \
+                                   ptrdiff_t kb, ptrdiff_t n, float scale, float *s, int nh) \
+{                                                                                             \
+    int h;                                                                                    \
+    ptrdiff_t j, jb, je;                                                                      \
+    for (jb = 0; jb < n; jb += COLIBRI_ATTEND_BLOCK) {                                        \
+        je = jb + COLIBRI_ATTEND_BLOCK < n ? jb + COLIBRI_ATTEND_BLOCK : n;                   \
+        for (h = 0; h < nh; h++) {                                                            \
+            const float *qh = ql + (ptrdiff_t)h * R, *rh = qr + (ptrdiff_t)h * Dr;            \
+            float *sh = s + h * n;                                                            \
+            for (j = jb; j + 8 <= je; j += 8) {                                               \
+                if (h == 0) {                                                                 \
+                    colibri_prefetch_rows(L0, j + COLIBRI_ATTEND_AHEAD, 8, n, rb, rb);        \
+                    colibri_prefetch_rows(K0, j + COLIBRI_ATTEND_AHEAD, 8, n, kb, kb);        \
+                }                                                                             \
+                _mm256_storeu_ps(sh + j, _mm256_mul_ps(                                       \
+                    _mm256_add_ps(colibri_scores8_##ISA(fmt, qh, L0 + j * rb, rb, R, 1.0f),   \
+                                  colibri_scores8_##ISA(fmt, rh, K0 + j * kb, kb, Dr, 1.0f)), \
+                    _mm256_set1_ps(scale)));                                                  \
+            }                                                                                 \
+            for (; j < je; j++)                                                               \
+                sh[j] = (colibri_score1_##ISA(fmt, qh, L0 + j * rb, R, 1.0f) +                \
+                         colibri_score1_##ISA(fmt, rh, K0 + j * kb, Dr, 1.0f)) * scale;       \
+        }                                                                                     \
+    }                                                                                         \
+}
+COLIBRI_DEF_MLA_SCORES(avx2, COLIBRI_AVX2_INLINE)
+COLIBRI_DEF_MLA_SCORES(avx512, COLIBRI_AVX512_INLINE)
+
 /* R and Dr multiples of 8. The heads share each block of COLIBRI_ATTEND_BLOCK positions: the
  * block's rows come from memory once for all nh heads. */
 COLIBRI_AVX2_INLINE void colibri_mla_attend_avx2_body(const int fmt, const float *ql,
@@ -296,26 +330,7 @@ COLIBRI_AVX2_INLINE void colibri_mla_attend_avx2_body(const int fmt, const float
     float inv[COLIBRI_MLA_MAX_HEADS];
     int h, i;
     ptrdiff_t j, jb, je;
-    for (jb = 0; jb < n; jb += COLIBRI_ATTEND_BLOCK) {                  /* scores */
-        je = jb + COLIBRI_ATTEND_BLOCK < n ? jb + COLIBRI_ATTEND_BLOCK : n;
-        for (h = 0; h < nh; h++) {
-            const float *qh = ql + (ptrdiff_t)h * R, *rh = qr + (ptrdiff_t)h * Dr;
-            float *sh = s + h * n;
-            for (j = jb; j + 8 <= je; j += 8) {
-                if (h == 0) {
-                    colibri_prefetch_rows(L0, j + COLIBRI_ATTEND_AHEAD, 8, n, rb, rb);
-                    colibri_prefetch_rows(K0, j + COLIBRI_ATTEND_AHEAD, 8, n, kb, kb);
-                }
-                _mm256_storeu_ps(sh + j, _mm256_mul_ps(
-                    _mm256_add_ps(colibri_scores8_avx2(fmt, qh, L0 + j * rb, rb, R, 1.0f),
-                                  colibri_scores8_avx2(fmt, rh, K0 + j * kb, kb, Dr, 1.0f)),
-                    _mm256_set1_ps(scale)));
-            }
-            for (; j < je; j++)
-                sh[j] = (colibri_score1_avx2(fmt, qh, L0 + j * rb, R, 1.0f) +
-                         colibri_score1_avx2(fmt, rh, K0 + j * kb, Dr, 1.0f)) * scale;
-        }
-    }
+    colibri_mla_scores_avx2(fmt, ql, qr, R, Dr, L0, K0, rb, kb, n, scale, s, nh);
     for (h = 0; h < nh; h++) {                                          /* softmax numerators */
         inv[h] = 1.0f / colibri_softmax_num_avx2(s + h * n, n);
         for (i = 0; i < R; i += 8) _mm256_storeu_ps(ol + (ptrdiff_t)h * R + i, _mm256_setzero_ps());
@@ -371,26 +386,7 @@ COLIBRI_AVX512_INLINE void colibri_mla_attend_avx512_body(const int fmt, const f
     float inv[COLIBRI_MLA_MAX_HEADS];
     int h, i;
     ptrdiff_t j, jb, je;
-    for (jb = 0; jb < n; jb += COLIBRI_ATTEND_BLOCK) {                  /* scores */
-        je = jb + COLIBRI_ATTEND_BLOCK < n ? jb + COLIBRI_ATTEND_BLOCK : n;
-        for (h = 0; h < nh; h++) {
-            const float *qh = ql + (ptrdiff_t)h * R, *rh = qr + (ptrdiff_t)h * Dr;
-            float *sh = s + h * n;
-            for (j = jb; j + 8 <= je; j += 8) {
-                if (h == 0) {
-                    colibri_prefetch_rows(L0, j + COLIBRI_ATTEND_AHEAD, 8, n, rb, rb);
-                    colibri_prefetch_rows(K0, j + COLIBRI_ATTEND_AHEAD, 8, n, kb, kb);
-                }
-                _mm256_storeu_ps(sh + j, _mm256_mul_ps(
-                    _mm256_add_ps(colibri_scores8_avx512(fmt, qh, L0 + j * rb, rb, R, 1.0f),
-                                  colibri_scores8_avx512(fmt, rh, K0 + j * kb, kb, Dr, 1.0f)),
-                    _mm256_set1_ps(scale)));
-            }
-            for (; j < je; j++)
-                sh[j] = (colibri_score1_avx512(fmt, qh, L0 + j * rb, R, 1.0f) +
-                         colibri_score1_avx512(fmt, rh, K0 + j * kb, Dr, 1.0f)) * scale;
-        }
-    }
+    colibri_mla_scores_avx512(fmt, ql, qr, R, Dr, L0, K0, rb, kb, n, scale, s, nh);
     for (h = 0; h < nh; h++) {
         inv[h] = 1.0f / colibri_softmax_num_avx2(s + h * n, n);
         for (i = 0; i < R; i += 16)
