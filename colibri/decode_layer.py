@@ -29,7 +29,7 @@ import numpy as np
 
 from . import _kernels
 from .attention import Attention
-from .guards import NonFiniteError, layer_nan_stage
+from .guards import layer_nan_error, run_moe
 from .moe import DenseMLP, MoE
 from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
@@ -56,13 +56,7 @@ def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cach
         norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
         t0 = tm.add("attention", t0)
         if isinstance(layer.ffn, MoE):
-            try:
-                y, ids, wts, gate = layer.ffn(xf, tm, out=state.y)
-            except ValueError as e:
-                if "NaN" not in str(e):
-                    raise
-                raise NonFiniteError(f"NaN in the forward pass, from "
-                                     f"{layer_nan_stage(i, xa, o, xf)}") from None
+            y, ids, wts, gate = run_moe(i, layer.ffn, xf, tm, xa, o, out=state.y)
             if trace is not None:
                 trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, model.threads)
         else:
@@ -155,8 +149,7 @@ class CompiledLayers:
         for name, s in zip(_STAGES, b.seconds.tolist()):
             seconds[name] += s
         if bad >= 0:
-            raise NonFiniteError(f"NaN in the forward pass, from "
-                                 f"{layer_nan_stage(bad, state.xa, state.o, state.xf)}")
+            raise layer_nan_error(bad, state.xa, state.o, state.xf)
         return True
 
 

@@ -22,8 +22,8 @@ import numpy as np
 from .errors import ColibriError
 
 __all__ = ["MAX_POSITION", "NonFiniteError", "ForeignCacheError", "CacheBusyError",
-           "check_positions", "warn_past_context", "layer_nan_stage", "head_nan_stage",
-           "check_logits"]
+           "check_positions", "warn_past_context", "layer_nan_stage", "layer_nan_error",
+           "run_moe", "head_nan_stage", "check_logits"]
 
 # Largest RoPE position accepted: far beyond any context, and with room for counting on
 MAX_POSITION = 2**31 - 1
@@ -87,6 +87,25 @@ def layer_nan_stage(i: int, attn_in, attn_out, mlp_in) -> str:
                     f"the norm weights)")
         return f"layer {i}'s attention (its projections or scores)"
     return f"layer {i}'s MLP norm (on a finite residual stream)"
+
+
+def layer_nan_error(i: int, attn_in, attn_out, mlp_in) -> NonFiniteError:
+    """The error for a NaN met in layer i's router, naming where it came from
+    (layer_nan_stage)."""
+    return NonFiniteError(f"NaN in the forward pass, from "
+                          f"{layer_nan_stage(i, attn_in, attn_out, mlp_in)}")
+
+
+def run_moe(i: int, moe, x, timings, attn_in, attn_out, out=None):
+    """moe(x, timings, out=out) of layer i (a moe.MoE: -> (y, ids, weights, gate)); the
+    ValueError its router raises on NaN logits becomes layer_nan_error (attn_in / attn_out:
+    the layer's attention input and output, x the router's input)."""
+    try:
+        return moe(x, timings, out=out)
+    except ValueError as e:
+        if "NaN" not in str(e):
+            raise
+        raise layer_nan_error(i, attn_in, attn_out, x) from None
 
 
 def head_nan_stage(n_layers: int, residual, normed) -> str:

@@ -42,7 +42,7 @@ from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buf
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
 from .generate import generate
-from .guards import NonFiniteError, check_logits, layer_nan_stage, warn_past_context
+from .guards import check_logits, run_moe, warn_past_context
 from .inputs import check_inputs
 from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .mla import MLA, softmax_scale
@@ -507,13 +507,7 @@ class Model:
             x = self._norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps).reshape(B * S, D)  # (T, D)
             t0 = tm.add("attention", t0)
             if isinstance(layer.ffn, MoE):
-                try:
-                    y, ids, wts, gate = layer.ffn(x, tm)
-                except ValueError as e:
-                    if "NaN" not in str(e):
-                        raise
-                    raise NonFiniteError(f"NaN in the forward pass, from "
-                                         f"{layer_nan_stage(i, a, o, x)}") from None
+                y, ids, wts, gate = run_moe(i, layer.ffn, x, tm, a, o)
                 if trace is not None:
                     trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
             else:
