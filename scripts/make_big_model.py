@@ -150,11 +150,6 @@ class GGUFTensor:
     nbytes: int
 
 
-def gguf_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = math.prod(shape)
-    return n // 32 * 18 if dtype == "q4" else n * (2 if dtype == "bf16" else 4)
-
-
 def gguf_plan(cfg, specs: list[TensorSpec]) -> tuple[list[GGUFTensor], dict[str, tuple[int, int]]]:
     """The GGUF tensors (in order of first appearance in specs) and, per colibri tensor name,
     (index of its GGUF tensor, byte offset in it): experts are slices of their layer's
@@ -166,11 +161,13 @@ def gguf_plan(cfg, specs: list[TensorSpec]) -> tuple[list[GGUFTensor], dict[str,
     for s in specs:
         t = canon[s.name]
         name = gguf_tensor_name(t.kind, t.layer)
-        one = gguf_nbytes(s.dtype, s.shape)
+        # colibri's q4 with groups of 32 is Q4_0's 18 bytes per block, bf16 / f32 the same
+        one = dtypes.tensor_nbytes(s.dtype, s.shape, s.group_size)
         if name not in index:
             shape = (cfg.num_experts, *s.shape) if t.expert is not None else tuple(s.shape)
             index[name] = len(tensors)
-            tensors.append(GGUFTensor(name, shape, GGUF_TYPES[s.dtype], gguf_nbytes(s.dtype, shape)))
+            tensors.append(GGUFTensor(name, shape, GGUF_TYPES[s.dtype],
+                                      dtypes.tensor_nbytes(s.dtype, shape, s.group_size)))
         where[s.name] = (index[name], one * (t.expert or 0))
     return tensors, where
 
@@ -273,12 +270,13 @@ def write_gguf(out: Path, plan: Plan, specs: list[TensorSpec], rng: np.random.Ge
         finally:
             os.close(fd)
         reader = gguf.GGUFReader(tmp)                     # llama.cpp's reading of the offsets
+        read = {r.name: r for r in reader.tensors}
         for t, off in zip(tensors, offsets):
-            got = next(r for r in reader.tensors if r.name == t.name)
+            got = read[t.name]
             if got.data_offset != start + off or got.n_bytes != t.nbytes:
                 raise SystemExit(f"{tmp}: {t.name} read at {got.data_offset} ({got.n_bytes} B), "
                                  f"written at {start + off} ({t.nbytes} B)")
-        del reader
+        del reader, read
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -318,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     if as_gguf and args.group_size != 32:
         raise SystemExit("--group-size: a GGUF's Q4_0 has groups of 32")
     plan, specs = plan_tensors(hf_config, args.group_size)
-    total = sum(gguf_nbytes(s.dtype, s.shape) if as_gguf
-                else dtypes.tensor_nbytes(s.dtype, s.shape, s.group_size) for s in specs)
+    # the same in both formats (Q4_0 blocks are colibri's q4 rows of groups of 32, re-laid)
+    total = sum(dtypes.tensor_nbytes(s.dtype, s.shape, s.group_size) for s in specs)
     folder = out.parent if str(out.parent) else Path(".")
     free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
     if total > free:
@@ -332,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(s: TensorSpec) -> None:
         nonlocal done, next_report
-        done += gguf_nbytes(s.dtype, s.shape) if as_gguf else \
-            dtypes.tensor_nbytes(s.dtype, s.shape, s.group_size)
+        done += dtypes.tensor_nbytes(s.dtype, s.shape, s.group_size)
         if time.perf_counter() - t0 >= next_report:
             print(f"  {done / 1e9:6.2f} / {total / 1e9:.2f} GB, "
                   f"{done / 1e9 / max(1e-9, time.perf_counter() - t0):.2f} GB/s", flush=True)
