@@ -54,15 +54,15 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def _count_steps(m, monkeypatch) -> list:
-    """Record each call of the decode step (Model._step) in the returned list."""
-    taken, step = [], m._step
+def count_calls(m, method: str, monkeypatch) -> list:
+    """Record each call of m's method (e.g. "_step", the decode step) in the returned list."""
+    taken, real = [], getattr(m, method)
 
     def counted(*args):
         taken.append(1)
-        return step(*args)
+        return real(*args)
 
-    monkeypatch.setattr(m, "_step", counted)
+    monkeypatch.setattr(m, method, counted)
     return taken
 
 
@@ -86,7 +86,7 @@ def _decode(m, tokens, routing=False):
 def test_step_matches_a_prefill_of_the_same_tokens(model, monkeypatch):
     m = model
     tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
-    taken = _count_steps(m, monkeypatch)
+    taken = count_calls(m, "_step", monkeypatch)
     stepped, traces, cache = _decode(m, tokens, routing=True)
     assert len(taken) == STEPS and "decode" in cache.scratch
     full, full_trace = api.forward(m, tokens, return_routing=True)     # general path, no cache
@@ -110,7 +110,7 @@ def test_step_matches_a_batch_and_a_padded_sequence(model, monkeypatch):
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, m.vocab_size, size=PROMPT + STEPS)
     stepped = _decode(m, tokens)[0][PROMPT:]
-    taken = _count_steps(m, monkeypatch)
+    taken = count_calls(m, "_step", monkeypatch)
     other = rng.integers(3, m.vocab_size, size=PROMPT + STEPS)
     batch = m.new_cache(ctx=PROMPT + STEPS, batch=2)
     padded = m.new_cache(ctx=PROMPT + STEPS + 1)
@@ -136,7 +136,7 @@ def test_every_call_that_is_a_step_takes_it_with_the_same_bits(model, monkeypatc
     plain, other = m.new_cache(ctx=len(tokens)), m.new_cache(ctx=len(tokens))
     for c in (plain, other):
         api.forward(m, tokens[:PROMPT], cache=c)
-    taken = _count_steps(m, monkeypatch)
+    taken = count_calls(m, "_step", monkeypatch)
     variants = [
         lambda t, n: api.forward(m, np.array([[t]]), cache=other)[0],
         lambda t, n: api.forward(m, np.array([t]), cache=other, return_routing=True)[0],

@@ -30,6 +30,7 @@ from colibri.decode_layer import uncovered  # noqa: E402
 from colibri.guards import NonFiniteError  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
+from test_decode import count_calls  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -216,14 +217,8 @@ def test_two_caches_decoding_at_once(converted):
 # ---------------------------------------------------------------------------------------------
 
 def _python_steps(m, monkeypatch) -> list:
-    taken, layers = [], m._step_layers
-
-    def counted(*args):
-        taken.append(1)
-        return layers(*args)
-
-    monkeypatch.setattr(m, "_step_layers", counted)
-    return taken
+    """Record each decode step that runs the Python layer loop (Model._step_layers)."""
+    return count_calls(m, "_step_layers", monkeypatch)
 
 
 def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
