@@ -5,7 +5,7 @@ sections ``colibri/pyx/*.pxi``, over the C headers ``colibri/_simd.h`` and
 ``colibri/csrc/*.h`` (all listed as dependencies: editing any of them rebuilds).
 It is compiled for the baseline of the target architecture (no ``-march=native``:
 a wheel must run anywhere); the AVX2, AVX-512 and VNNI bodies (``csrc/avx2*.h``,
-``csrc/avx512.h``, ``csrc/vnni.h``) carry their own ``__attribute__((target(...)))`` and
+``csrc/avx512*.h``, ``csrc/vnni.h``) carry their own ``__attribute__((target(...)))`` and
 are chosen at run time.
 
 Environment switches:

@@ -322,16 +322,17 @@ def test_activations_argument_errors():
         _kernels.linear(x, w, None, np.empty((2, 8), F32), 0, 1, "int4")
 
 
-VNNI_ISAS = [name for name in ("avxvnni", "avx512vnni") if name in runtime.ISAS]
+WIDE_ISAS = [name for name in ("avx512", "avxvnni", "avx512vnni") if name in runtime.ISAS]
 
 
-@pytest.mark.parametrize("name", VNNI_ISAS)
+@pytest.mark.parametrize("name", WIDE_ISAS)
 @pytest.mark.parametrize("fmt", QFORMATS)
 @pytest.mark.parametrize("act, bits", ACTS)
-def test_vnni_paths_equal_avx2_bitwise(row_kernel, name, fmt, act, bits):
-    """The VNNI row-kernel bodies (vpdpbusd / vpdpwssd, csrc/vnni.h; the integer GEMM path
-    off) give the AVX2 bodies' bits: the same
-    exact integer block sums and the same float text. Every scale mode, partial last chunks,
+def test_wide_paths_equal_avx2_bitwise(row_kernel, name, fmt, act, bits):
+    """The row-kernel bodies past AVX2 (the integer GEMM path off) give the AVX2 bodies'
+    bits: the VNNI ones (vpdpbusd / vpdpwssd, csrc/vnni.h; 512-bit pair products on
+    avx512vnni) and avx512's 512-bit int16 body (csrc/avx512_int.h) compute the same
+    exact integer block sums in the same lanes and share the float text. Every scale mode, partial last chunks,
     odd block counts, 1..7 tokens; q8 with the extreme codes (-128 weights against -127 / 127
     activations, the largest vpmaddubsw pairs) and q4 with all-15 nibbles."""
     if name not in runtime.available_isas() or "avx2" not in runtime.available_isas():

@@ -9,6 +9,7 @@
 #include "avx2.h"
 #include "avx2_int.h"
 #include "avx512.h"
+#include "avx512_int.h"
 #include "vnni.h"
 #include "mxfp4.h"
 
@@ -191,8 +192,9 @@ static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t
 
 /* The quantized-activation row kernel of (isa, fmt, wide: int16 codes, else int8); NULL
  * unless fmt is q8 or q4. The avx512vnni and avxvnni paths run their VNNI bodies (vnni.h:
- * vpdpbusd / vpdpwssd, the same bits as AVX2); the avx512 path runs the AVX2 bodies (every
- * AVX-512 CPU has AVX2; an AVX-512 body without VNNI measured nothing to gain over them). */
+ * vpdpbusd / vpdpwssd, the same bits as AVX2); the avx512 path runs a 512-bit int16 body
+ * (avx512_int.h, the same bits) and the AVX2 int8 bodies (vpsignb, which the AVX2 q8 body
+ * needs, has no 512-bit form). */
 static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 {
     if (fmt == COLIBRI_MXFP4) return colibri_idot_mxfp4_for(isa, wide);
@@ -213,6 +215,8 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
     }
 #endif
 #if COLIBRI_X86
+    if (isa == COLIBRI_ISA_AVX512 && wide)
+        return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx512 : colibri_idot16_q4_avx512;
     if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;
