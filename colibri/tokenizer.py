@@ -266,6 +266,13 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self.hf.bos_token_id
 
+    @property
+    def adds_bos(self) -> bool:
+        """True when encode() puts the BOS token first (a vocabulary that uses one, as
+        llama.cpp's add_bos says it)."""
+        bos = self.bos_token_id
+        return bos is not None and self.encode("a", verbose=False)[:1] == [bos]
+
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab={self.vocab_size}, eos={self.eos_token_ids}, "
                 f"chat_template={'yes' if self.has_chat_template else 'no'})")

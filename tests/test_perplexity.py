@@ -3,6 +3,7 @@ colibri.forward logits, KL statistics against a base model, the command line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,6 +126,64 @@ def test_batch_and_text_input(model, files, ids):
     by_ids = perplexity(model, np.array(model.tokenizer.encode(TEXT)), ctx=16)
     np.testing.assert_array_equal(text.nll, by_ids.nll)
     assert text.n_tokens == len(model.tokenizer.encode(TEXT))
+
+
+# --------------------------------------------------------------------------------------------
+# BOS at the start of every window (llama-perplexity's add_bos)
+# --------------------------------------------------------------------------------------------
+
+SHIPPED = Path(colibri.__file__).parent / "models" / "tiny-moe.colibri"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped model: its tokenizer puts BOS (id 0) first, as a Llama-style one does."""
+    m = colibri.load(SHIPPED, threads=1, kv_dtype="f32")
+    yield m
+    m.close()
+
+
+def test_windows_start_with_bos_when_the_tokenizer_puts_one_first(shipped):
+    """Default scheme, text in: every window's first token is replaced by BOS (the others and
+    the scored positions as they are); the nll is the one computed here from forward on
+    those windows; --no-bos's windows are the stream as it is, and differ."""
+    ctx = 16
+    ids = np.array(shipped.tokenizer.encode(TEXT))
+    bos = shipped.tokenizer.bos_token_id
+    assert shipped.tokenizer.adds_bos and ids[0] == bos
+    res = perplexity(shipped, TEXT, ctx=ctx)
+    cut = perplexity(shipped, TEXT, ctx=ctx, bos=False)
+    assert res.bos == bos and cut.bos is None and res.windows == cut.windows
+    want = {True: [], False: []}
+    for c in range(len(ids) // ctx):
+        for put_bos in (True, False):
+            window = ids[c * ctx:(c + 1) * ctx].copy()
+            if put_bos:
+                window[0] = bos
+            lp = log_softmax(colibri.forward(shipped, window))
+            want[put_bos] += [-lp[pos - 1, window[pos]] for pos in range(ctx // 2 + 1, ctx)]
+    np.testing.assert_allclose(res.nll, want[True], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(cut.nll, want[False], rtol=1e-12, atol=0)
+    assert not np.array_equal(res.nll, cut.nll)       # windows after the first start with BOS
+    assert res.to_dict()["window_bos"] == bos and f"BOS ({bos})" in format_markdown(res)
+
+
+def test_window_bos_rule(shipped, model, bare, ids):
+    """No BOS by default with --stride or for a tokenizer that puts none first (the test
+    checkpoints' Qwen-style one); bos=True puts the tokenizer's BOS anyway; a model without
+    a BOS token refuses bos=True, naming the file."""
+    assert perplexity(shipped, TEXT, ctx=16, stride=8).bos is None
+    assert not model.tokenizer.adds_bos and model.tokenizer.bos_token_id is not None
+    assert perplexity(model, ids, ctx=16).bos is None
+    forced = perplexity(model, ids, ctx=16, bos=True)
+    by_hand = ids.copy()
+    by_hand[::16] = model.tokenizer.bos_token_id          # every window's first token
+    assert forced.bos == model.tokenizer.bos_token_id
+    np.testing.assert_array_equal(forced.nll, perplexity(model, by_hand, ctx=16).nll)
+    with colibri.load(bare, threads=1, kv_dtype="f32") as m:
+        with pytest.raises(ValueError, match=r"bos=True, but .*bare.colibri has no BOS token"):
+            perplexity(m, ids, ctx=16, bos=True)
+        assert perplexity(m, ids, ctx=16).bos is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,3 +325,21 @@ def test_cli_errors_are_one_line(files, bare, tmp_path, capsys, argv, match):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("colibri perplexity: error: "), err
     assert match in lines[0]
+
+
+def test_cli_bos_flags(shipped, capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    got = {}
+    for flag in ((), ("--no-bos",), ("--bos", "--stride", "8")):
+        code, out, _ = run(capsys, SHIPPED, "-f", text, "--ctx", 16, "-t", 1, "-o", "json",
+                           "--kv-dtype", "f32",
+                           *flag)
+        assert code == 0
+        got[flag] = json.loads(out)
+    assert got[()]["window_bos"] == shipped.tokenizer.bos_token_id
+    assert got[()]["ppl"] == pytest.approx(perplexity(shipped, TEXT, ctx=16).ppl, rel=1e-6)
+    assert got[("--no-bos",)]["window_bos"] is None
+    assert got[("--no-bos",)]["ppl"] == pytest.approx(
+        perplexity(shipped, TEXT, ctx=16, bos=False).ppl, rel=1e-6)
+    assert got[("--bos", "--stride", "8")]["window_bos"] == shipped.tokenizer.bos_token_id

@@ -41,6 +41,10 @@ def register(subparsers, parents=()) -> None:
                    help="base .colibri file with the same tokenizer: report KL(base ‖ model), "
                         "same-top-token rate, the perplexity ratio and, per MoE layer, how "
                         "often both route to the same experts (docs/fidelity.md)")
+    p.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="put the tokenizer's BOS first in every window (--bos) or cut the text "
+                        "as it is (--no-bos); default: as llama-perplexity does, BOS first "
+                        "when the tokenizer puts one first and --stride is not given")
     p.add_argument("-b", "--batch", type=int, default=1, metavar="B",
                    help="windows per forward pass (default: %(default)s)")
     add_threads_arg(p, "-t", "--threads")
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         res = perplexity(model, data, ctx=args.ctx, stride=args.stride, batch=args.batch,
                          base=args.kl_base, threads=args.threads, activations=args.activations,
-                         kv_dtype=args.kv_dtype, progress=progress if show else None)
+                         kv_dtype=args.kv_dtype, bos=args.bos,
+                         progress=progress if show else None)
     except ValueError as e:          # e.g. a text shorter than one window, stride >= ctx
         raise ColibriError(str(e)) from e
     if args.output == "json":

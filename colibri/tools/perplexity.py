@@ -10,12 +10,15 @@ are scored, so every scored token has context behind it:
 - default (llama.cpp's `llama-perplexity`): consecutive, non-overlapping windows of ctx tokens
   (a tail shorter than ctx is dropped); in each, the second half is scored: the logits at
   positions ctx/2 .. ctx-2 predict the tokens at ctx/2+1 .. ctx-1. Every scored token has at
-  least ctx/2 tokens of context. (llama-perplexity also puts a BOS at the start of every
-  window when the vocabulary uses one; colibri cuts the token stream as it is.)
+  least ctx/2 tokens of context. As llama-perplexity does, when the tokenizer puts a BOS
+  first (`bos=None`, the default) the first token of every window is replaced by BOS, so
+  each window starts as a tokenized text does (that position is never scored); `bos=False`
+  cuts the stream as it is.
 - stride S (transformers' sliding-window recipe, 1 <= S < ctx): windows start every S tokens;
   each scores the tokens no earlier window scored, so every token but the first is scored
   once, with at least ctx - S tokens of context (fewer in the first window). The last window
-  is moved back to end at the last token, so all windows hold ctx tokens.
+  is moved back to end at the last token, so all windows hold ctx tokens. The stream is cut
+  as it is (transformers' recipe) unless `bos=True`.
 
 Per scored token: nll = -log softmax(logits)[target] (float64). Perplexity = exp(mean nll),
 with the standard error exp(mean) * sd(nll) / sqrt(n), as llama-perplexity prints it.
@@ -48,8 +51,8 @@ from ..tokenizer import NoTokenizerError
 from .fidelity import RoutingFidelity, compare_routing, fidelity_rows
 from .trace import Trace
 
-__all__ = ["perplexity", "plan_windows", "PerplexityResult", "KLStats", "token_logprobs",
-           "check_same_vocabulary", "format_markdown", "MIN_CTX"]
+__all__ = ["perplexity", "plan_windows", "window_bos", "PerplexityResult", "KLStats",
+           "token_logprobs", "check_same_vocabulary", "format_markdown", "MIN_CTX"]
 
 MIN_CTX = 4
 QUANTILES = (0.90, 0.95, 0.99, 0.999)
@@ -157,6 +160,7 @@ class PerplexityResult:
     nll: np.ndarray = field(repr=False)
     kl: KLStats | None = None
     routing: RoutingFidelity | None = None      # with a base model that routes (MoE layers)
+    bos: int | None = None                      # the id put first in every window, if any
 
     @property
     def n_scored(self) -> int:
@@ -174,7 +178,7 @@ class PerplexityResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no per-token arrays)."""
         out = {"model": self.model, "n_tokens": self.n_tokens, "ctx": self.ctx,
-               "stride": self.stride, "n_windows": len(self.windows),
+               "stride": self.stride, "window_bos": self.bos, "n_windows": len(self.windows),
                "n_scored": self.n_scored, "ppl": self.ppl, "ppl_stderr": self.ppl_stderr,
                "nll_mean": float(self.nll.mean())}
         out["kl"] = self.kl.to_dict() if self.kl is not None else None
@@ -215,6 +219,21 @@ def check_same_vocabulary(model, base) -> None:
                            f"{what}")
 
 
+def window_bos(model, bos: bool | None, stride: int | None) -> int | None:
+    """The token id put first in every window, or None: bos True -> the tokenizer's BOS
+    (ValueError when the model has none), False -> None, None -> the BOS when the scheme is
+    llama-perplexity's (stride None) and the tokenizer puts a BOS first, else None."""
+    tok = model.tokenizer
+    if bos is None:
+        return tok.bos_token_id if stride is None and tok is not None and tok.adds_bos else None
+    if not bos:
+        return None
+    if tok is None or tok.bos_token_id is None:
+        raise ValueError(f"bos=True, but {model.file.path} has no BOS token "
+                         f"({'no tokenizer' if tok is None else 'its tokenizer names none'})")
+    return int(tok.bos_token_id)
+
+
 def _token_ids(model, data) -> np.ndarray:
     if isinstance(data, str):
         tok = model.tokenizer
@@ -243,7 +262,7 @@ def _token_ids(model, data) -> np.ndarray:
 def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None = None,
                stride: int | None = None, batch: int = 1, base=None,
                threads: int | None = None, activations: str = DEFAULT_ACTIVATIONS,
-               kv_dtype: str = DEFAULT_KV_DTYPE,
+               kv_dtype: str = DEFAULT_KV_DTYPE, bos: bool | None = None,
                progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` over `data`, and KL statistics against `base` when given.
 
@@ -258,6 +277,9 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
     ctx: window length (default: min(512, the model's context)); stride: None for
         llama-perplexity's scheme (second half of non-overlapping windows), or the step of
         sliding windows (module docstring). batch: windows per forward pass.
+    bos: put the tokenizer's BOS first in every window (True), cut the stream as it is
+        (False), or (None) do as llama-perplexity does: BOS first when the scheme is its own
+        and the tokenizer puts a BOS first. The result's `bos` says which id, if any.
     progress: called as progress(windows_done, windows_total) after each batch.
     Raises ValueError (numbers named) for bad ctx/stride/batch or a text shorter than ctx,
     ColibriError when base and model do not share the tokenizer.
@@ -275,6 +297,7 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
             raise ValueError(f"ctx {ctx} is longer than the model's context {limit}")
         ids = _token_ids(m, data)
         windows = plan_windows(ids.size, ctx, stride)
+        first_id = window_bos(m, bos, stride)
         nll: list[np.ndarray] = []
         kl: list[np.ndarray] = []
         same: list[np.ndarray] = []
@@ -284,6 +307,8 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
         for start in range(0, len(windows), batch):
             group = windows[start:start + batch]
             x = np.stack([ids[w:w + ctx] for w, _ in group])                       # (B, S)
+            if first_id is not None:
+                x[:, 0] = first_id                 # never a scored position (first >= 1)
             if routes:
                 logits, r_m = m.forward(x, _window_cache(m, x), return_routing=True)   # (B, S, V)
                 blogits, r_b = b.forward(x, _window_cache(b, x), return_routing=True)
@@ -305,7 +330,7 @@ def perplexity(model, data: str | Sequence[int] | np.ndarray, *, ctx: int | None
             if progress is not None:
                 progress(min(start + batch, len(windows)), len(windows))
         res = PerplexityResult(str(m.file.path), int(ids.size), ctx, stride, windows,
-                               np.concatenate(nll))
+                               np.concatenate(nll), bos=first_id)
         if b is not None:
             bn = np.concatenate(base_nll)
             ppl_base = float(math.exp(bn.mean()))
@@ -356,6 +381,8 @@ def format_markdown(res: PerplexityResult, source: str | None = None) -> str:
     """Perplexity table (model, and base when compared), then the KL table."""
     scheme = (f"second half of {len(res.windows)} windows of {res.ctx}" if res.stride is None
               else f"{len(res.windows)} windows of {res.ctx}, stride {res.stride}")
+    if res.bos is not None:
+        scheme += f", each starting with BOS ({res.bos})"
     lines = [f"{source or 'text'}: {res.n_tokens} tokens; scored {res.n_scored} ({scheme})", ""]
     rows = [[Path(res.model).name, f"{res.ppl:.4f} ± {res.ppl_stderr:.4f}",
              f"{float(res.nll.mean()):.4f}"]]
