@@ -135,7 +135,7 @@ class RoutingStats:
         T = len(trace)
         if T == 0:
             return self
-        M, E, K = len(self.layers), self.n_experts, self.top_k
+        M, E = len(self.layers), self.n_experts
         ids = trace.experts                                                   # (T, M, K)
         hot = np.zeros((T, M, E), bool)                                       # multi-hot S_t
         np.put_along_axis(hot, ids, True, axis=2)
