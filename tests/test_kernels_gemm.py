@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K
+from colibri import _kernels, dtypes, kernels as K, runtime
 from colibri import _reference as R
 from kernel_helpers import (
     F32, FORMATS, GEMM_MIN, THREADS, assert_dot_close, assert_ffn_close, ffn_dims, magnitude,
@@ -154,3 +154,41 @@ def test_gemm_expert_ffn_mixed_formats_and_groups(isa):
         y = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
         assert_ffn_close(y, R.expert_ffn_ref(x, ids, weights, wg, wu, wd), f"T={T}")
         assert np.array_equal(K.expert_ffn(x, ids, weights, wg, wu, wd, threads=1), y)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_avx512_equals_avx2_bitwise(fmt):
+    """The AVX-512 GEMM bodies (two rows per vector, the panel's row pairs interleaved) run
+    the AVX2 bodies' lanes: the same bits, for every shape of the reference test (odd row
+    counts leave a zero partner row), token counts from GEMM_MIN (below it the row kernels,
+    whose AVX-512 f32 bodies have 16 lanes) across the micro-kernel's 4-token blocks and the
+    64-token passes, and the expert FFN over the same path."""
+    if not {"avx2", "avx512"} <= set(runtime.available_isas()):
+        pytest.skip("this CPU/OS does not run the avx2 and avx512 paths")
+    rng = rng_for("gemm-avx512", fmt)
+    previous = runtime.get_isa()
+    try:
+        for Rr, C, G in gemm_shapes(fmt) + ([(1, 64, 32), (2, 1024, 64)]
+                                            if fmt in dtypes.QUANTIZED else [(1, 16, 0)]):
+            w, _ = make_weight(rng, (Rr, C), fmt, G)
+            x = rng.standard_normal((130, C)).astype(F32)
+            for T in [t for t in GEMM_TOKENS if t >= GEMM_MIN] + [GEMM_MIN + 3, 64, 65]:
+                got = {}
+                for name in ("avx2", "avx512"):
+                    runtime.set_isa(name)
+                    got[name] = K.linear(x[:T], w, threads=2)
+                assert np.array_equal(got["avx512"].view(np.uint32),
+                                      got["avx2"].view(np.uint32)), (Rr, C, G, T)
+        D, I, G = ffn_dims(fmt)
+        wg, wu, wd = make_experts(rng, 5, D, I, (fmt,) * 3, G)
+        T = 6 * GEMM_MIN + 1                      # every expert >= 2 GEMM_MIN tokens
+        x = rng.standard_normal((T, D)).astype(F32)
+        ids = np.stack([np.arange(T) % 2, 2 + np.arange(T) % 3], axis=1).astype(np.int32)
+        weights = rng.random((T, 2)).astype(F32)
+        got = {}
+        for name in ("avx2", "avx512"):
+            runtime.set_isa(name)
+            got[name] = K.expert_ffn(x, ids, weights, wg, wu, wd, threads=2)
+        assert np.array_equal(got["avx512"].view(np.uint32), got["avx2"].view(np.uint32))
+    finally:
+        runtime.set_isa(previous)

@@ -5,6 +5,7 @@
 
 #include "types.h"
 #include "avx2.h"
+#include "avx512.h"
 #include "mxfp4.h"
 
 /* ==========================================================================================
@@ -26,13 +27,15 @@
  *     lane j (j < 8) = sum over the columns c = j (mod 8), c < C8 = C - C % 8, in order
  *                      (a fused multiply-add in the AVX2 body; in the scalar body multiply
  *                      then add, unless the compiler contracts them for an FMA target)
- *     out = hsum(lanes) + w[c] x[c] for the < 8 leftover columns, in order (plain formats)
+ *     out = hsum(lanes), then fmaf(w[c], x[c], out) for the < 8 leftover columns, in
+ *           order (plain formats; fused on every path: a plain "+=" would be contracted
+ *           for some targets and not others)
  * so a result depends only on the row, the token and the path: not on the panel, the tile,
  * the token block or the number of tokens of the call. It does differ in the last bits from
  * the row kernel (another summation order).
  *
- * The AVX-512 path uses the AVX2 bodies (colibri_gemm_for): the development machine has no
- * AVX-512, so a 16-lane body would be untested code.
+ * The AVX-512 bodies (every AVX-512 path, VNNI or not) run the same lanes two rows per
+ * vector: the avx2 path's bits (see colibri_mk_avx512_body).
  */
 
 #define COLIBRI_GEMM_NR 24    /* rows per panel (8 micro-panels of MR) */
@@ -74,7 +77,7 @@ static inline float colibri_weight_elem(int fmt, const uint8_t *row, ptrdiff_t c
  * c0 + kc8 of rows < nr into panel[i * KC + c - c0]), then every token block (n tokens in
  * ceil(n / MT) blocks of near-equal size: block b is [b n / nb, (b + 1) n / nb)) against
  * every micro-panel of MR rows. Last: y = HSUM(lanes) + the leftover columns, in order. */
-#define COLIBRI_GEMM_DRIVER(FMT, DECODE, MK, HSUM)                                          \
+#define COLIBRI_GEMM_DRIVER(FMT, DECODE, MK, HSUM, MR)                                      \
     {                                                                                       \
         const ptrdiff_t C8 = cols & ~(ptrdiff_t)7, as = 8 * COLIBRI_GEMM_NR;                \
         const ptrdiff_t nb = (n + COLIBRI_GEMM_MT - 1) / COLIBRI_GEMM_MT;                   \
@@ -86,19 +89,19 @@ static inline float colibri_weight_elem(int fmt, const uint8_t *row, ptrdiff_t c
             DECODE;                                                                         \
             for (b = 0; b < nb; b++) {                                                      \
                 const ptrdiff_t t0 = b * n / nb, t1 = (b + 1) * n / nb;                     \
-                for (i = 0; i < nr; i += COLIBRI_GEMM_MR)                                   \
+                for (i = 0; i < nr; i += (MR))                                              \
                     MK(panel + i * COLIBRI_GEMM_KC, COLIBRI_GEMM_KC, kc8, x + t0 * xs + c0, \
                        xs, acc + t0 * as + 8 * i, as, (int)(t1 - t0),                       \
-                       nr - i < COLIBRI_GEMM_MR ? nr - i : COLIBRI_GEMM_MR, c0 == 0);       \
+                       nr - i < (MR) ? nr - i : (MR), c0 == 0);                             \
             }                                                                               \
             c0 += kc8;                                                                      \
         } while (c0 < C8);                                                                  \
         for (t = 0; t < n; t++)                                                             \
             for (i = 0; i < nr; i++) {                                                      \
                 float v = HSUM(acc + t * as + 8 * i);                                       \
-                for (c = C8; c < cols; c++)                                                 \
-                    v += colibri_weight_elem(FMT, row0 + i * rs, cols, group, c) *          \
-                         x[t * xs + c];                                                     \
+                for (c = C8; c < cols; c++)    /* fused, whatever the target contracts */  \
+                    v = fmaf(colibri_weight_elem(FMT, row0 + i * rs, cols, group, c),       \
+                             x[t * xs + c], v);                                             \
                 y[t * ys + i] = v;                                                          \
             }                                                                               \
     }
@@ -141,42 +144,49 @@ static inline float colibri_hsum8_scalar(const float *l)
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-#define COLIBRI_DEF_GEMM(NAME, FMT, ATTR, PANEL, MK, HSUM)                                  \
+/* MR: rows per micro-kernel pass (the driver's step over the panel). */
+#define COLIBRI_DEF_GEMM(NAME, FMT, ATTR, PANEL, MK, HSUM, MR)                              \
     ATTR void NAME(const uint8_t *row0, ptrdiff_t rs, int nr, ptrdiff_t cols,               \
                    ptrdiff_t group, const float *x, ptrdiff_t xs, ptrdiff_t n, float *y,    \
                    ptrdiff_t ys, float *scratch)                                            \
-    COLIBRI_GEMM_DRIVER(FMT, PANEL(FMT, row0, rs, nr, cols, group, c0, kc8, panel), MK, HSUM)
+    COLIBRI_GEMM_DRIVER(FMT, PANEL(FMT, row0, rs, nr, cols, group, c0, kc8, panel), MK, HSUM, \
+                        MR)
 
-COLIBRI_DEF_GEMM(colibri_gemm_f32_scalar, COLIBRI_F32, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
-COLIBRI_DEF_GEMM(colibri_gemm_f16_scalar, COLIBRI_F16, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
-COLIBRI_DEF_GEMM(colibri_gemm_bf16_scalar, COLIBRI_BF16, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
-COLIBRI_DEF_GEMM(colibri_gemm_q8_scalar, COLIBRI_Q8, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
-COLIBRI_DEF_GEMM(colibri_gemm_q4_scalar, COLIBRI_Q4, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
-COLIBRI_DEF_GEMM(colibri_gemm_mxfp4_scalar, COLIBRI_MXFP4, static, colibri_panel_scalar,
-                 colibri_mk_scalar, colibri_hsum8_scalar)
+#define COLIBRI_DEF_GEMM_SCALAR(NAME, FMT)                                                   \
+    COLIBRI_DEF_GEMM(NAME, FMT, static, colibri_panel_scalar, colibri_mk_scalar,             \
+                     colibri_hsum8_scalar, COLIBRI_GEMM_MR)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_f32_scalar, COLIBRI_F32)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_f16_scalar, COLIBRI_F16)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_bf16_scalar, COLIBRI_BF16)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_q8_scalar, COLIBRI_Q8)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_q4_scalar, COLIBRI_Q4)
+COLIBRI_DEF_GEMM_SCALAR(colibri_gemm_mxfp4_scalar, COLIBRI_MXFP4)
 
 #if COLIBRI_X86
 /* AVX2 bodies. Decode: per 32 columns of a quantized row, the codes as four vectors
  * (colibri_codes32_avx2), times the group's scale (q4: fma(q, s, -8 s), exact); plain rows
- * widened 8 columns at a time. c0 is a multiple of 32 (KC is), kc8 of 8. */
+ * widened 8 columns at a time. c0 is a multiple of 32 (KC is), kc8 of 8.
+ * PAIRED (compile-time; the AVX-512 bodies): rows 2p and 2p + 1 interleaved by runs of 8
+ * columns, [row 2p c..c+7 | row 2p+1 c..c+7] at panel + 2p KC + 2c, so that one 512-bit load
+ * holds both rows' 8 columns; an odd last row's partner is zeros. Else row i at panel + i KC. */
+#define COLIBRI_PANEL_POS(c) (PAIRED ? 2 * ((c) & ~(ptrdiff_t)7) + ((c) & 7) : (c))
 COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *row0,
                                                  ptrdiff_t rs, int nr, ptrdiff_t cols,
                                                  ptrdiff_t group, ptrdiff_t c0, ptrdiff_t kc8,
-                                                 float *panel)
+                                                 float *panel, const int PAIRED)
 {
     /* the scale of each 32-column block of the chunk, and -8 times it (q4) */
     float sb[COLIBRI_GEMM_KC / 32], ob[COLIBRI_GEMM_KC / 32];
     const ptrdiff_t nblk = kc8 / 32;
     int i;
     ptrdiff_t c, j;
+    if (PAIRED && (nr & 1))
+        for (c = 0; c < kc8; c += 8)
+            _mm256_store_ps(panel + (nr - 1) * COLIBRI_GEMM_KC + 8 + 2 * c, _mm256_setzero_ps());
     for (i = 0; i < nr; i++) {
         const uint8_t *row = row0 + i * rs;
-        float *out = panel + i * COLIBRI_GEMM_KC;
+        float *out = panel + (PAIRED ? (i >> 1) * 2 * COLIBRI_GEMM_KC + 8 * (i & 1)
+                                     : i * COLIBRI_GEMM_KC);
         if (fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4) {
             const uint8_t *sp = row + (fmt == COLIBRI_Q8 ? cols : cols / 2);
             const uint8_t *q = row + (fmt == COLIBRI_Q4 ? c0 / 2 : c0);
@@ -197,21 +207,23 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
                 left -= 32;
                 if (left == 0) { g++; left = group; }
             }
-            for (j = 0; j < nblk; j++, out += 32) {
+            for (j = 0; j < nblk; j++) {
                 const __m256 sv = _mm256_broadcast_ss(sb + j);
+                float *o = out + COLIBRI_PANEL_POS(32 * j);
+                const ptrdiff_t r8 = COLIBRI_PANEL_POS(8);          /* the next 8 columns */
                 colibri_codes32_avx2(fmt, q, w);
                 q += fmt == COLIBRI_Q4 ? 16 : 32;
                 if (fmt == COLIBRI_Q4) {
                     const __m256 ov = _mm256_broadcast_ss(ob + j);
-                    _mm256_store_ps(out, _mm256_fmadd_ps(w[0], sv, ov));
-                    _mm256_store_ps(out + 8, _mm256_fmadd_ps(w[1], sv, ov));
-                    _mm256_store_ps(out + 16, _mm256_fmadd_ps(w[2], sv, ov));
-                    _mm256_store_ps(out + 24, _mm256_fmadd_ps(w[3], sv, ov));
+                    _mm256_store_ps(o, _mm256_fmadd_ps(w[0], sv, ov));
+                    _mm256_store_ps(o + r8, _mm256_fmadd_ps(w[1], sv, ov));
+                    _mm256_store_ps(o + 2 * r8, _mm256_fmadd_ps(w[2], sv, ov));
+                    _mm256_store_ps(o + 3 * r8, _mm256_fmadd_ps(w[3], sv, ov));
                 } else {
-                    _mm256_store_ps(out, _mm256_mul_ps(w[0], sv));
-                    _mm256_store_ps(out + 8, _mm256_mul_ps(w[1], sv));
-                    _mm256_store_ps(out + 16, _mm256_mul_ps(w[2], sv));
-                    _mm256_store_ps(out + 24, _mm256_mul_ps(w[3], sv));
+                    _mm256_store_ps(o, _mm256_mul_ps(w[0], sv));
+                    _mm256_store_ps(o + r8, _mm256_mul_ps(w[1], sv));
+                    _mm256_store_ps(o + 2 * r8, _mm256_mul_ps(w[2], sv));
+                    _mm256_store_ps(o + 3 * r8, _mm256_mul_ps(w[3], sv));
                 }
             }
         } else if (fmt == COLIBRI_MXFP4) {
@@ -224,19 +236,20 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
             for (j = 0; j < nblk; j++, q += 16) {
                 const __m256 sv = _mm256_set1_ps(0.5f * colibri_e8m0_to_f32(sp[j]));
                 colibri_fp4x32_avx2(q, w);
-                _mm256_store_ps(out + 32 * j, _mm256_mul_ps(w[0], sv));
-                _mm256_store_ps(out + 32 * j + 8, _mm256_mul_ps(w[1], sv));
-                _mm256_store_ps(out + 32 * j + 16, _mm256_mul_ps(w[2], sv));
-                _mm256_store_ps(out + 32 * j + 24, _mm256_mul_ps(w[3], sv));
+                _mm256_store_ps(out + COLIBRI_PANEL_POS(32 * j), _mm256_mul_ps(w[0], sv));
+                _mm256_store_ps(out + COLIBRI_PANEL_POS(32 * j + 8), _mm256_mul_ps(w[1], sv));
+                _mm256_store_ps(out + COLIBRI_PANEL_POS(32 * j + 16), _mm256_mul_ps(w[2], sv));
+                _mm256_store_ps(out + COLIBRI_PANEL_POS(32 * j + 24), _mm256_mul_ps(w[3], sv));
             }
             for (c = 32 * nblk; c < kc8; c++)
-                out[c] = colibri_weight_elem(fmt, row, cols, group, c0 + c);
+                out[COLIBRI_PANEL_POS(c)] = colibri_weight_elem(fmt, row, cols, group, c0 + c);
         } else {
             for (c = 0; c < kc8; c += 8)
-                _mm256_store_ps(out + c, colibri_load8_avx2(fmt, row, c0 + c));
+                _mm256_store_ps(out + COLIBRI_PANEL_POS(c), colibri_load8_avx2(fmt, row, c0 + c));
         }
     }
 }
+#undef COLIBRI_PANEL_POS
 
 /* MT tokens x MR rows, 8 column lanes each; lanes read from acc first unless FIRST. Named
  * accumulators, not arrays: GCC 12 keeps an array of vectors in registers but also stores it
@@ -322,11 +335,11 @@ COLIBRI_AVX2_INLINE float colibri_hsum8_avx2(const float *l)
                                           int nr, ptrdiff_t cols, ptrdiff_t group,          \
                                           ptrdiff_t c0, ptrdiff_t kc8, float *panel)        \
     {                                                                                       \
-        colibri_panel_avx2_body(FMT, row0, rs, nr, cols, group, c0, kc8, panel);            \
+        colibri_panel_avx2_body(FMT, row0, rs, nr, cols, group, c0, kc8, panel, 0);         \
         (void)fmt;                                                                          \
     }                                                                                       \
     COLIBRI_DEF_GEMM(NAME, FMT, COLIBRI_AVX2_FN, NAME##_panel, colibri_mk_avx2,             \
-                     colibri_hsum8_avx2)
+                     colibri_hsum8_avx2, COLIBRI_GEMM_MR)
 
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_f32_avx2, COLIBRI_F32)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_f16_avx2, COLIBRI_F16)
@@ -334,10 +347,110 @@ COLIBRI_DEF_GEMM_AVX2(colibri_gemm_bf16_avx2, COLIBRI_BF16)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_q8_avx2, COLIBRI_Q8)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_q4_avx2, COLIBRI_Q4)
 COLIBRI_DEF_GEMM_AVX2(colibri_gemm_mxfp4_avx2, COLIBRI_MXFP4)
+
+/* AVX-512 bodies: the AVX2 arithmetic, two rows per vector. The panel is PAIRED (one 512-bit
+ * load = rows 2p and 2p + 1, 8 columns each); each token's 8 columns are broadcast to both
+ * halves; an accumulator holds the 8 lanes of two rows, i.e. acc + t as + 16 p, where the
+ * AVX2 body keeps one row's 8. Every lane sees the same fused multiply-adds in the same
+ * order as in the AVX2 body, and the same horizontal sum follows, so the results are the
+ * avx2 path's, bit for bit, at twice the multiply-adds per instruction: MT = 4 tokens x MR
+ * = 6 rows (3 pairs), 12 accumulators of 16 lanes; per 8 columns 3 weight loads, 4
+ * broadcasts, 12 FMAs. An odd last row's partner (zeros in the panel) accumulates into the
+ * lane slot of row nr, which the driver never reads (nr < NR then). */
+#define COLIBRI_GEMM_MR512 6
+#define COLIBRI_MK_TOKENS(X)                                                                 \
+    X(0, a00, a01, a02) X(1, a10, a11, a12) X(2, a20, a21, a22) X(3, a30, a31, a32)
+COLIBRI_AVX512_INLINE void colibri_mk_avx512_body(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
+                                                  const float *x, ptrdiff_t xs, float *acc,
+                                                  ptrdiff_t as, const int MT, const int NP,
+                                                  const int FIRST)
+{
+    const __m512 z = _mm512_setzero_ps();
+    __m512 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z,
+           a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z;
+    const float *w1p = w + 2 * ws, *w2p = w + 4 * ws;           /* pairs 1, 2 */
+    ptrdiff_t c;
+#define COLIBRI_MK_LOAD(T, A0, A1, A2)                                                       \
+    if (MT > T) {                                                                           \
+        A0 = _mm512_loadu_ps(acc + T * as);                                                 \
+        if (NP > 1) A1 = _mm512_loadu_ps(acc + T * as + 16);                                \
+        if (NP > 2) A2 = _mm512_loadu_ps(acc + T * as + 32);                                \
+    }
+#define COLIBRI_MK_FMA(T, A0, A1, A2)                                                        \
+    if (MT > T) {                                                                           \
+        const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + T * xs + c));          \
+        A0 = _mm512_fmadd_ps(w0, xv, A0);                                                   \
+        if (NP > 1) A1 = _mm512_fmadd_ps(w1, xv, A1);                                       \
+        if (NP > 2) A2 = _mm512_fmadd_ps(w2, xv, A2);                                       \
+    }
+#define COLIBRI_MK_STORE(T, A0, A1, A2)                                                      \
+    if (MT > T) {                                                                           \
+        _mm512_storeu_ps(acc + T * as, A0);                                                 \
+        if (NP > 1) _mm512_storeu_ps(acc + T * as + 16, A1);                                \
+        if (NP > 2) _mm512_storeu_ps(acc + T * as + 32, A2);                                \
+    }
+    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD) }
+#if defined(__clang__)
+#pragma unroll 2
+#elif defined(__GNUC__)
+#pragma GCC unroll 2
+#endif
+    for (c = 0; c < kc8; c += 8) {
+        w0 = _mm512_load_ps(w + 2 * c);
+        if (NP > 1) w1 = _mm512_load_ps(w1p + 2 * c);
+        if (NP > 2) w2 = _mm512_load_ps(w2p + 2 * c);
+        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA)
+    }
+    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE)
+#undef COLIBRI_MK_LOAD
+#undef COLIBRI_MK_FMA
+#undef COLIBRI_MK_STORE
+}
+#undef COLIBRI_MK_TOKENS
+
+COLIBRI_AVX512_FN void colibri_mk_avx512(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
+                                         const float *x, ptrdiff_t xs, float *acc,
+                                         ptrdiff_t as, int mt, int mr, int first)
+{
+    const int np = (mr + 1) / 2;                                 /* row pairs, 1..3 */
+#define COLIBRI_MK_CASE(MT, NP)                                                              \
+    if (first) colibri_mk_avx512_body(w, ws, kc8, x, xs, acc, as, MT, NP, 1);                \
+    else colibri_mk_avx512_body(w, ws, kc8, x, xs, acc, as, MT, NP, 0);                      \
+    return;
+#define COLIBRI_MK_ROWS(MT)                                                                  \
+    if (np == 3) { COLIBRI_MK_CASE(MT, 3) } else if (np == 2) { COLIBRI_MK_CASE(MT, 2) }    \
+    else { COLIBRI_MK_CASE(MT, 1) }
+    switch (mt) {
+    case 4: COLIBRI_MK_ROWS(4)
+    case 3: COLIBRI_MK_ROWS(3)
+    case 2: COLIBRI_MK_ROWS(2)
+    default: COLIBRI_MK_ROWS(1)
+    }
+#undef COLIBRI_MK_ROWS
+#undef COLIBRI_MK_CASE
+}
+
+#define COLIBRI_DEF_GEMM_AVX512(NAME, FMT)                                                   \
+    COLIBRI_AVX512_INLINE void NAME##_panel(const int fmt, const uint8_t *row0,             \
+                                            ptrdiff_t rs, int nr, ptrdiff_t cols,           \
+                                            ptrdiff_t group, ptrdiff_t c0, ptrdiff_t kc8,   \
+                                            float *panel)                                   \
+    {                                                                                       \
+        colibri_panel_avx2_body(FMT, row0, rs, nr, cols, group, c0, kc8, panel, 1);         \
+        (void)fmt;                                                                          \
+    }                                                                                       \
+    COLIBRI_DEF_GEMM(NAME, FMT, COLIBRI_AVX512_FN, NAME##_panel, colibri_mk_avx512,         \
+                     colibri_hsum8_avx2, COLIBRI_GEMM_MR512)
+
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_f32_avx512, COLIBRI_F32)
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_f16_avx512, COLIBRI_F16)
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_bf16_avx512, COLIBRI_BF16)
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_q8_avx512, COLIBRI_Q8)
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_q4_avx512, COLIBRI_Q4)
+COLIBRI_DEF_GEMM_AVX512(colibri_gemm_mxfp4_avx512, COLIBRI_MXFP4)
 #endif /* COLIBRI_X86 */
 
-/* The GEMM panel kernel of (isa, fmt); NULL for an unknown pair or a path not compiled in.
- * AVX-512 machines run the AVX2 bodies (see the section comment). */
+/* The GEMM panel kernel of (isa, fmt); NULL for an unknown pair or a path not compiled in. */
 static colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
 {
     static const colibri_gemm_fn scalar[COLIBRI_N_FMT] = {
@@ -348,12 +461,17 @@ static colibri_gemm_fn colibri_gemm_for(int isa, int fmt)
     static const colibri_gemm_fn avx2[COLIBRI_N_FMT] = {
         colibri_gemm_f32_avx2, colibri_gemm_f16_avx2, colibri_gemm_bf16_avx2,
         colibri_gemm_q8_avx2, colibri_gemm_q4_avx2, [COLIBRI_MXFP4] = colibri_gemm_mxfp4_avx2};
+    static const colibri_gemm_fn avx512[COLIBRI_N_FMT] = {
+        colibri_gemm_f32_avx512, colibri_gemm_f16_avx512, colibri_gemm_bf16_avx512,
+        colibri_gemm_q8_avx512, colibri_gemm_q4_avx512,
+        [COLIBRI_MXFP4] = colibri_gemm_mxfp4_avx512};
 #endif
     if (fmt < 0 || fmt >= COLIBRI_N_FMT) return NULL;
     isa = colibri_isa_base(isa);
     if (isa == COLIBRI_ISA_SCALAR) return scalar[fmt];
 #if COLIBRI_X86
-    if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) return avx2[fmt];
+    if (isa == COLIBRI_ISA_AVX2) return avx2[fmt];
+    if (isa == COLIBRI_ISA_AVX512) return avx512[fmt];
 #endif
     return NULL;
 }

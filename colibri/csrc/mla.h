@@ -65,7 +65,8 @@ COLIBRI_AVX2_INLINE void colibri_tmv_avx2_body(const int fmt, const uint8_t *row
         const ptrdiff_t kc8 = kc - kc % 8;
         for (i0 = 0; i0 < n; i0 += COLIBRI_GEMM_NR) {
             const int nr = n - i0 < COLIBRI_GEMM_NR ? (int)(n - i0) : COLIBRI_GEMM_NR;
-            colibri_panel_avx2_body(fmt, row0 + i0 * rs, rs, nr, cols, group, c0, kc8, panel);
+            colibri_panel_avx2_body(fmt, row0 + i0 * rs, rs, nr, cols, group, c0, kc8, panel,
+                                    0);
             for (i = 0; i < nr; i++) {
                 const __m256 qv = _mm256_set1_ps(q[i0 + i]);
                 const float *w = panel + i * COLIBRI_GEMM_KC;
