@@ -4,12 +4,13 @@ against the Python step it replaces (Model._step_layers, its specification).
 The compiled layers run the same C functions in the same order as the Python step, so a
 decode through them gives the same bits: logits and every cache plane, step after step
 (past a sliding window), for each family whose layers they cover (GQA attention with plain,
-biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows; routed experts
-under the softmax, top-k-softmax and sigmoid-group rules, shared experts gated or not, dense
-layers; Granite's multipliers),
-every weight format, activation setting, KV cache dtype, thread count and ISA path. What
-they do not cover takes the Python step: chosen when the model is built (MLA, attention
-sinks, biased experts, LayerNorm) or per step (routing traces, an experts_hook).
+biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows, attention
+sinks; DeepSeek's latent attention with and without a q LoRA; routed experts under the
+softmax, top-k-softmax, softmax-group and sigmoid-group rules, plain or biased swigluoai
+experts (GPT-OSS, q8 / q4 / bf16 / f32 and MXFP4 as released), shared experts gated or not,
+dense layers; Granite's multipliers), every weight format, activation setting, KV cache
+dtype, thread count and ISA path. What they do not cover takes the Python step: chosen when
+the model is built (LayerNorm) or per step (routing traces, an experts_hook).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from colibri.guards import NonFiniteError  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from test_decode import count_calls  # noqa: E402
+from test_family_gpt_oss import _mxfp4_checkpoint  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -57,6 +59,17 @@ CONFIGS = {
         **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         tie_word_embeddings=False, embedding_multiplier=3.0, attention_multiplier=0.1,
         residual_multiplier=0.5, logits_scaling=2.5, attention_bias=True),
+    # attention sinks, sliding (window 4) and full layers alternating, q/k/v/o biases, the
+    # router bias, top-k then softmax, biased swigluoai experts (a limit they reach), YaRN
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **dict(_SMALL, num_hidden_layers=3), head_dim=16, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0),
+    # MLA with a q LoRA, a dense first layer, 2 ungated shared experts, group-limited
+    # softmax routing with a scaling factor
+    "deepseek_v2": lambda: tiny_config("deepseek_v2", initializer_range=0.15),
+    # MLA with a plain q projection, sigmoid group routing with the correction bias,
+    # renormalised, a shared expert
+    "deepseek_v3": lambda: tiny_config("deepseek_v3", initializer_range=0.15),
 }
 FORMATS = {"f32": dict(dtype="f32"), "bf16": dict(dtype="bf16"),
            "q8": dict(dtype="f32", quant="q8", quantize="experts,shared,attn,head,dense"),
@@ -66,7 +79,8 @@ PROMPT, STEPS = 3, 9          # 12 tokens: past the window of 4 by far
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """converted(case, fmt) -> the path of that case's file in that format (made once)."""
+    """converted(case, fmt) -> the path of that case's file in that format (made once);
+    fmt "mxfp4" (gpt_oss): the experts as the released checkpoints store them."""
     made: dict = {}
 
     def get(case: str, fmt: str):
@@ -75,7 +89,11 @@ def converted(tmp_path_factory):
             hf = made.get(case) or make_checkpoint(d / "hf", CONFIGS[case]())
             made[case] = hf
             made[case, fmt] = d / f"{fmt}.colibri"
-            convert(hf, made[case, fmt], progress=False, **FORMATS[fmt])
+            if fmt == "mxfp4":
+                folders, _ = _mxfp4_checkpoint(type("Ref", (), {"path": hf}), d / "mx")
+                convert(folders["mxfp4"], made[case, fmt], progress=False, dtype="f32")
+            else:
+                convert(hf, made[case, fmt], progress=False, **FORMATS[fmt])
         return made[case, fmt]
 
     return get
@@ -103,8 +121,10 @@ def _lockstep(m, steps: int = STEPS, prompt: int = PROMPT, seed: int = 0):
     assert fast.length == slow.length == prompt + steps
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("case", list(CONFIGS))
+CASES = [(case, fmt) for case in CONFIGS for fmt in FORMATS] + [("gpt_oss", "mxfp4")]
+
+
+@pytest.mark.parametrize("case,fmt", CASES)
 def test_compiled_step_is_the_python_step(converted, case, fmt):
     """Every activation setting, cache dtype and thread count: the same bits."""
     path = converted(case, fmt)
@@ -118,22 +138,27 @@ def test_compiled_step_is_the_python_step(converted, case, fmt):
                     m.close()
 
 
+# the ISA runs: the cases with most of the arithmetic a path changes (q4 / q8 / MXFP4 rows
+# on every activation setting, shared-expert gates, MLA's transposed product, sinks)
+ISA_CASES = [(c, f) for c in ("qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+                              "gpt_oss") for f in ("q4", "q8")] + [("gpt_oss", "mxfp4")]
+
+
 @pytest.mark.parametrize("isa", runtime.available_isas())
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does), the compiled layers reloading their row
     kernels when the path changes under them."""
     previous = runtime.get_isa()
     try:
-        for case in ("qwen2_moe", "olmoe", "glm4_moe"):
-            for fmt in ("q4", "q8"):
-                for activations in ("f32", "int16", "int8"):
-                    m = api.load(converted(case, fmt), threads=2, activations=activations)
-                    try:
-                        runtime.set_isa(isa)
-                        _lockstep(m, steps=5)
-                    finally:
-                        runtime.set_isa(previous)
-                        m.close()
+        for case, fmt in ISA_CASES:
+            for activations in ("f32", "int16", "int8"):
+                m = api.load(converted(case, fmt), threads=2, activations=activations)
+                try:
+                    runtime.set_isa(isa)
+                    _lockstep(m, steps=5)
+                finally:
+                    runtime.set_isa(previous)
+                    m.close()
     finally:
         runtime.set_isa(previous)
 
@@ -263,10 +288,6 @@ def test_stage_timings_are_kept(converted):
 
 
 UNCOVERED = {
-    "gpt_oss": (lambda: transformers.GptOssConfig(
-        **_SMALL, head_dim=16, intermediate_size=32, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4), "attention sinks"),
-    "deepseek_v2": (lambda: tiny_config("deepseek_v2"), "multi-head latent attention"),
     "dbrx": (lambda: transformers.DbrxConfig(
         d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
         attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
@@ -331,28 +352,31 @@ def test_gate_sigmoid_is_numpys():
 _ENV_CHECK = """
 import sys, numpy as np, colibri.api as api
 from colibri import runtime
-assert runtime.get_isa() == sys.argv[2], runtime.get_isa()
-m = api.load(sys.argv[1], threads=2, activations="int16")
-assert m._compiled is not None
-tokens = np.arange(3, 15)
-fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
-for c in (fast, slow):
-    api.forward(m, tokens[:3], cache=c)
-compiled = m._compiled
-for t in tokens[3:]:
-    a = api.forward(m, np.array([t]), cache=fast)
-    m._compiled = None
-    b = api.forward(m, np.array([t]), cache=slow)
-    m._compiled = compiled
-    assert np.array_equal(a, b)
+assert runtime.get_isa() == sys.argv[1], runtime.get_isa()
+for path in sys.argv[2:]:
+    m = api.load(path, threads=2, activations="int16")
+    assert m._compiled is not None
+    tokens = np.arange(3, 15)
+    fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
+    for c in (fast, slow):
+        api.forward(m, tokens[:3], cache=c)
+    compiled = m._compiled
+    for t in tokens[3:]:
+        a = api.forward(m, np.array([t]), cache=fast)
+        m._compiled = None
+        b = api.forward(m, np.array([t]), cache=slow)
+        m._compiled = compiled
+        assert np.array_equal(a, b), path
 print("same")
 """
 
 
-@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx2") if i in runtime.available_isas()])
+@pytest.mark.parametrize("isa", runtime.available_isas())
 def test_colibri_isa_forced_in_the_environment(converted, isa):
     """COLIBRI_ISA set before the import: the compiled layers on that path, the same bits."""
-    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, str(converted("olmoe", "q4")), isa],
+    files = [str(converted(*c)) for c in (("olmoe", "q4"), ("deepseek_v2", "q4"),
+                                          ("gpt_oss", "mxfp4"))]
+    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, isa, *files],
                          env={**os.environ, "COLIBRI_ISA": isa}, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr
