@@ -206,11 +206,12 @@ def test_a_copied_or_rewound_cache(converted):
         m.close()
 
 
-def test_two_caches_decoding_at_once(converted):
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_two_caches_decoding_at_once(converted, case):
     """Two Python threads, each decoding its own cache through the compiled layers (the GIL
-    released for the whole step, each binding with its own scratch): the bits of decoding
-    them one after the other."""
-    m = api.load(converted("qwen2_moe", "q4"), threads=2)
+    released for the whole step, each binding with its own scratch, MLA's vectors too): the
+    bits of decoding them one after the other."""
+    m = api.load(converted(case, "q4"), threads=2)
     try:
         rng = np.random.default_rng(5)
         prompts = [rng.integers(3, m.vocab_size, size=12) for _ in range(2)]
@@ -273,8 +274,9 @@ def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
         m.close()
 
 
-def test_stage_timings_are_kept(converted):
-    m = api.load(converted("qwen2_moe", "q4"), threads=1)
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2"])
+def test_stage_timings_are_kept(converted, case):
+    m = api.load(converted(case, "q4"), threads=1)
     try:
         c = m.new_cache(ctx=8)
         api.forward(m, np.array([5, 6]), cache=c)
@@ -283,6 +285,43 @@ def test_stage_timings_are_kept(converted):
         s = m.timings.seconds
         assert all(s[k] > 0 for k in ("attention", "router", "experts", "shared", "dense",
                                       "head"))
+    finally:
+        m.close()
+
+
+def test_uncovered_names_the_layer_and_the_reason(converted):
+    """What the compiled step leaves to the Python one, per layer: biased experts over an
+    expert cache's slots, more experts per token than the call takes, another activation;
+    an MLA projection that is not a linear over the file."""
+    m = api.load(converted("gpt_oss", "q4"), threads=1)
+    try:
+        assert uncovered(m) is None
+        moe = m.layers[1].ffn
+        be = moe.biased_experts
+        for field, value, reason in (
+                ("n_experts", 4, "layer 1: biased experts over an expert cache's slots"),
+                ("activation", "gelu", "layer 1: the expert activation 'gelu'")):
+            before = getattr(be, field)
+            setattr(be, field, value)
+            try:
+                assert uncovered(m) == reason
+            finally:
+                setattr(be, field, before)
+        k = moe.top_k
+        moe.top_k = _kernels.BIASED_TOP_K_MAX + 1
+        try:
+            assert uncovered(m) == f"layer 1: {moe.top_k} biased experts per token"
+        finally:
+            moe.top_k = k
+    finally:
+        m.close()
+    m = api.load(converted("deepseek_v3", "q4"), threads=1)
+    try:
+        assert uncovered(m) is None
+        attn = m.layers[2].attn
+        wkv_a = attn.wkv_a
+        attn.wkv_a = lambda x, out=None: wkv_a(x, out)
+        assert uncovered(m) == "layer 2: MLA's wkv_a is not a linear over the file"
     finally:
         m.close()
 
