@@ -15,12 +15,13 @@ Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf d
 it in the last bit for ~40 % of arguments). DeepSeek's latent attention (MLA.decode: the q
 projection or q LoRA, kv_a, the latent norms, RoPE, the absorbed attention of
 kernels.prepare_mla_absorbed) and GPT-OSS's attention sinks and biased swigluoai experts
-(kernels.prepare_biased_experts' one-token call) are compiled the same way
+(kernels.prepare_biased_experts' one-token call) are compiled the same way, and PhiMoE's and
+DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
 (pyx/decode_families.pxi).
 
 What the compiled layers do not do, python_layers does (the fallback), chosen when the
-model is built (`uncovered`: the reason, or None): LayerNorm models, q / k / v that are not
-one fused projection, an expert activation other than silu / swigluoai, a shared-expert gate
+model is built (`uncovered`: the reason, or None): a norm other than RMSNorm / LayerNorm,
+q / k / v that are not one fused projection, an expert activation other than silu / swigluoai, a shared-expert gate
 where NumPy's exp loop is not found; or per step (two cheap checks, no exception handling): a
 step that records its routing (return_routing), a model whose MoE layers have an
 experts_hook (an expert cache, the residency telemetry).
@@ -86,7 +87,7 @@ def _linear_of(p) -> tuple[WeightRef, np.ndarray | None] | None:
 def uncovered(model) -> str | None:
     """Why the compiled step cannot run `model`'s layers, or None when it can."""
     c = model.config
-    if c.norm != "rms_norm":
+    if c.norm not in ("rms_norm", "layer_norm"):
         return f"{c.norm} norms"
     kind = MLA if c.is_mla else Attention
     scales = {np.float32(layer.attn.scale) for layer in model.layers
@@ -122,8 +123,9 @@ def uncovered(model) -> str | None:
 def _spec(layer) -> dict:
     """One layer's weights and settings, as DecodeLayers reads them."""
     a, f = layer.attn, layer.ffn
-    spec = dict(attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm, wo=a.wo.w,
-                wo_bias=a.wo.b, gate=f.w_gate, up=f.w_up, down=f.w_down,
+    spec = dict(attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm,
+                attn_norm_bias=layer.attn_norm_bias, ffn_norm_bias=layer.ffn_norm_bias,
+                wo=a.wo.w, wo_bias=a.wo.b, gate=f.w_gate, up=f.w_up, down=f.w_down,
                 moe=isinstance(f, MoE), mla=isinstance(a, MLA))
     if isinstance(a, MLA):
         for name in _MLA_PROJECTIONS[:4]:
@@ -174,7 +176,8 @@ class CompiledLayers:
             [_spec(layer) for layer in model.layers], c.hidden_size, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim, len(model.rope.cos_sin_one(0)[0]),
             float(np.float32(c.rms_norm_eps)), float(scale),
-            None if rm is None else float(rm), model.threads, model.activations, mla)
+            None if rm is None else float(rm), model.threads, model.activations, mla,
+            c.norm == "layer_norm")
 
     def _binding(self, state: RunState, cache) -> _kernels.DecodeBinding:
         """The cache's binding to these layers and its RunState (made on first use)."""

@@ -8,9 +8,10 @@ biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows, att
 sinks; DeepSeek's latent attention with and without a q LoRA; routed experts under the
 softmax, top-k-softmax, softmax-group and sigmoid-group rules, plain or biased swigluoai
 experts (GPT-OSS, q8 / q4 / bf16 / f32 and MXFP4 as released), shared experts gated or not,
-dense layers; Granite's multipliers), every weight format, activation setting, KV cache
-dtype, thread count and ISA path. What they do not cover takes the Python step: chosen when
-the model is built (LayerNorm) or per step (routing traces, an experts_hook).
+dense layers; Granite's multipliers; PhiMoE's and DBRX's LayerNorm), every weight format,
+activation setting, KV cache dtype, thread count and ISA path. What they do not cover takes
+the Python step: chosen when the model is built (uncovered: e.g. unfused q / k / v) or per
+step (routing traces, an experts_hook).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ transformers = pytest.importorskip("transformers")
 import colibri.api as api  # noqa: E402
 from colibri import _kernels, runtime  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.decode_layer import uncovered  # noqa: E402
+from colibri.decode_layer import compile_layers, uncovered  # noqa: E402
 from colibri.guards import NonFiniteError  # noqa: E402
+from colibri.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from test_decode import count_calls  # noqa: E402
@@ -70,6 +72,15 @@ CONFIGS = {
     # MLA with a plain q projection, sigmoid group routing with the correction bias,
     # renormalised, a shared expert
     "deepseek_v3": lambda: tiny_config("deepseek_v3", initializer_range=0.15),
+    # LayerNorm without biases, clip_qkv, the fused Wqkv
+    "dbrx": lambda: transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # LayerNorm with biases, q/k/v/o biases, sparsemixer routing
+    "phimoe": lambda: transformers.PhimoeConfig(
+        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
 }
 FORMATS = {"f32": dict(dtype="f32"), "bf16": dict(dtype="bf16"),
            "q8": dict(dtype="f32", quant="q8", quantize="experts,shared,attn,head,dense"),
@@ -141,7 +152,8 @@ def test_compiled_step_is_the_python_step(converted, case, fmt):
 # the ISA runs: the cases with most of the arithmetic a path changes (q4 / q8 / MXFP4 rows
 # on every activation setting, shared-expert gates, MLA's transposed product, sinks)
 ISA_CASES = [(c, f) for c in ("qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-                              "gpt_oss") for f in ("q4", "q8")] + [("gpt_oss", "mxfp4")]
+                              "gpt_oss") for f in ("q4", "q8")] + [("gpt_oss", "mxfp4"),
+                                                                   ("phimoe", "q4")]
 
 
 @pytest.mark.parametrize("isa", runtime.available_isas())
@@ -326,27 +338,16 @@ def test_uncovered_names_the_layer_and_the_reason(converted):
         m.close()
 
 
-UNCOVERED = {
-    "dbrx": (lambda: transformers.DbrxConfig(
-        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
-        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
-        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
-        initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        "layer_norm norms"),
-    "phimoe": (lambda: transformers.PhimoeConfig(
-        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
-        "layer_norm norms"),
-}
-
-
-@pytest.mark.parametrize("case", list(UNCOVERED))
-def test_uncovered_models_take_the_python_step(case, tmp_path, monkeypatch):
-    config, reason = UNCOVERED[case]
-    hf = make_checkpoint(tmp_path / "hf", config())
-    convert(hf, tmp_path / "m.colibri", progress=False)
-    m = api.load(tmp_path / "m.colibri", threads=1)
+def test_a_model_the_compiled_step_does_not_cover_takes_the_python_step(converted,
+                                                                         monkeypatch):
+    """q, k and v not one fused projection: uncovered says so for that layer, the model gets
+    no compiled layers, and its decode steps take the Python loop."""
+    m = api.load(converted("mixtral", "q4"), threads=1)
     try:
-        assert m._compiled is None and reason in uncovered(m)
+        m.layers[1].attn.wqkv = None
+        assert uncovered(m) == "layer 1: q, k and v are not one fused projection"
+        m._compiled = compile_layers(m)
+        assert m._compiled is None
         taken = _python_steps(m, monkeypatch)
         c = m.new_cache(ctx=8)
         api.forward(m, np.array([5, 6]), cache=c)
@@ -354,6 +355,22 @@ def test_uncovered_models_take_the_python_step(case, tmp_path, monkeypatch):
         assert taken == [1]
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 64, 127, 128, 129, 300, 1000, 2880, 4096, 6144])
+def test_layer_norm_rows_are_numpys(n):
+    """The compiled step's LayerNorm (PhiMoE, DBRX): norms.layer_norm's bits, with and
+    without a bias, over row lengths on each side of NumPy's pairwise blocks."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((3, n)) * np.float32([[1.0], [40.0], [1e-3]]) + 0.5
+         ).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    for bias in (None, b):
+        want = layer_norm(x, w, bias, np.float32(1e-5))
+        got = np.empty_like(x)
+        _kernels.layer_norm_rows(x, w, bias, np.float32(1e-5), got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_nan_router_logits_name_the_layer_as_the_python_step(converted):

@@ -1,5 +1,7 @@
-# colibri/pyx/decode_families.pxi: what DeepSeek's and GPT-OSS's layers add to the compiled
-# decode step (decode_layer.pxi), as nogil calls on the step's scratch:
+# colibri/pyx/decode_families.pxi: what DeepSeek's, GPT-OSS's and the LayerNorm families'
+# layers add to the compiled decode step (decode_layer.pxi), as nogil calls on its scratch:
+#   - _norm_row: the model's norm of a row, RMSNorm or LayerNorm (PhiMoE, DBRX:
+#     norms.layer_norm's operations in NumPy's summation order, csrc/decode_layer.h);
 #   - _mla_attention: MLA.decode (colibri/mla.py) — the q projection (or q LoRA: wq_a, its
 #     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
 #     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
@@ -9,6 +11,10 @@
 # The same C functions in the same order as the Python step, so the same bits.
 
 from libc.string cimport memcpy
+
+cdef extern from "csrc/decode_layer.h" nogil:
+    void colibri_layer_norm_row(const float *x, Py_ssize_t n, const float *weight,
+                                const float *bias, float eps, float *out)
 
 BIASED_TOP_K_MAX = BIASED_MAX_K     # the experts per token _biased_token takes
 
@@ -172,3 +178,33 @@ cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBias
         _group_sums_serial(j.h, K, I, d.group, <float *>j.xsd)
     j.tr_dn = _tile_rows(D, d.row_stride, nth, 1, True)
     colibri_pool_run(nth, _biased_down_task, &j, (D + j.tr_dn - 1) // j.tr_dn)
+
+
+cdef inline void _norm_row(bint layer_norm, const float *x, Py_ssize_t n, const float *w,
+                           const float *bias, float eps, float *out) noexcept nogil:
+    """The model's norm of one row x (n,) into out: Model._norm_rows_into's, the same bits."""
+    if layer_norm:
+        colibri_layer_norm_row(x, n, w, bias, eps, out)
+    else:
+        colibri_rms_norm_rows(x, n, 1, n, w, eps, out, n)
+
+
+def layer_norm_rows(x, weight, bias, float eps, out):
+    """LayerNorm of the rows of x (N, C) into out (N, C) as the compiled decode step computes
+    it (norms.layer_norm's operations and summation order, the same bits); weight (C,), bias
+    (C,) or None; all float32 C-contiguous."""
+    cdef Py_ssize_t xd[2]
+    cdef Py_ssize_t od[2]
+    cdef Py_ssize_t wd[1]
+    cdef Py_ssize_t bd[1]
+    cdef const float *xp = _f32(x, "x", 2, False, xd)
+    cdef float *op = _f32(out, "out", 2, True, od)
+    cdef const float *wp = _f32(weight, "weight", 1, False, wd)
+    cdef const float *bp = NULL if bias is None else _f32(bias, "bias", 1, False, bd)
+    cdef Py_ssize_t i
+    if od[0] != xd[0] or od[1] != xd[1] or wd[0] != xd[1] or (bias is not None
+                                                             and bd[0] != xd[1]):
+        raise ValueError(f"layer_norm_rows: x ({xd[0]}, {xd[1]}), weight ({wd[0]},), out "
+                         f"({od[0]}, {od[1]}) and bias must agree")
+    for i in range(xd[0]):
+        colibri_layer_norm_row(xp + i * xd[1], xd[1], wp, bp, eps, op + i * xd[1])

@@ -55,6 +55,8 @@ ctypedef struct DLayer:
     Wmat sg, su, sd, sgate          # the shared expert (Is, D) x 2, (D, Is); its gate (1, D)
     const float *attn_norm
     const float *ffn_norm
+    const float *attn_norm_bias     # LayerNorm biases or NULL
+    const float *ffn_norm_bias
     const float *qkv_bias           # NULL: none (likewise below)
     const float *wo_bias
     const float *router_bias
@@ -80,7 +82,7 @@ ctypedef struct DModel:
     DLayer *layers
     Py_ssize_t n_layers, D, H, Hkv, Dh, h_rope, nq, nk, E_max, K_max
     float eps, scale, rmult
-    bint has_rmult
+    bint has_rmult, layer_norm      # LayerNorm (PhiMoE, DBRX), else RMSNorm
     int threads
     # the cache planes: kvh heads of kw (keys) and vw (values) floats per position; MLA: one
     # "head", the latent (Rkv) and the rotary key (Dr)
@@ -112,8 +114,8 @@ cdef class DecodeLayers:
     n_heads, n_kv_heads, head_dim, rope_pairs, eps, scale, residual_mult, threads,
     activations, mla=None)`, specs a list of one dict per layer (colibri.decode_layer builds
     them: WeightRefs and float32 vectors, checked here once); mla: (nope_dim, rope_dim, v_dim,
-    kv_rank, q_rank, latent_eps) for latent attention (scale then its softmax scale). Bind it
-    to a cache with DecodeBinding."""
+    kv_rank, q_rank, latent_eps) for latent attention (scale then its softmax scale);
+    layer_norm: LayerNorm instead of RMSNorm. Bind it to a cache with DecodeBinding."""
     cdef DModel m
     cdef int act, isa
     cdef list specs, keep
@@ -130,12 +132,13 @@ cdef class DecodeLayers:
 
     def __init__(self, list specs, Py_ssize_t hidden, Py_ssize_t n_heads,
                  Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t rope_pairs, float eps,
-                 float scale, residual_mult, int threads, activations, mla=None):
+                 float scale, residual_mult, int threads, activations, mla=None,
+                 bint layer_norm=False):
         _check_threads(threads)
         if n_kv_heads < 1 or n_heads % n_kv_heads or head_dim < 1 or 2 * rope_pairs > head_dim:
             raise ValueError(f"DecodeLayers: {n_heads} heads over {n_kv_heads} kv heads of "
                              f"{head_dim} with {rope_pairs} rotary pairs")
-        self.m.mla = mla is not None
+        self.m.mla, self.m.layer_norm = mla is not None, layer_norm
         self.m.kvh, self.m.kw, self.m.vw = n_kv_heads, head_dim, head_dim
         self.m.Dn = self.m.Dr = self.m.Dv = self.m.R = self.m.Rq = 0
         self.m.latent_eps = 0.0
@@ -190,6 +193,8 @@ cdef class DecodeLayers:
             s, L = self.specs[i], &self.m.layers[i]
             self._vec(s, "attn_norm", D, i, &L.attn_norm)
             self._vec(s, "ffn_norm", D, i, &L.ffn_norm)
+            self._vec(s, "attn_norm_bias", D, i, &L.attn_norm_bias)
+            self._vec(s, "ffn_norm_bias", D, i, &L.ffn_norm_bias)
             if L.attn_norm == NULL or L.ffn_norm == NULL:
                 raise ValueError(f"DecodeLayers: layer {i} needs attn_norm and ffn_norm")
             L.mla = s.get("mla", False)
@@ -519,7 +524,7 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const f
     for i in range(m.n_layers):
         ly = &m.layers[i]
         # attention: norm, q|k|v, q/k norms, clip, RoPE, cache write + attention, wo
-        colibri_rms_norm_rows(b.h, D, 1, D, ly.attn_norm, m.eps, b.xa, D)
+        _norm_row(m.layer_norm, b.h, D, ly.attn_norm, ly.attn_norm_bias, m.eps, b.xa)
         if ly.mla:                  # or the latent attention (decode_families.pxi)
             _mla_attention(&ly.a, &b.mb, b.xa, b.fmt, b.kp[i], b.vp[i], S, slot, H, m.Dn,
                            m.Dr, m.Dv, m.Rq, m.latent_eps, m.scale, cos, sin, th, work)
@@ -529,7 +534,7 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const f
         if m.has_rmult:
             colibri_scale_into(b.o, m.rmult, D)
         colibri_add_into(b.h, b.o, D)
-        colibri_rms_norm_rows(b.h, D, 1, D, ly.ffn_norm, m.eps, b.xf, D)
+        _norm_row(m.layer_norm, b.h, D, ly.ffn_norm, ly.ffn_norm_bias, m.eps, b.xf)
         t1 = colibri_stage_clock()
         b.sec[STAGE_ATTENTION] += t1 - t0
         t0 = t1
