@@ -68,6 +68,7 @@ Sections, in colibri/pyx/, included in this order:
   biased_experts.pxi   PreparedBiasedExperts: one token's biased / swigluoai experts (GPT-OSS)
   decode_families.pxi  the compiled decode step's MLA attention and biased experts (nogil)
   decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
+  decode_step.pxi      that call's sequence of kernels, layer by layer
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
@@ -94,3 +95,4 @@ include "pyx/mla.pxi"
 include "pyx/biased_experts.pxi"
 include "pyx/decode_families.pxi"
 include "pyx/decode_layer.pxi"
+include "pyx/decode_step.pxi"
