@@ -16,8 +16,8 @@ the page cache's size otherwise reads part of its weights from disk on either pa
 but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
 layers, 8 experts top-2), olmoe-16L's (16 layers, 64 experts top-8, full q/k norms),
 gpt-oss-20b-8L's (8 layers, 32 experts top-4, sinks, alternating windows, biased swigluoai
-experts) and deepseek-v2-lite-8L's (8 layers, MLA, a dense first layer, 64 experts top-6,
-2 shared).
+experts), deepseek-v2-lite-8L's (8 layers, MLA, a dense first layer, 64 experts top-6,
+2 shared) and an 8-layer PhiMoE (LayerNorm with biases, 16 experts top-2, sparsemixer).
 Their kernels take next to no time, so the time saved per step is what the Python between
 the kernels costs when the interpreter's code and data are in cache (a real model's weight
 streaming evicts them, so there it costs more).
@@ -192,6 +192,9 @@ def tiny_models(folder: Path) -> list[str]:
             moe_intermediate_size=32, n_routed_experts=64, num_experts_per_tok=6,
             n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
             qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+        "tiny-phimoe-8L": transformers.PhimoeConfig(
+            **common, num_hidden_layers=8, intermediate_size=64, num_local_experts=16,
+            num_experts_per_tok=2),
     }
     paths = []
     for name, config in configs.items():
