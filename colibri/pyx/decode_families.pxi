@@ -93,12 +93,12 @@ cdef Py_ssize_t _mla_work_bytes(const DMla *a, Py_ssize_t H, Py_ssize_t Dn, Py_s
 
 
 cdef void _mla_attention(const DMla *a, const DMlaBuf *mb, const float *x, int fmt,
-                         char *lat, char *rot, Py_ssize_t S, Py_ssize_t slot, Py_ssize_t H,
+                         char *lat, char *rot, Py_ssize_t slot, Py_ssize_t H,
                          Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv, Py_ssize_t Rq,
                          float latent_eps, float scale, const float *cos, const float *sin,
                          int threads, char *work) noexcept nogil:
     """MLA.decode up to its output projection: x (D,) normed -> mb.o (H*Dv), the latent and
-    rotated key written to slot `slot` of the planes lat (S, Rkv) / rot (S, Dr)."""
+    rotated key written to slot `slot` of sequence 0's planes lat (S, Rkv) / rot (S, Dr)."""
     cdef Py_ssize_t R = a.kvb.cols, qs = Dn + Dr, h
     cdef Py_ssize_t hr = Dr // 2
     if Rq > 0:                                        # q LoRA: wq_b(RMSNorm(wq_a(x)))

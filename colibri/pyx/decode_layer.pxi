@@ -186,7 +186,7 @@ cdef class DecodeLayers:
     def _load(self):
         """Check every layer's weights and fill the table for the current ISA."""
         cdef DLayer *L
-        cdef Py_ssize_t D = self.m.D, i, E, I, Is, nq = self.m.nq, nk = self.m.nk
+        cdef Py_ssize_t D = self.m.D, i, E, I, Is
         self.keep = []
         self.m.E_max, self.m.K_max = 1, 1
         for i in range(self.m.n_layers):

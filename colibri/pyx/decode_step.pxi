@@ -9,7 +9,7 @@
 cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const float *cos,
                              const float *sin, char *cur) noexcept nogil:
     """Every layer for one token (see DecodeBinding.step); -1 or the layer of NaN logits."""
-    cdef Py_ssize_t D = m.D, H = m.H, i, j, e, S = b.S
+    cdef Py_ssize_t D = m.D, H = m.H, i, j, e
     cdef int th = m.threads
     cdef const DLayer *ly
     cdef float *logits = <float *>_carve(&cur, 4 * m.E_max)
@@ -38,8 +38,8 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const f
         # attention: norm, q|k|v, q/k norms, clip, RoPE, cache write + attention, wo
         _norm_row(m.layer_norm, b.h, D, ly.attn_norm, ly.attn_norm_bias, m.eps, b.xa)
         if ly.mla:                  # or the latent attention (decode_families.pxi)
-            _mla_attention(&ly.a, &b.mb, b.xa, b.fmt, b.kp[i], b.vp[i], S, slot, H, m.Dn,
-                           m.Dr, m.Dv, m.Rq, m.latent_eps, m.scale, cos, sin, th, work)
+            _mla_attention(&ly.a, &b.mb, b.xa, b.fmt, b.kp[i], b.vp[i], slot, H, m.Dn, m.Dr,
+                           m.Dv, m.Rq, m.latent_eps, m.scale, cos, sin, th, work)
             _linear_core(b.mb.o, 1, &ly.wo, ly.wo_bias, b.o, 0, th, work)
         else:
             _gqa_attention(m, ly, b, i, slot, cos, sin, work)
