@@ -66,7 +66,9 @@ Sections, in colibri/pyx/, included in this order:
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
   mla.pxi              PreparedMLA: the absorbed latent-attention decode step (csrc/mla.h)
   biased_experts.pxi   PreparedBiasedExperts: one token's biased / swigluoai experts (GPT-OSS)
+  decode_families.pxi  the compiled decode step's MLA attention and biased experts (nogil)
   decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
+  decode_step.pxi      that call's sequence of kernels, layer by layer
 """
 from libc.stdlib cimport free, malloc
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
@@ -91,4 +93,6 @@ include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
 include "pyx/mla.pxi"
 include "pyx/biased_experts.pxi"
+include "pyx/decode_families.pxi"
 include "pyx/decode_layer.pxi"
+include "pyx/decode_step.pxi"

@@ -12,14 +12,19 @@ layers in one nogil call, through the same C functions in the same order
 (pyx/decode_layer.pxi). So its results are the Python step's, bit for bit, on every weight
 format, activation setting, cache dtype, thread count and ISA path (the sigmoid of
 Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf differs from
-it in the last bit for ~40 % of arguments).
+it in the last bit for ~40 % of arguments). DeepSeek's latent attention (MLA.decode: the q
+projection or q LoRA, kv_a, the latent norms, RoPE, the absorbed attention of
+kernels.prepare_mla_absorbed) and GPT-OSS's attention sinks and biased swigluoai experts
+(kernels.prepare_biased_experts' one-token call) are compiled the same way, and PhiMoE's and
+DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
+(pyx/decode_families.pxi).
 
 What the compiled layers do not do, python_layers does (the fallback), chosen when the
-model is built (`uncovered`: the reason, or None): MLA attention, LayerNorm models,
-attention sinks, q / k / v that are not one fused projection, biased experts (GPT-OSS), a
-shared-expert gate where NumPy's exp loop is not found; or per step (two cheap checks, no
-exception handling): a step that records its routing (return_routing), a model whose MoE
-layers have an experts_hook (an expert cache, the residency telemetry).
+model is built (`uncovered`: the reason, or None): a norm other than RMSNorm / LayerNorm,
+q / k / v that are not one fused projection, an expert activation other than silu / swigluoai, a shared-expert gate
+where NumPy's exp loop is not found; or per step (two cheap checks, no exception handling): a
+step that records its routing (return_routing), a model whose MoE layers have an
+experts_hook (an expert cache, the residency telemetry).
 """
 from __future__ import annotations
 
@@ -30,9 +35,11 @@ import numpy as np
 from . import _kernels
 from .attention import Attention
 from .guards import layer_nan_error, run_moe
+from .mla import LATENT_NORM_EPS, MLA
 from .moe import DenseMLP, MoE
 from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
+from .weights import WeightRef
 
 __all__ = ["python_layers", "CompiledLayers", "compile_layers", "uncovered"]
 
@@ -67,28 +74,45 @@ def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cach
         t0 = time.perf_counter()
 
 
+_MLA_PROJECTIONS = ("wq", "wq_a", "wq_b", "wkv_a", "wo")
+
+
+def _linear_of(p) -> tuple[WeightRef, np.ndarray | None] | None:
+    """A projection's (weight, bias) when it is a linear over the file (model._Linear:
+    .w a WeightRef, .b float32 or None), else None."""
+    w = getattr(p, "w", None)
+    return (w, getattr(p, "b", None)) if isinstance(w, WeightRef) else None
+
+
 def uncovered(model) -> str | None:
     """Why the compiled step cannot run `model`'s layers, or None when it can."""
     c = model.config
-    if c.is_mla:
-        return "multi-head latent attention (MLA)"
-    if c.norm != "rms_norm":
+    if c.norm not in ("rms_norm", "layer_norm"):
         return f"{c.norm} norms"
+    kind = MLA if c.is_mla else Attention
     scales = {np.float32(layer.attn.scale) for layer in model.layers
-              if isinstance(layer.attn, Attention)}
+              if isinstance(layer.attn, kind)}
     if len(scales) > 1:
         return "attention scales that differ between layers"
     for i, layer in enumerate(model.layers):
         a, f = layer.attn, layer.ffn
-        if type(a) is not Attention:
+        if type(a) is not kind:
             return f"layer {i}: attention of type {type(a).__name__}"
-        if a.sinks is not None:
-            return f"layer {i}: attention sinks"
-        if a.wqkv is None:
+        if kind is MLA:
+            for name in _MLA_PROJECTIONS:
+                p = getattr(a, name)
+                if p is not None and _linear_of(p) is None:
+                    return f"layer {i}: MLA's {name} is not a linear over the file"
+        elif a.wqkv is None:
             return f"layer {i}: q, k and v are not one fused projection"
         if type(f) is MoE:
-            if f.biased_experts is not None:
-                return f"layer {i}: experts with biases or another activation"
+            be = f.biased_experts
+            if be is not None and be.activation not in ("swigluoai", "silu"):
+                return f"layer {i}: the expert activation {be.activation!r}"
+            if be is not None and be.n_experts is not None:
+                return f"layer {i}: biased experts over an expert cache's slots"
+            if be is not None and f.top_k > _kernels.BIASED_TOP_K_MAX:
+                return f"layer {i}: {f.top_k} biased experts per token"
             if f.shared_gate is not None and not _kernels.EXP_LOOP:
                 return f"layer {i}: a shared-expert gate (NumPy's float32 exp loop not found)"
         elif type(f) is not DenseMLP:
@@ -100,16 +124,33 @@ def _spec(layer) -> dict:
     """One layer's weights and settings, as DecodeLayers reads them."""
     a, f = layer.attn, layer.ffn
     spec = dict(attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm,
-                qkv=a.wqkv.w, qkv_bias=a.wqkv.b, wo=a.wo.w, wo_bias=a.wo.b,
-                qk_norm=a.qk_norm, q_norm=a.q_norm, k_norm=a.k_norm, clip=a.clip_qkv,
-                window=a.window or 0, gate=f.w_gate, up=f.w_up, down=f.w_down,
-                moe=isinstance(f, MoE))
+                attn_norm_bias=layer.attn_norm_bias, ffn_norm_bias=layer.ffn_norm_bias,
+                wo=a.wo.w, wo_bias=a.wo.b, gate=f.w_gate, up=f.w_up, down=f.w_down,
+                moe=isinstance(f, MoE), mla=isinstance(a, MLA))
+    if isinstance(a, MLA):
+        for name in _MLA_PROJECTIONS[:4]:
+            w, b = _linear_of(getattr(a, name)) or (None, None)
+            spec.update({name: w, name + "_bias": b})
+        spec.update(q_a_norm=a.q_a_norm, kv_a_norm=a.kv_a_norm, kv_b=a.kv_b)
+    else:
+        spec.update(qkv=a.wqkv.w, qkv_bias=a.wqkv.b, qk_norm=a.qk_norm, q_norm=a.q_norm,
+                    k_norm=a.k_norm, clip=a.clip_qkv, window=a.window or 0,
+                    sinks=a._sinks32)
     if isinstance(f, MoE):
         spec.update(router=f.router, router_bias=f.router_bias, k=f.top_k, rule=f.rule,
                     norm_topk=f.norm_topk_prob, jitter=f.jitter_eps,
                     corr_bias=f.correction_bias, n_group=f.n_group, topk_group=f.topk_group,
                     rscale=float(np.float32(f.routed_scaling_factor)), shared=f.shared,
-                    shared_gate=f.shared_gate)
+                    shared_gate=f.shared_gate, biased=f.biased_experts is not None)
+        be = f.biased_experts
+        if be is not None:          # its stacks, biases flattened (E*I, E*I, E*D), activation
+            spec.update(gate=be.w_gate, up=be.w_up, down=be.w_down,
+                        swiglu_oai=be.activation == "swigluoai", alpha=float(be.alpha),
+                        limit=float(be.limit),
+                        **{k: None if b is None else
+                           np.ascontiguousarray(b, dtype=np.float32).reshape(-1)
+                           for k, b in (("b_gate", be.b_gate), ("b_up", be.b_up),
+                                        ("b_down", be.b_down))})
     return spec
 
 
@@ -125,11 +166,18 @@ class CompiledLayers:
         c = model.config
         self._moes = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)]
         rm = model._residual_mult
+        a0, mla = model.layers[0].attn, None
+        if c.is_mla:                # its geometry; q_rank 0: a plain q projection
+            mla = (a0.nope_dim, a0.rope_dim, a0.v_dim, a0.kv_rank,
+                   0 if a0.wq is not None else a0.wq_a.w.rows,
+                   float(np.float32(LATENT_NORM_EPS)))
+        scale = a0._scale if c.is_mla else a0._scale32
         self.layers = _kernels.DecodeLayers(
             [_spec(layer) for layer in model.layers], c.hidden_size, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim, len(model.rope.cos_sin_one(0)[0]),
-            float(np.float32(c.rms_norm_eps)), float(model.layers[0].attn._scale32),
-            None if rm is None else float(rm), model.threads, model.activations)
+            float(np.float32(c.rms_norm_eps)), float(scale),
+            None if rm is None else float(rm), model.threads, model.activations, mla,
+            c.norm == "layer_norm")
 
     def _binding(self, state: RunState, cache) -> _kernels.DecodeBinding:
         """The cache's binding to these layers and its RunState (made on first use)."""

@@ -1,16 +1,23 @@
 """The compiled decode step against the Python one, in one process, alternating
-(docs/performance.md, change 28).
+(docs/performance.md, changes 28 and 32).
 
     python scripts/bench_decode_layer.py MODEL.colibri [MODEL ...] [--threads 1,2]
                                          [--steps 32] [--rounds 5] [--prompt 16]
-                                         [--activations int16]
+                                         [--activations int16] [--mlock] [--budget 60]
     python scripts/bench_decode_layer.py --tiny [--threads 1,2] ...
     python scripts/bench_decode_layer.py MODEL --one-path python|compiled [--steps N]
     python scripts/bench_decode_layer.py MODEL --job-cost
 
---tiny: instead of files, two random models with the layer structure of the benchmark models
+MODEL: any .colibri file whose layers the compiled step covers (else its reason is printed:
+colibri.decode_layer.uncovered); --mlock locks its mapping in RAM first (a file close to
+the page cache's size otherwise reads part of its weights from disk on either path).
+
+--tiny: instead of files, random models with the layer structure of the benchmark models
 but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
-layers, 8 experts top-2) and olmoe-16L's (16 layers, 64 experts top-8, full q/k norms).
+layers, 8 experts top-2), olmoe-16L's (16 layers, 64 experts top-8, full q/k norms),
+gpt-oss-20b-8L's (8 layers, 32 experts top-4, sinks, alternating windows, biased swigluoai
+experts), deepseek-v2-lite-8L's (8 layers, MLA, a dense first layer, 64 experts top-6,
+2 shared) and an 8-layer PhiMoE (LayerNorm with biases, 16 experts top-2, sparsemixer).
 Their kernels take next to no time, so the time saved per step is what the Python between
 the kernels costs when the interpreter's code and data are in cache (a real model's weight
 streaming evicts them, so there it costs more).
@@ -32,8 +39,9 @@ Per model and thread count, one model loaded and two caches prefilled with the s
 each token decoded on the compiled layers (colibri.decode_layer) through one cache and then
 on the Python layers (Model._step_layers: the model's compiled layers set aside) through the
 other, so load from other work on the machine falls on both alike, token by token; the caches
-are cut back to the prompt before each round. The two must give the same logits (checked on
-every step). Prints per (model, threads): the median milliseconds per token of each, the
+are cut back to the prompt before each round; no round starts once `budget` seconds have
+passed for this (model, threads) (the figures then cover the rounds run). The two must give
+the same logits (checked on every step). Prints per (model, threads): the median milliseconds per token of each, the
 ratio compiled / Python and the time per token saved (what the Python between the kernels
 cost); the mean time per token by stage (Model.timings: attention = norms, projections,
 RoPE, cache write and attention; router; experts; shared; dense; head) of each path; the
@@ -60,7 +68,8 @@ PATHS = ("compiled", "python")
 
 
 def bench(path: str, threads: int, args) -> None:
-    model = colibri.load(path, threads=threads, activations=args.activations)
+    model = colibri.load(path, threads=threads, activations=args.activations,
+                         mlock=args.mlock)
     compiled = model._compiled
     name = os.path.basename(path)
     if compiled is None:
@@ -77,7 +86,11 @@ def bench(path: str, threads: int, args) -> None:
     stages = {p: dict.fromkeys(model.timings.seconds, 0.0) for p in PATHS}
     items = dict.fromkeys(PATHS, 0)
     differ = 0.0
+    start, rounds = time.perf_counter(), 0
     for r in range(args.rounds + 1):                       # round 0: warm-up, not counted
+        if r > 1 and time.perf_counter() - start > args.budget:
+            break
+        rounds = r
         for c in caches.values():
             c.truncate(args.prompt)
         for t in tokens:
@@ -96,7 +109,7 @@ def bench(path: str, threads: int, args) -> None:
             model._compiled = compiled
             differ = max(differ, float(np.abs(out["compiled"] - out["python"]).max()))
     c, p = statistics.median(times["compiled"]), statistics.median(times["python"])
-    n = args.rounds * args.steps
+    n = rounds * args.steps
     print(f"{name} threads={threads} activations={args.activations}: compiled {c * 1e3:.3f} "
           f"ms/token, python {p * 1e3:.3f} ms/token (medians of {n} steps each), ratio "
           f"{c / p:.3f}, saved {(p - c) * 1e6:.0f} us/token ({100 * (p - c) / p:.1f} %)"
@@ -125,7 +138,8 @@ def job_cost(path: str, activations: str) -> None:
     model = colibri.load(path, threads=1, activations=activations)
     rng = np.random.default_rng(0)
     attn = model.layers[0].attn
-    for name, lin in (("q|k|v", attn.wqkv), ("wo", attn.wo)):
+    for name, lin in (("q|k|v", getattr(attn, "wqkv", None)), ("q", getattr(attn, "wq", None)),
+                      ("kv_a", getattr(attn, "wkv_a", None)), ("wo", attn.wo)):
         if lin is None:
             continue
         x = rng.standard_normal((1, lin.w.cols)).astype(np.float32)
@@ -170,6 +184,17 @@ def tiny_models(folder: Path) -> list[str]:
         "tiny-olmoe-16L": transformers.OlmoeConfig(
             **common, num_hidden_layers=16, intermediate_size=64, num_experts=64,
             num_experts_per_tok=8),
+        "tiny-gpt-oss-8L": transformers.GptOssConfig(
+            **common, num_hidden_layers=8, head_dim=16, intermediate_size=64,
+            num_local_experts=32, num_experts_per_tok=4, sliding_window=128),
+        "tiny-deepseek-v2-8L": transformers.DeepseekV2Config(
+            **dict(common, num_key_value_heads=4), num_hidden_layers=8, intermediate_size=128,
+            moe_intermediate_size=32, n_routed_experts=64, num_experts_per_tok=6,
+            n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+            qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+        "tiny-phimoe-8L": transformers.PhimoeConfig(
+            **common, num_hidden_layers=8, intermediate_size=64, num_local_experts=16,
+            num_experts_per_tok=2),
     }
     paths = []
     for name, config in configs.items():
@@ -190,6 +215,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--activations", default=DEFAULT_ACTIVATIONS)
+    ap.add_argument("--mlock", action="store_true", help="lock each file's mapping in RAM")
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="seconds per (model, threads) after which no round starts")
     args = ap.parse_args()
     if not args.models and not args.tiny:
         ap.error("give model files or --tiny")

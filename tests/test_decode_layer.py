@@ -4,12 +4,14 @@ against the Python step it replaces (Model._step_layers, its specification).
 The compiled layers run the same C functions in the same order as the Python step, so a
 decode through them gives the same bits: logits and every cache plane, step after step
 (past a sliding window), for each family whose layers they cover (GQA attention with plain,
-biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows; routed experts
-under the softmax, top-k-softmax and sigmoid-group rules, shared experts gated or not, dense
-layers; Granite's multipliers),
-every weight format, activation setting, KV cache dtype, thread count and ISA path. What
-they do not cover takes the Python step: chosen when the model is built (MLA, attention
-sinks, biased experts, LayerNorm) or per step (routing traces, an experts_hook).
+biased, per-head or full q/k norms, clip_qkv, partial RoPE, sliding windows, attention
+sinks; DeepSeek's latent attention with and without a q LoRA; routed experts under the
+softmax, top-k-softmax, softmax-group and sigmoid-group rules, plain or biased swigluoai
+experts (GPT-OSS, q8 / q4 / bf16 / f32 and MXFP4 as released), shared experts gated or not,
+dense layers; Granite's multipliers; PhiMoE's and DBRX's LayerNorm), every weight format,
+activation setting, KV cache dtype, thread count and ISA path. What they do not cover takes
+the Python step: chosen when the model is built (uncovered: e.g. unfused q / k / v) or per
+step (routing traces, an experts_hook).
 """
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ transformers = pytest.importorskip("transformers")
 import colibri.api as api  # noqa: E402
 from colibri import _kernels, runtime  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.decode_layer import uncovered  # noqa: E402
+from colibri.decode_layer import compile_layers, uncovered  # noqa: E402
 from colibri.guards import NonFiniteError  # noqa: E402
+from colibri.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from test_decode import count_calls  # noqa: E402
+from test_family_gpt_oss import _mxfp4_checkpoint  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -57,6 +61,26 @@ CONFIGS = {
         **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         tie_word_embeddings=False, embedding_multiplier=3.0, attention_multiplier=0.1,
         residual_multiplier=0.5, logits_scaling=2.5, attention_bias=True),
+    # attention sinks, sliding (window 4) and full layers alternating, q/k/v/o biases, the
+    # router bias, top-k then softmax, biased swigluoai experts (a limit they reach), YaRN
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **dict(_SMALL, num_hidden_layers=3), head_dim=16, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0),
+    # MLA with a q LoRA, a dense first layer, 2 ungated shared experts, group-limited
+    # softmax routing with a scaling factor
+    "deepseek_v2": lambda: tiny_config("deepseek_v2", initializer_range=0.15),
+    # MLA with a plain q projection, sigmoid group routing with the correction bias,
+    # renormalised, a shared expert
+    "deepseek_v3": lambda: tiny_config("deepseek_v3", initializer_range=0.15),
+    # LayerNorm without biases, clip_qkv, the fused Wqkv
+    "dbrx": lambda: transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # LayerNorm with biases, q/k/v/o biases, sparsemixer routing
+    "phimoe": lambda: transformers.PhimoeConfig(
+        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
 }
 FORMATS = {"f32": dict(dtype="f32"), "bf16": dict(dtype="bf16"),
            "q8": dict(dtype="f32", quant="q8", quantize="experts,shared,attn,head,dense"),
@@ -66,7 +90,8 @@ PROMPT, STEPS = 3, 9          # 12 tokens: past the window of 4 by far
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """converted(case, fmt) -> the path of that case's file in that format (made once)."""
+    """converted(case, fmt) -> the path of that case's file in that format (made once);
+    fmt "mxfp4" (gpt_oss): the experts as the released checkpoints store them."""
     made: dict = {}
 
     def get(case: str, fmt: str):
@@ -75,7 +100,11 @@ def converted(tmp_path_factory):
             hf = made.get(case) or make_checkpoint(d / "hf", CONFIGS[case]())
             made[case] = hf
             made[case, fmt] = d / f"{fmt}.colibri"
-            convert(hf, made[case, fmt], progress=False, **FORMATS[fmt])
+            if fmt == "mxfp4":
+                folders, _ = _mxfp4_checkpoint(type("Ref", (), {"path": hf}), d / "mx")
+                convert(folders["mxfp4"], made[case, fmt], progress=False, dtype="f32")
+            else:
+                convert(hf, made[case, fmt], progress=False, **FORMATS[fmt])
         return made[case, fmt]
 
     return get
@@ -103,8 +132,10 @@ def _lockstep(m, steps: int = STEPS, prompt: int = PROMPT, seed: int = 0):
     assert fast.length == slow.length == prompt + steps
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("case", list(CONFIGS))
+CASES = [(case, fmt) for case in CONFIGS for fmt in FORMATS] + [("gpt_oss", "mxfp4")]
+
+
+@pytest.mark.parametrize("case,fmt", CASES)
 def test_compiled_step_is_the_python_step(converted, case, fmt):
     """Every activation setting, cache dtype and thread count: the same bits."""
     path = converted(case, fmt)
@@ -118,22 +149,28 @@ def test_compiled_step_is_the_python_step(converted, case, fmt):
                     m.close()
 
 
+# the ISA runs: the cases with most of the arithmetic a path changes (q4 / q8 / MXFP4 rows
+# on every activation setting, shared-expert gates, MLA's transposed product, sinks)
+ISA_CASES = [(c, f) for c in ("qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3",
+                              "gpt_oss") for f in ("q4", "q8")] + [("gpt_oss", "mxfp4"),
+                                                                   ("phimoe", "q4")]
+
+
 @pytest.mark.parametrize("isa", runtime.available_isas())
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does), the compiled layers reloading their row
     kernels when the path changes under them."""
     previous = runtime.get_isa()
     try:
-        for case in ("qwen2_moe", "olmoe", "glm4_moe"):
-            for fmt in ("q4", "q8"):
-                for activations in ("f32", "int16", "int8"):
-                    m = api.load(converted(case, fmt), threads=2, activations=activations)
-                    try:
-                        runtime.set_isa(isa)
-                        _lockstep(m, steps=5)
-                    finally:
-                        runtime.set_isa(previous)
-                        m.close()
+        for case, fmt in ISA_CASES:
+            for activations in ("f32", "int16", "int8"):
+                m = api.load(converted(case, fmt), threads=2, activations=activations)
+                try:
+                    runtime.set_isa(isa)
+                    _lockstep(m, steps=5)
+                finally:
+                    runtime.set_isa(previous)
+                    m.close()
     finally:
         runtime.set_isa(previous)
 
@@ -181,11 +218,12 @@ def test_a_copied_or_rewound_cache(converted):
         m.close()
 
 
-def test_two_caches_decoding_at_once(converted):
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_two_caches_decoding_at_once(converted, case):
     """Two Python threads, each decoding its own cache through the compiled layers (the GIL
-    released for the whole step, each binding with its own scratch): the bits of decoding
-    them one after the other."""
-    m = api.load(converted("qwen2_moe", "q4"), threads=2)
+    released for the whole step, each binding with its own scratch, MLA's vectors too): the
+    bits of decoding them one after the other."""
+    m = api.load(converted(case, "q4"), threads=2)
     try:
         rng = np.random.default_rng(5)
         prompts = [rng.integers(3, m.vocab_size, size=12) for _ in range(2)]
@@ -248,8 +286,9 @@ def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
         m.close()
 
 
-def test_stage_timings_are_kept(converted):
-    m = api.load(converted("qwen2_moe", "q4"), threads=1)
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2"])
+def test_stage_timings_are_kept(converted, case):
+    m = api.load(converted(case, "q4"), threads=1)
     try:
         c = m.new_cache(ctx=8)
         api.forward(m, np.array([5, 6]), cache=c)
@@ -262,31 +301,53 @@ def test_stage_timings_are_kept(converted):
         m.close()
 
 
-UNCOVERED = {
-    "gpt_oss": (lambda: transformers.GptOssConfig(
-        **_SMALL, head_dim=16, intermediate_size=32, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4), "attention sinks"),
-    "deepseek_v2": (lambda: tiny_config("deepseek_v2"), "multi-head latent attention"),
-    "dbrx": (lambda: transformers.DbrxConfig(
-        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=320,
-        attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=5e5),
-        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
-        initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        "layer_norm norms"),
-    "phimoe": (lambda: transformers.PhimoeConfig(
-        **_SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
-        "layer_norm norms"),
-}
-
-
-@pytest.mark.parametrize("case", list(UNCOVERED))
-def test_uncovered_models_take_the_python_step(case, tmp_path, monkeypatch):
-    config, reason = UNCOVERED[case]
-    hf = make_checkpoint(tmp_path / "hf", config())
-    convert(hf, tmp_path / "m.colibri", progress=False)
-    m = api.load(tmp_path / "m.colibri", threads=1)
+def test_uncovered_names_the_layer_and_the_reason(converted):
+    """What the compiled step leaves to the Python one, per layer: biased experts over an
+    expert cache's slots, more experts per token than the call takes, another activation;
+    an MLA projection that is not a linear over the file."""
+    m = api.load(converted("gpt_oss", "q4"), threads=1)
     try:
-        assert m._compiled is None and reason in uncovered(m)
+        assert uncovered(m) is None
+        moe = m.layers[1].ffn
+        be = moe.biased_experts
+        for field, value, reason in (
+                ("n_experts", 4, "layer 1: biased experts over an expert cache's slots"),
+                ("activation", "gelu", "layer 1: the expert activation 'gelu'")):
+            before = getattr(be, field)
+            setattr(be, field, value)
+            try:
+                assert uncovered(m) == reason
+            finally:
+                setattr(be, field, before)
+        k = moe.top_k
+        moe.top_k = _kernels.BIASED_TOP_K_MAX + 1
+        try:
+            assert uncovered(m) == f"layer 1: {moe.top_k} biased experts per token"
+        finally:
+            moe.top_k = k
+    finally:
+        m.close()
+    m = api.load(converted("deepseek_v3", "q4"), threads=1)
+    try:
+        assert uncovered(m) is None
+        attn = m.layers[2].attn
+        wkv_a = attn.wkv_a
+        attn.wkv_a = lambda x, out=None: wkv_a(x, out)
+        assert uncovered(m) == "layer 2: MLA's wkv_a is not a linear over the file"
+    finally:
+        m.close()
+
+
+def test_a_model_the_compiled_step_does_not_cover_takes_the_python_step(converted,
+                                                                         monkeypatch):
+    """q, k and v not one fused projection: uncovered says so for that layer, the model gets
+    no compiled layers, and its decode steps take the Python loop."""
+    m = api.load(converted("mixtral", "q4"), threads=1)
+    try:
+        m.layers[1].attn.wqkv = None
+        assert uncovered(m) == "layer 1: q, k and v are not one fused projection"
+        m._compiled = compile_layers(m)
+        assert m._compiled is None
         taken = _python_steps(m, monkeypatch)
         c = m.new_cache(ctx=8)
         api.forward(m, np.array([5, 6]), cache=c)
@@ -294,6 +355,22 @@ def test_uncovered_models_take_the_python_step(case, tmp_path, monkeypatch):
         assert taken == [1]
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 64, 127, 128, 129, 300, 1000, 2880, 4096, 6144])
+def test_layer_norm_rows_are_numpys(n):
+    """The compiled step's LayerNorm (PhiMoE, DBRX): norms.layer_norm's bits, with and
+    without a bias, over row lengths on each side of NumPy's pairwise blocks."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((3, n)) * np.float32([[1.0], [40.0], [1e-3]]) + 0.5
+         ).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    for bias in (None, b):
+        want = layer_norm(x, w, bias, np.float32(1e-5))
+        got = np.empty_like(x)
+        _kernels.layer_norm_rows(x, w, bias, np.float32(1e-5), got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_nan_router_logits_name_the_layer_as_the_python_step(converted):
@@ -331,28 +408,31 @@ def test_gate_sigmoid_is_numpys():
 _ENV_CHECK = """
 import sys, numpy as np, colibri.api as api
 from colibri import runtime
-assert runtime.get_isa() == sys.argv[2], runtime.get_isa()
-m = api.load(sys.argv[1], threads=2, activations="int16")
-assert m._compiled is not None
-tokens = np.arange(3, 15)
-fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
-for c in (fast, slow):
-    api.forward(m, tokens[:3], cache=c)
-compiled = m._compiled
-for t in tokens[3:]:
-    a = api.forward(m, np.array([t]), cache=fast)
-    m._compiled = None
-    b = api.forward(m, np.array([t]), cache=slow)
-    m._compiled = compiled
-    assert np.array_equal(a, b)
+assert runtime.get_isa() == sys.argv[1], runtime.get_isa()
+for path in sys.argv[2:]:
+    m = api.load(path, threads=2, activations="int16")
+    assert m._compiled is not None
+    tokens = np.arange(3, 15)
+    fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
+    for c in (fast, slow):
+        api.forward(m, tokens[:3], cache=c)
+    compiled = m._compiled
+    for t in tokens[3:]:
+        a = api.forward(m, np.array([t]), cache=fast)
+        m._compiled = None
+        b = api.forward(m, np.array([t]), cache=slow)
+        m._compiled = compiled
+        assert np.array_equal(a, b), path
 print("same")
 """
 
 
-@pytest.mark.parametrize("isa", [i for i in ("scalar", "avx2") if i in runtime.available_isas()])
+@pytest.mark.parametrize("isa", runtime.available_isas())
 def test_colibri_isa_forced_in_the_environment(converted, isa):
     """COLIBRI_ISA set before the import: the compiled layers on that path, the same bits."""
-    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, str(converted("olmoe", "q4")), isa],
+    files = [str(converted(*c)) for c in (("olmoe", "q4"), ("deepseek_v2", "q4"),
+                                          ("gpt_oss", "mxfp4"))]
+    res = subprocess.run([sys.executable, "-c", _ENV_CHECK, isa, *files],
                          env={**os.environ, "COLIBRI_ISA": isa}, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "same", res.stderr

@@ -5,6 +5,7 @@
  * makes there, element for element, so the compiled step gets the same bits:
  *   - residual add h += o (np.add(h, o, out=h)), multiplier o *= m (np.multiply);
  *   - clip_qkv: np.clip(x, -c, c) = minimum(maximum(x, -c), c), NaN kept NaN;
+ *   - LayerNorm of a row (PhiMoE, DBRX: norms.layer_norm), NumPy's summation order;
  *   - the shared expert's gate: s *= 1 / (1 + exp(-z)); y += s, with exp NumPy's own float32
  *     loop (its SIMD polynomial, which differs from libm's expf in the last bit for about
  *     40 % of arguments), called through the ufunc's loop table: colibri_find_exp_loop finds
@@ -96,6 +97,65 @@ COLIBRI_ROWOPS_FN float colibri_gate_sigmoid(float z)
     const float e = colibri_np_exp(-z);
     const float d = 1.0f + e;
     return 1.0f / d;
+}
+
+/* sum of x[i], i < n, in NumPy's float32 add.reduce order over a contiguous row (pairwise:
+ * 8 interleaved partial sums over blocks of up to 128, halves split at multiples of 8), as
+ * rowops.h's colibri_pairwise_sumsq over the squares */
+COLIBRI_ROWOPS_FN float colibri_pairwise_sum(const float *x, ptrdiff_t n)
+{
+    COLIBRI_NO_CONTRACT
+    ptrdiff_t i;
+    if (n < 8) {
+        float res = 0.0f;
+        for (i = 0; i < n; i++)
+            res += x[i];
+        return res;
+    }
+    if (n <= COLIBRI_PW_BLOCK) {
+        float r[8], res;
+        int j;
+        for (j = 0; j < 8; j++)
+            r[j] = x[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (j = 0; j < 8; j++)
+                r[j] += x[i + j];
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++)
+            res += x[i];
+        return res;
+    }
+    {
+        ptrdiff_t n2 = n / 2;
+        n2 -= n2 % 8;
+        return colibri_pairwise_sum(x, n2) + colibri_pairwise_sum(x + n2, n - n2);
+    }
+}
+
+/* LayerNorm of one row of n floats into out (may be x): norms.layer_norm's operations, the
+ * same bits: mean = sum(x) / n and var = sum((x - mean)^2) / n (float32 sums in NumPy's
+ * order, each divided in double as NumPy's float32-by-intp division, then rounded), out =
+ * (x - mean) * (1 / sqrt(var + eps)) * weight [+ bias]. */
+COLIBRI_ROWOPS_FN void colibri_layer_norm_row(const float *x, ptrdiff_t n, const float *weight,
+                                              const float *bias, float eps, float *out)
+{
+    COLIBRI_NO_CONTRACT
+    ptrdiff_t i;
+    const float mean = (float)((double)colibri_pairwise_sum(x, n) / (double)n);
+    float var, inv;
+    for (i = 0; i < n; i++)
+        out[i] = x[i] - mean;
+    var = (float)((double)colibri_pairwise_sumsq(out, n) / (double)n);
+    var = var + eps;
+    var = sqrtf(var);
+    inv = 1.0f / var;
+    for (i = 0; i < n; i++) {
+        const float c = out[i] * inv;
+        out[i] = c * weight[i];
+    }
+    if (bias != NULL)
+        for (i = 0; i < n; i++)
+            out[i] = out[i] + bias[i];
 }
 
 /* seconds on the clock Python's time.perf_counter reads (CLOCK_MONOTONIC); 0 without it */

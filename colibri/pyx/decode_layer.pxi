@@ -2,16 +2,15 @@
 # nogil call (DecodeLayers: the layers' weights and settings, checked once; DecodeBinding:
 # those layers over one cache and its RunState's buffers, one call per step).
 #
-# A layer is the Python step's sequence of kernel calls (Model._step, Attention.decode,
-# MoE.__call__), in the same order and through the same C functions: RMSNorm rows
-# (csrc/rowops.h), the fused q|k|v linear (_linear_core), q/k norms, clip, RoPE, the cache
-# write (colibri_kv_store) and the attention over the cache (_attend_core), the output
-# projection, the residual add, RMSNorm, the router linear (f32 activations), one token's
-# routing (_route_token), the experts (_ffn_core), the shared expert and its gate, the
+# A layer is the Python step's sequence of kernel calls (Model._step, Attention.decode or
+# MLA.decode, MoE.__call__) in the same order through the same C functions: RMSNorm rows
+# (csrc/rowops.h), q|k|v (_linear_core), q/k norms, clip, RoPE, the cache write and the
+# attention with its sinks (_attend_core), or the latent attention (decode_families.pxi),
+# wo, the residual add, RMSNorm, the router, one token's routing (_route_token), the experts
+# (_ffn_core, or the biased ones: decode_families.pxi), the shared expert and its gate, the
 # residual add (csrc/decode_layer.h; the gate's exp is NumPy's own float32 loop). So the
-# results are the Python step's bits. The pool jobs are the same too: what this
-# removes is the Python between them (~11 calls into the module per layer, their argument
-# checks and the interpreter's work, with the GIL taken and given at each).
+# results are the Python step's bits, with the same pool jobs: what this removes is the
+# Python between them (~11 calls into the module per layer, each with its checks and the GIL).
 
 cdef extern from "csrc/decode_layer.h" nogil:
     void colibri_add_into(float *h, const float *o, Py_ssize_t n)
@@ -56,6 +55,8 @@ ctypedef struct DLayer:
     Wmat sg, su, sd, sgate          # the shared expert (Is, D) x 2, (D, Is); its gate (1, D)
     const float *attn_norm
     const float *ffn_norm
+    const float *attn_norm_bias     # LayerNorm biases or NULL
+    const float *ffn_norm_bias
     const float *qkv_bias           # NULL: none (likewise below)
     const float *wo_bias
     const float *router_bias
@@ -69,6 +70,11 @@ ctypedef struct DLayer:
     Py_ssize_t E, K, n_group, topk_group
     int rule
     bint norm_topk
+    bint mla                        # latent attention (a, below) instead of qkv / wo's GQA
+    DMla a
+    const float *sinks              # (H,) attention sinks (GPT-OSS) or NULL
+    bint biased                     # biased / swigluoai experts (bx) instead of _ffn_core
+    DBiased bx
 
 
 ctypedef struct DModel:
@@ -76,8 +82,14 @@ ctypedef struct DModel:
     DLayer *layers
     Py_ssize_t n_layers, D, H, Hkv, Dh, h_rope, nq, nk, E_max, K_max
     float eps, scale, rmult
-    bint has_rmult
+    bint has_rmult, layer_norm      # LayerNorm (PhiMoE, DBRX), else RMSNorm
     int threads
+    # the cache planes: kvh heads of kw (keys) and vw (values) floats per position; MLA: one
+    # "head", the latent (Rkv) and the rotary key (Dr)
+    Py_ssize_t kvh, kw, vw
+    bint mla                        # every layer MLA (then Dn, Dr, Dv, R, Rq, latent_eps)
+    Py_ssize_t Dn, Dr, Dv, R, Rq
+    float latent_eps
 
 
 ctypedef struct DBind:
@@ -94,14 +106,16 @@ ctypedef struct DBind:
     char **vp
     int fmt
     Py_ssize_t S, es
+    DMlaBuf mb                      # MLA models: the step's latent-attention vectors
 
 
 cdef class DecodeLayers:
     """Every layer of a model for the compiled decode step: `DecodeLayers(specs, hidden,
     n_heads, n_kv_heads, head_dim, rope_pairs, eps, scale, residual_mult, threads,
-    activations)`, specs a list of one dict per layer (colibri.decode_layer builds them:
-    WeightRefs and float32 vectors, checked here once). Bind it to a cache with
-    DecodeBinding."""
+    activations, mla=None)`, specs a list of one dict per layer (colibri.decode_layer builds
+    them: WeightRefs and float32 vectors, checked here once); mla: (nope_dim, rope_dim, v_dim,
+    kv_rank, q_rank, latent_eps) for latent attention (scale then its softmax scale);
+    layer_norm: LayerNorm instead of RMSNorm. Bind it to a cache with DecodeBinding."""
     cdef DModel m
     cdef int act, isa
     cdef list specs, keep
@@ -118,11 +132,23 @@ cdef class DecodeLayers:
 
     def __init__(self, list specs, Py_ssize_t hidden, Py_ssize_t n_heads,
                  Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t rope_pairs, float eps,
-                 float scale, residual_mult, int threads, activations):
+                 float scale, residual_mult, int threads, activations, mla=None,
+                 bint layer_norm=False):
         _check_threads(threads)
         if n_kv_heads < 1 or n_heads % n_kv_heads or head_dim < 1 or 2 * rope_pairs > head_dim:
             raise ValueError(f"DecodeLayers: {n_heads} heads over {n_kv_heads} kv heads of "
                              f"{head_dim} with {rope_pairs} rotary pairs")
+        self.m.mla, self.m.layer_norm = mla is not None, layer_norm
+        self.m.kvh, self.m.kw, self.m.vw = n_kv_heads, head_dim, head_dim
+        self.m.Dn = self.m.Dr = self.m.Dv = self.m.R = self.m.Rq = 0
+        self.m.latent_eps = 0.0
+        if self.m.mla:                  # (nope_dim, rope_dim, v_dim, kv_rank, q_rank, eps)
+            self.m.Dn, self.m.Dr, self.m.Dv, self.m.R, self.m.Rq, self.m.latent_eps = mla
+            if (min(self.m.Dn, self.m.Dv, self.m.R) < 1 or self.m.Rq < 0
+                    or self.m.Dr != 2 * rope_pairs):
+                raise ValueError(f"DecodeLayers: MLA dims {mla} with {rope_pairs} rotary "
+                                 f"pairs")
+            self.m.kvh, self.m.kw, self.m.vw = 1, self.m.R, self.m.Dr
         self.act = _activations(activations)
         self.m.n_layers, self.m.D, self.m.H = len(specs), hidden, n_heads
         self.m.Hkv, self.m.Dh, self.m.h_rope = n_kv_heads, head_dim, rope_pairs
@@ -160,31 +186,27 @@ cdef class DecodeLayers:
     def _load(self):
         """Check every layer's weights and fill the table for the current ISA."""
         cdef DLayer *L
-        cdef Py_ssize_t D = self.m.D, i, E, I, Is, nq = self.m.nq, nk = self.m.nk
+        cdef Py_ssize_t D = self.m.D, i, E, I, Is
         self.keep = []
         self.m.E_max, self.m.K_max = 1, 1
         for i in range(self.m.n_layers):
             s, L = self.specs[i], &self.m.layers[i]
             self._vec(s, "attn_norm", D, i, &L.attn_norm)
             self._vec(s, "ffn_norm", D, i, &L.ffn_norm)
+            self._vec(s, "attn_norm_bias", D, i, &L.attn_norm_bias)
+            self._vec(s, "ffn_norm_bias", D, i, &L.ffn_norm_bias)
             if L.attn_norm == NULL or L.ffn_norm == NULL:
                 raise ValueError(f"DecodeLayers: layer {i} needs attn_norm and ffn_norm")
-            self._mat(s, "qkv", &L.qkv, self.act, nq + 2 * nk, D, i)
-            self._vec(s, "qkv_bias", nq + 2 * nk, i, &L.qkv_bias)
-            self._mat(s, "wo", &L.wo, self.act, D, nq, i)
-            self._vec(s, "wo_bias", D, i, &L.wo_bias)
-            L.qk_norm = QK_NORM_CODES[s["qk_norm"]]
-            full = L.qk_norm == QK_FULL                 # (H*Dh,) / (Hkv*Dh,), else (Dh,)
-            self._vec(s, "q_norm", nq if full else self.m.Dh, i, &L.q_norm)
-            self._vec(s, "k_norm", nk if full else self.m.Dh, i, &L.k_norm)
-            if L.qk_norm != QK_NONE and (L.q_norm == NULL or L.k_norm == NULL):
-                raise ValueError(f"DecodeLayers: layer {i} qk_norm {s['qk_norm']!r} needs "
-                                 f"q_norm and k_norm")
-            L.clip = s["clip"] is not None
-            L.clip_c = s["clip"] if L.clip else 0.0
-            L.window = s["window"] or 0
+            L.mla = s.get("mla", False)
+            if L.mla != self.m.mla:
+                raise ValueError(f"DecodeLayers: layer {i} is {'' if L.mla else 'not '}MLA, "
+                                 f"the model {'is' if self.m.mla else 'is not'}")
+            if L.mla:
+                self._load_mla(s, L, i)
+            else:
+                self._load_gqa(s, L, i)
             L.moe = s["moe"]
-            L.shared = L.gated = False
+            L.shared = L.gated = L.biased = False
             E, L.K, L.corr_bias, L.router_bias = 1, 1, NULL, NULL
             self.keep.append(_load(s["gate"], f"layer {i} gate", &L.g, self.act))
             self.keep.append(_load(s["up"], f"layer {i} up", &L.u, self.act))
@@ -211,6 +233,9 @@ cdef class DecodeLayers:
                 if bias_view is not None:
                     self._vec(s, "corr_bias", E, i, &L.corr_bias)
                 L.rscale = s["rscale"]
+                L.biased = s.get("biased", False)
+                if L.biased:
+                    self._load_biased(s, L, i)
                 if s["shared"] is not None:
                     L.shared = True
                     self.keep.append(_load(s["shared"][0], f"layer {i} shared gate",
@@ -241,6 +266,66 @@ cdef class DecodeLayers:
                 self.m.K_max = L.K
         self.isa = _isa
 
+    cdef _load_gqa(self, spec, DLayer *L, int i):
+        """Layer i's GQA attention: the fused q|k|v, wo, q/k norms, clip, window, sinks."""
+        cdef Py_ssize_t D = self.m.D, nq = self.m.nq, nk = self.m.nk
+        self._mat(spec, "qkv", &L.qkv, self.act, nq + 2 * nk, D, i)
+        self._vec(spec, "qkv_bias", nq + 2 * nk, i, &L.qkv_bias)
+        self._mat(spec, "wo", &L.wo, self.act, D, nq, i)
+        self._vec(spec, "wo_bias", D, i, &L.wo_bias)
+        L.qk_norm = QK_NORM_CODES[spec["qk_norm"]]
+        full = L.qk_norm == QK_FULL                 # (H*Dh,) / (Hkv*Dh,), else (Dh,)
+        self._vec(spec, "q_norm", nq if full else self.m.Dh, i, &L.q_norm)
+        self._vec(spec, "k_norm", nk if full else self.m.Dh, i, &L.k_norm)
+        if L.qk_norm != QK_NONE and (L.q_norm == NULL or L.k_norm == NULL):
+            raise ValueError(f"DecodeLayers: layer {i} qk_norm {spec['qk_norm']!r} needs "
+                             f"q_norm and k_norm")
+        L.clip = spec["clip"] is not None
+        L.clip_c = spec["clip"] if L.clip else 0.0
+        L.window = spec["window"] or 0
+        self._vec(spec, "sinks", self.m.H, i, &L.sinks)
+
+    cdef _load_mla(self, spec, DLayer *L, int i):
+        """Layer i's latent attention (the projections with the model's activations, kv_b
+        with f32 ones as PreparedMLA), its norms and wo (D, H*Dv)."""
+        cdef DModel *m = &self.m
+        cdef Py_ssize_t D = m.D, H = m.H, qw = m.H * (m.Dn + m.Dr)
+        L.qk_norm, L.clip, L.clip_c, L.window, L.sinks = QK_NONE, False, 0.0, 0, NULL
+        L.q_norm = L.k_norm = L.qkv_bias = NULL
+        if m.Rq > 0:
+            self._mat(spec, "wq_a", &L.a.wq_a, self.act, m.Rq, D, i)
+            self._vec(spec, "wq_a_bias", m.Rq, i, &L.a.bq_a)
+            self._vec(spec, "q_a_norm", m.Rq, i, &L.a.q_a_norm)
+            self._mat(spec, "wq_b", &L.a.wq_b, self.act, qw, m.Rq, i)
+            self._vec(spec, "wq_b_bias", qw, i, &L.a.bq_b)
+            L.a.bq = NULL
+            if L.a.q_a_norm == NULL:
+                raise ValueError(f"DecodeLayers: layer {i}'s q LoRA needs q_a_norm")
+        else:
+            self._mat(spec, "wq", &L.a.wq, self.act, qw, D, i)
+            self._vec(spec, "wq_bias", qw, i, &L.a.bq)
+            L.a.bq_a = L.a.bq_b = L.a.q_a_norm = NULL
+        self._mat(spec, "wkv_a", &L.a.wkv_a, self.act, m.R + m.Dr, D, i)
+        self._vec(spec, "wkv_a_bias", m.R + m.Dr, i, &L.a.bkv_a)
+        self._vec(spec, "kv_a_norm", m.R, i, &L.a.kv_a_norm)
+        if L.a.kv_a_norm == NULL:
+            raise ValueError(f"DecodeLayers: layer {i} needs kv_a_norm")
+        self._mat(spec, "kv_b", &L.a.kvb, 0, H * (m.Dn + m.Dv), m.R, i)
+        self._mat(spec, "wo", &L.wo, self.act, D, H * m.Dv, i)
+        self._vec(spec, "wo_bias", D, i, &L.wo_bias)
+
+    cdef _load_biased(self, spec, DLayer *L, int i):
+        """Layer i's biased experts: biases flattened (E*I, E*I, E*D), the activation."""
+        cdef Py_ssize_t E = L.g.n_experts, I = L.g.rows, D = self.m.D
+        if L.K > BIASED_MAX_K:
+            raise ValueError(f"DecodeLayers: layer {i} routes to {L.K} biased experts, at "
+                             f"most {BIASED_MAX_K}")
+        self._vec(spec, "b_gate", E * I, i, &L.bx.bg)
+        self._vec(spec, "b_up", E * I, i, &L.bx.bu)
+        self._vec(spec, "b_down", E * D, i, &L.bx.bd)
+        L.bx.swiglu_oai = spec["swiglu_oai"]
+        L.bx.alpha, L.bx.limit = spec["alpha"], spec["limit"]
+
     cdef int _ensure(self) except -1:
         """Reload the weights' row kernels when the ISA path changed (as PreparedLinear)."""
         if self.isa != _isa:
@@ -254,11 +339,18 @@ cdef class DecodeLayers:
         cdef const DLayer *L
         for i in range(self.m.n_layers):
             L = &self.m.layers[i]
-            b = _linear_bytes(1, &L.qkv, self.m.threads)
+            if L.mla:
+                b = _mla_work_bytes(&L.a, self.m.H, self.m.Dn, self.m.Dr, self.m.Dv, slots,
+                                    self.m.threads, self.m.Rq > 0)
+            else:
+                b = _linear_bytes(1, &L.qkv, self.m.threads)
             n = b if b > n else n
             b = _linear_bytes(1, &L.wo, self.m.threads)
             n = b if b > n else n
-            b = _ffn_bytes(1, L.K if L.moe else 1, &L.g, &L.u, &L.d, self.m.threads)
+            if L.biased:
+                b = _biased_bytes(L.K, &L.g, &L.u, &L.d)
+            else:
+                b = _ffn_bytes(1, L.K if L.moe else 1, &L.g, &L.u, &L.d, self.m.threads)
             n = b if b > n else n
             if L.moe:
                 b = _linear_bytes(1, &L.router, self.m.threads)
@@ -328,7 +420,8 @@ cdef class DecodeBinding:
 
     def _bind(self, list k_planes, list v_planes):
         """Check the cache planes (one (1, Hkv, S, Dh) array of one storage dtype per layer,
-        as KVCache makes them) and keep their addresses."""
+        as KVCache makes them; MLA: (1, 1, S, Rkv) latents and (1, 1, S, Dr) rotary keys) and
+        keep their addresses."""
         cdef DModel *m = &self.layers.m
         cdef Py_ssize_t kd[4]
         cdef Py_ssize_t vd[4]
@@ -340,12 +433,14 @@ cdef class DecodeBinding:
         for i in range(m.n_layers):
             self.b.kp[i] = <char *>_kv(k_planes[i], f"k[{i}]", 4, kd, &kfmt)
             self.b.vp[i] = <char *>_kv(v_planes[i], f"v[{i}]", 4, vd, &vfmt)
-            for j in range(4):
+            for j in range(3):
                 if kd[j] != vd[j]:
                     raise ValueError(f"DecodeBinding: layer {i}'s key and value planes differ")
-            if kd[0] != 1 or kd[1] != m.Hkv or kd[3] != m.Dh or (i > 0 and kd[2] != S):
-                raise ValueError(f"DecodeBinding: layer {i}'s planes are {k_planes[i].shape}, "
-                                 f"expected (1, {m.Hkv}, S, {m.Dh}) for every layer")
+            if (kd[0] != 1 or kd[1] != m.kvh or kd[3] != m.kw or vd[3] != m.vw
+                    or (i > 0 and kd[2] != S)):
+                raise ValueError(f"DecodeBinding: layer {i}'s planes are {k_planes[i].shape} "
+                                 f"and {v_planes[i].shape}, expected (1, {m.kvh}, S, {m.kw}) "
+                                 f"and (1, {m.kvh}, S, {m.vw}) for every layer")
             if kfmt != vfmt or (i > 0 and kfmt != fmt):
                 raise ValueError("DecodeBinding: the planes differ in storage dtype")
             fmt, S = kfmt, kd[2]
@@ -361,6 +456,8 @@ cdef class DecodeBinding:
         cdef DModel *m = &self.layers.m
         cdef Py_ssize_t need = (4 * 5 * m.E_max + 8 * m.K_max + 4 * m.D + 8 + 10 * 64
                                 + self.layers._work_bytes(self.b.S))
+        if m.mla:
+            need += _mla_buf_bytes(m.H, m.Dn, m.Dr, m.Dv, m.R, m.Rq)
         if need > self.cap:
             self.scratch = np.empty(need + 64, dtype=np.uint8)
             self.cap = need
@@ -395,103 +492,3 @@ cdef class DecodeBinding:
         with nogil:
             bad = _decode_step(m, &self.b, slot, cp, sp, base)
         return bad
-
-
-cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t slot, const float *cos,
-                             const float *sin, char *cur) noexcept nogil:
-    """Every layer for one token (see DecodeBinding.step); -1 or the layer of NaN logits."""
-    cdef Py_ssize_t D = m.D, H = m.H, Hkv = m.Hkv, Dh = m.Dh, nq = m.nq, nk = m.nk
-    cdef Py_ssize_t i, j, e, start, n, S = b.S, es = b.es
-    cdef int th = m.threads, nth
-    cdef const DLayer *ly
-    cdef float *logits = <float *>_carve(&cur, 4 * m.E_max)
-    cdef float *rp = <float *>_carve(&cur, 4 * m.E_max)           # routing scratch: p,
-    cdef float *rkey = <float *>_carve(&cur, 4 * m.E_max)         # key,
-    cdef float *rgs = <float *>_carve(&cur, 4 * m.E_max)          # group scores,
-    cdef int32_t *rgids = <int32_t *>_carve(&cur, 4 * m.E_max)    # group ids
-    cdef int32_t *ids = <int32_t *>_carve(&cur, 4 * m.K_max)
-    cdef float *wts = <float *>_carve(&cur, 4 * m.K_max)
-    cdef float *s = <float *>_carve(&cur, 4 * D)                  # the shared expert's output
-    cdef int32_t *one_id = <int32_t *>_carve(&cur, 4)
-    cdef float *one_w = <float *>_carve(&cur, 4)
-    cdef char *work = cur
-    cdef float *q_heads = b.qkv
-    cdef float *k_heads = b.qkv + nq
-    cdef float *v_heads = b.qkv + nq + nk
-    cdef float gv, z
-    cdef double t0, t1
-    cdef RouteJob job
-    one_id[0] = 0
-    one_w[0] = 1.0
-    for j in range(N_STAGES):
-        b.sec[j] = 0.0
-    t0 = colibri_stage_clock()
-    for i in range(m.n_layers):
-        ly = &m.layers[i]
-        # attention: norm, q|k|v, q/k norms, clip, RoPE, cache write + attention, wo
-        colibri_rms_norm_rows(b.h, D, 1, D, ly.attn_norm, m.eps, b.xa, D)
-        _linear_core(b.xa, 1, &ly.qkv, ly.qkv_bias, b.qkv, 0, th, work)
-        if ly.qk_norm == QK_FULL:
-            colibri_rms_norm_rows(q_heads, nq, 1, nq, ly.q_norm, m.eps, q_heads, nq)
-            colibri_rms_norm_rows(k_heads, nk, 1, nk, ly.k_norm, m.eps, k_heads, nk)
-        if ly.clip:
-            colibri_clip_into(b.qkv, ly.clip_c, nq + 2 * nk)
-        if ly.qk_norm == QK_PER_HEAD:
-            colibri_rms_norm_rows(q_heads, Dh, H, Dh, ly.q_norm, m.eps, q_heads, Dh)
-            colibri_rms_norm_rows(k_heads, Dh, Hkv, Dh, ly.k_norm, m.eps, k_heads, Dh)
-        if m.h_rope > 0:
-            colibri_rope_rows(q_heads, Dh, H + Hkv, m.h_rope, cos, sin)
-        start = slot + 1 - ly.window if ly.window and slot >= ly.window else 0
-        n = slot + 1 - start
-        for j in range(Hkv):
-            colibri_kv_store(b.fmt, b.kp[i] + (j * S + slot) * Dh * es, k_heads + j * Dh, Dh)
-            colibri_kv_store(b.fmt, b.vp[i] + (j * S + slot) * Dh * es, v_heads + j * Dh, Dh)
-        nth = _attend_team(Hkv, n, Dh, th)
-        _attend_core(b.fmt, q_heads, b.kp[i] + start * Dh * es, b.vp[i] + start * Dh * es,
-                     b.att, S * Dh, Dh, n, H, Hkv, Dh, m.scale, nth, <float *>work)
-        _linear_core(b.att, 1, &ly.wo, ly.wo_bias, b.o, 0, th, work)
-        if m.has_rmult:
-            colibri_scale_into(b.o, m.rmult, D)
-        colibri_add_into(b.h, b.o, D)
-        colibri_rms_norm_rows(b.h, D, 1, D, ly.ffn_norm, m.eps, b.xf, D)
-        t1 = colibri_stage_clock()
-        b.sec[STAGE_ATTENTION] += t1 - t0
-        t0 = t1
-        if ly.moe:
-            # the router (f32 activations) and one token's top-k, as PreparedRoute
-            _linear_core(b.xf, 1, &ly.router, ly.router_bias, logits, 0, th, work)
-            for e in range(ly.E):
-                if logits[e] != logits[e]:
-                    return i
-            job.n_group, job.topk_group, job.bias = ly.n_group, ly.topk_group, ly.corr_bias
-            _route_token(logits, ly.E, ly.K, ly.rule, ly.norm_topk, False, 0, ly.thresh, 0,
-                         rp, rkey, ids, wts, &job, rgs, rgids)
-            if ly.rscale != 1.0:
-                for j in range(ly.K):
-                    wts[j] = wts[j] * ly.rscale
-            t1 = colibri_stage_clock()
-            b.sec[STAGE_ROUTER] += t1 - t0
-            t0 = t1
-            _ffn_core(b.xf, ids, wts, 1, ly.K, &ly.g, &ly.u, &ly.d, b.y, th, work)
-            t1 = colibri_stage_clock()
-            b.sec[STAGE_EXPERTS] += t1 - t0
-            t0 = t1
-            if ly.shared:
-                _ffn_core(b.xf, one_id, one_w, 1, 1, &ly.sg, &ly.su, &ly.sd, s, th, work)
-                if ly.gated:
-                    _linear_core(b.xf, 1, &ly.sgate, NULL, &z, 0, th, work)
-                    gv = colibri_gate_sigmoid(z)
-                    colibri_scale_into(s, gv, D)
-                colibri_add_into(b.y, s, D)
-                t1 = colibri_stage_clock()
-                b.sec[STAGE_SHARED] += t1 - t0
-                t0 = t1
-        else:
-            _ffn_core(b.xf, one_id, one_w, 1, 1, &ly.g, &ly.u, &ly.d, b.y, th, work)
-            t1 = colibri_stage_clock()
-            b.sec[STAGE_DENSE] += t1 - t0
-            t0 = t1
-        if m.has_rmult:
-            colibri_scale_into(b.y, m.rmult, D)
-        colibri_add_into(b.h, b.y, D)
-    return -1

@@ -133,33 +133,67 @@ cdef class PreparedMLA:
                              "must not overlap")
         if self.isa != _isa:
             self._load()
-        colibri_kv_store(lfmt, lc + slot * R * es, cp, R)          # the new token's rows
-        colibri_kv_store(kfmt, kc + slot * Dr * es, krp, Dr)
-        cdef Py_ssize_t n = slot + 1
-        cdef int nth = _team(<double>(H * (Dn + Dv) * self.m.row_stride + n * (R + Dr) * es),
-                             self.threads)
-        if nth > H:
-            nth = <int>H
-        cdef Py_ssize_t hper = (H + nth - 1) // nth
-        if hper > COLIBRI_MLA_MAX_HEADS:
-            hper = COLIBRI_MLA_MAX_HEADS
-        cdef Py_ssize_t items = (H + hper - 1) // hper
-        cdef Py_ssize_t xsum_pad = (R // 32 + 16) // 16 * 16
-        cdef Py_ssize_t per = (COLIBRI_GEMM_NR * COLIBRI_GEMM_KC + xsum_pad
-                               + (hper * n + 15) // 16 * 16)
-        cdef Py_ssize_t total = nth * per + 2 * H * R + 16
-        cdef char *mem = <char *>malloc(4 * total)
+        cdef Py_ssize_t total = _mla_floats(&self.m, H, Dn, Dv, Dr, slot + 1, es, self.threads)
+        cdef char *mem = <char *>malloc(4 * total + 64)
         if mem == NULL:
             raise MemoryError(f"PreparedMLA: no memory for {total} floats of scratch")
         cdef float *base = <float *>(mem + (64 - (<size_t>mem) % 64) % 64)
-        cdef MlaJob job
-        job.w, job.q, job.qr, job.lat, job.rot = &self.m, qp, rp, lc, kc
-        job.scratch, job.ql, job.ol, job.out = base, base + nth * per, base + nth * per + H * R, op
-        job.per_worker, job.qs, job.n, job.H, job.Dn, job.Dv = per, qd[1], n, H, Dn, Dv
-        job.R, job.Dr, job.hper, job.xsum_pad = R, Dr, hper, xsum_pad
-        job.isa, job.fmt, job.scale = _isa, lfmt, scale
         try:
             with nogil:
-                colibri_pool_run(nth, _mla_task, &job, items)
+                _mla_core(&self.m, lfmt, qp, qd[1], rp, lc, kc, cp, krp, slot, H, Dn, Dv, Dr,
+                          scale, self.threads, base, op)
         finally:
             free(mem)
+
+
+cdef inline Py_ssize_t _mla_plan(const Wmat *w, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dv,
+                                 Py_ssize_t Dr, Py_ssize_t n, Py_ssize_t es, int threads,
+                                 int *nth, Py_ssize_t *hper, Py_ssize_t *xsum_pad
+                                 ) noexcept nogil:
+    """The team (nth), heads per work item (hper) and xsum padding of an absorbed step over
+    n cached positions (cache element size es); returns the floats of one worker's
+    scratch (panel, group sums, scores)."""
+    cdef Py_ssize_t R = w.cols
+    nth[0] = _team(<double>(H * (Dn + Dv) * w.row_stride + n * (R + Dr) * es), threads)
+    if nth[0] > H:
+        nth[0] = <int>H
+    hper[0] = (H + nth[0] - 1) // nth[0]
+    if hper[0] > COLIBRI_MLA_MAX_HEADS:
+        hper[0] = COLIBRI_MLA_MAX_HEADS
+    xsum_pad[0] = (R // 32 + 16) // 16 * 16
+    return COLIBRI_GEMM_NR * COLIBRI_GEMM_KC + xsum_pad[0] + (hper[0] * n + 15) // 16 * 16
+
+
+cdef Py_ssize_t _mla_floats(const Wmat *w, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dv,
+                            Py_ssize_t Dr, Py_ssize_t n, Py_ssize_t es,
+                            int threads) noexcept nogil:
+    """Floats of scratch _mla_core needs over n positions (from a 64-aligned base)."""
+    cdef int nth
+    cdef Py_ssize_t hper, xsum_pad
+    cdef Py_ssize_t per = _mla_plan(w, H, Dn, Dv, Dr, n, es, threads, &nth, &hper, &xsum_pad)
+    return nth * per + 2 * H * w.cols + 16
+
+
+cdef void _mla_core(const Wmat *w, int fmt, const float *q, Py_ssize_t qs, const float *qr,
+                    char *lc, char *kc, const float *c_new, const float *kr_new,
+                    Py_ssize_t slot, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dv, Py_ssize_t Dr,
+                    float scale, int threads, float *base, float *out) noexcept nogil:
+    """PreparedMLA's work once its arguments are checked (the compiled decode step's MLA
+    too): c_new (Rkv,) and kr_new (Dr,) stored to slot `slot` of sequence 0's latent plane lc
+    (S, Rkv) and rotary plane kc (S, Dr) (storage format fmt), then out (H*Dv) = the heads'
+    attention over slots 0..slot from q (H, qs) (q_nope its first Dn columns) and qr (H, Dr);
+    base: _mla_floats(...) floats, 64-aligned."""
+    cdef Py_ssize_t R = w.cols, es = 4 if fmt == COLIBRI_F32 else 2, n = slot + 1
+    colibri_kv_store(fmt, lc + slot * R * es, c_new, R)         # the new token's rows
+    colibri_kv_store(fmt, kc + slot * Dr * es, kr_new, Dr)
+    cdef int nth
+    cdef Py_ssize_t hper, xsum_pad
+    cdef Py_ssize_t per = _mla_plan(w, H, Dn, Dv, Dr, n, es, threads, &nth, &hper, &xsum_pad)
+    cdef Py_ssize_t items = (H + hper - 1) // hper
+    cdef MlaJob job
+    job.w, job.q, job.qr, job.lat, job.rot = w, q, qr, lc, kc
+    job.scratch, job.ql, job.ol, job.out = base, base + nth * per, base + nth * per + H * R, out
+    job.per_worker, job.qs, job.n, job.H, job.Dn, job.Dv = per, qs, n, H, Dn, Dv
+    job.R, job.Dr, job.hper, job.xsum_pad = R, Dr, hper, xsum_pad
+    job.isa, job.fmt, job.scale = _isa, fmt, scale
+    colibri_pool_run(nth, _mla_task, &job, items)

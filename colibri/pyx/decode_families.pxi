@@ -1,0 +1,210 @@
+# colibri/pyx/decode_families.pxi: what DeepSeek's, GPT-OSS's and the LayerNorm families'
+# layers add to the compiled decode step (decode_layer.pxi), as nogil calls on its scratch:
+#   - _norm_row: the model's norm of a row, RMSNorm or LayerNorm (PhiMoE, DBRX:
+#     norms.layer_norm's operations in NumPy's summation order, csrc/decode_layer.h);
+#   - _mla_attention: MLA.decode (colibri/mla.py) — the q projection (or q LoRA: wq_a, its
+#     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
+#     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
+#   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi: the same
+#     BiasedJob, the same two pool jobs, the same scratch layout and order of the sums), on
+#     carved scratch instead of the per-process buffer.
+# The same C functions in the same order as the Python step, so the same bits.
+
+from libc.string cimport memcpy
+
+cdef extern from "csrc/decode_layer.h" nogil:
+    void colibri_layer_norm_row(const float *x, Py_ssize_t n, const float *weight,
+                                const float *bias, float eps, float *out)
+
+BIASED_TOP_K_MAX = BIASED_MAX_K     # the experts per token _biased_token takes
+
+ctypedef struct DMla:
+    # one layer's latent attention (colibri.mla.MLA): Wmats of the current ISA
+    Wmat wq, wq_a, wq_b, wkv_a    # (H*(Dn+Dr), D) or (Rq, D) + (H*(Dn+Dr), Rq); (Rkv+Dr, D)
+    Wmat kvb                      # kv_b (H*(Dn+Dv), Rkv), f32 activations (PreparedMLA's)
+    const float *bq               # their biases or NULL
+    const float *bq_a
+    const float *bq_b
+    const float *bkv_a
+    const float *q_a_norm         # (Rq,) or NULL (no q LoRA)
+    const float *kv_a_norm        # (Rkv,)
+
+
+ctypedef struct DMlaBuf:
+    # a step's MLA vectors (carved once per binding)
+    float *q                      # (H, Dn+Dr)
+    float *qa                     # (Rq,)
+    float *qr                     # (H, Dr) q_rope, rotated
+    float *ckv                    # (Rkv + Dr,) kv_a's output
+    float *c                      # (Rkv,) the normed latent
+    float *kr                     # (Dr,) k_rope, rotated
+    float *o                      # (H*Dv,) the heads' output
+
+
+ctypedef struct DBiased:
+    # one layer's biased / swigluoai experts (colibri.moe.BiasedExperts)
+    const float *bg               # (E, I), (E, I), (E, D) or NULL
+    const float *bu
+    const float *bd
+    bint swiglu_oai               # else silu(g) * u
+    float alpha, limit
+
+
+cdef Py_ssize_t _mla_buf_bytes(Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv,
+                               Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
+    return 4 * (H * (Dn + Dr) + Rq + H * Dr + 2 * R + 2 * Dr + H * Dv) + 7 * 64
+
+
+cdef void _mla_carve(char **cur, DMlaBuf *mb, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
+                     Py_ssize_t Dv, Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
+    mb.q = <float *>_carve(cur, 4 * H * (Dn + Dr))
+    mb.qa = <float *>_carve(cur, 4 * Rq)
+    mb.qr = <float *>_carve(cur, 4 * H * Dr)
+    mb.ckv = <float *>_carve(cur, 4 * (R + Dr))
+    mb.c = <float *>_carve(cur, 4 * R)
+    mb.kr = <float *>_carve(cur, 4 * Dr)
+    mb.o = <float *>_carve(cur, 4 * H * Dv)
+
+
+cdef Py_ssize_t _mla_work_bytes(const DMla *a, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
+                                Py_ssize_t Dv, Py_ssize_t slots, int threads,
+                                bint lora) noexcept nogil:
+    """Scratch any one call of _mla_attention needs over up to `slots` positions."""
+    cdef Py_ssize_t n = 0, b, m
+    cdef int nth
+    cdef Py_ssize_t hper, xp, per
+    for nth in range(1, threads + 1):     # _mla_plan's team grows with the cache: any size
+        hper = (H + nth - 1) // nth
+        if hper > COLIBRI_MLA_MAX_HEADS:
+            hper = COLIBRI_MLA_MAX_HEADS
+        xp = (a.kvb.cols // 32 + 16) // 16 * 16
+        per = COLIBRI_GEMM_NR * COLIBRI_GEMM_KC + xp + (hper * slots + 15) // 16 * 16
+        m = 4 * (nth * per + 2 * H * a.kvb.cols + 16)
+        n = m if m > n else n
+    if lora:
+        b = _linear_bytes(1, &a.wq_a, threads)
+        n = b if b > n else n
+        b = _linear_bytes(1, &a.wq_b, threads)
+    else:
+        b = _linear_bytes(1, &a.wq, threads)
+    n = b if b > n else n
+    b = _linear_bytes(1, &a.wkv_a, threads)
+    return b if b > n else n
+
+
+cdef void _mla_attention(const DMla *a, const DMlaBuf *mb, const float *x, int fmt,
+                         char *lat, char *rot, Py_ssize_t slot, Py_ssize_t H,
+                         Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv, Py_ssize_t Rq,
+                         float latent_eps, float scale, const float *cos, const float *sin,
+                         int threads, char *work) noexcept nogil:
+    """MLA.decode up to its output projection: x (D,) normed -> mb.o (H*Dv), the latent and
+    rotated key written to slot `slot` of sequence 0's planes lat (S, Rkv) / rot (S, Dr)."""
+    cdef Py_ssize_t R = a.kvb.cols, qs = Dn + Dr, h
+    cdef Py_ssize_t hr = Dr // 2
+    if Rq > 0:                                        # q LoRA: wq_b(RMSNorm(wq_a(x)))
+        _linear_core(x, 1, &a.wq_a, a.bq_a, mb.qa, 0, threads, work)
+        colibri_rms_norm_rows(mb.qa, Rq, 1, Rq, a.q_a_norm, latent_eps, mb.qa, Rq)
+        _linear_core(mb.qa, 1, &a.wq_b, a.bq_b, mb.q, 0, threads, work)
+    else:
+        _linear_core(x, 1, &a.wq, a.bq, mb.q, 0, threads, work)
+    for h in range(H):                                # q_rope, contiguous, rotated
+        memcpy(mb.qr + h * Dr, mb.q + h * qs + Dn, 4 * Dr)
+    colibri_rope_rows(mb.qr, Dr, H, hr, cos, sin)
+    _linear_core(x, 1, &a.wkv_a, a.bkv_a, mb.ckv, 0, threads, work)
+    colibri_rms_norm_rows(mb.ckv, R, 1, R, a.kv_a_norm, latent_eps, mb.c, R)
+    memcpy(mb.kr, mb.ckv + R, 4 * Dr)
+    colibri_rope_rows(mb.kr, Dr, 1, hr, cos, sin)
+    _mla_core(&a.kvb, fmt, mb.q, qs, mb.qr, lat, rot, mb.c, mb.kr, slot, H, Dn, Dv, Dr,
+              scale, threads, <float *>work, mb.o)
+
+
+cdef Py_ssize_t _biased_bytes(Py_ssize_t K, const Wmat *g, const Wmat *u,
+                              const Wmat *d) noexcept nogil:
+    """PreparedBiasedExperts' scratch for one token and K experts."""
+    cdef Py_ssize_t I = g.rows, D = g.cols
+    cdef bint qx = g.iact or u.iact
+    return (4 * (g.xsum_cols + u.xsum_cols) + 4 * K * (2 * I + d.xsum_cols + D) + 6 * 64
+            + (_act_bytes(1, D, g.wide or u.wide) if qx else 0)
+            + (_act_bytes(K, I, d.wide) if d.iact else 0))
+
+
+cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBiased *bx,
+                        const float *x, const int32_t *ids, const float *wts, Py_ssize_t K,
+                        float *y, int threads, char *cur) noexcept nogil:
+    """PreparedBiasedExperts(x, ids, weights, y) for one token of K <= BIASED_MAX_K experts
+    (ids in range), on cur (_biased_bytes(K, ...) bytes, 64-aligned)."""
+    cdef int32_t experts[BIASED_MAX_K]
+    cdef float wk[BIASED_MAX_K]
+    cdef Py_ssize_t k, i, I = g.rows, D = g.cols
+    cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
+    cdef bint qx = g.iact or u.iact
+    cdef BiasedJob j
+    cdef int nth
+    for k in range(K):                   # insertion sort by expert id, stable
+        i = k
+        while i > 0 and experts[i - 1] > ids[k]:
+            experts[i], wk[i] = experts[i - 1], wk[i - 1]
+            i -= 1
+        experts[i], wk[i] = ids[k], wts[k]
+    j.g, j.u, j.d = g, u, d
+    j.bg, j.bu, j.bd = bx.bg, bx.bu, bx.bd
+    j.x, j.y, j.K, j.D, j.I = x, y, K, D, I
+    j.experts, j.rows, j.wk = experts, experts, wk
+    j.swiglu_oai, j.alpha, j.limit = bx.swiglu_oai, bx.alpha, bx.limit
+    j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
+    j.ah = j.ax
+    j.xsg = <float *>_carve(&cur, 4 * sg)
+    j.xsu = <float *>_carve(&cur, 4 * su)
+    j.hg = <float *>_carve(&cur, 4 * K * I)
+    j.h = <float *>_carve(&cur, 4 * K * I)
+    j.xsd = <float *>_carve(&cur, 4 * K * sd)
+    j.og = <float *>_carve(&cur, 4 * K * D)
+    if qx:
+        _carve_act(&cur, &j.ax, 1, D, g.wide or u.wide)
+        _quantize_serial(x, 1, D, &j.ax)
+    if d.iact:
+        _carve_act(&cur, &j.ah, K, I, d.wide)
+    if sg > 0:
+        colibri_group_sums(x, D, g.group, <float *>j.xsg)
+    if su > 0:
+        colibri_group_sums(x, D, u.group, <float *>j.xsu)
+    nth = _team(<double>K * (I * (g.row_stride + u.row_stride) + D * d.row_stride), threads)
+    j.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, 1, True)
+    j.nt_gu = (I + j.tr_gu - 1) // j.tr_gu
+    colibri_pool_run(nth, _biased_gateup_task, &j, K * j.nt_gu)
+    if d.iact:                           # h's rows for down, between the two jobs
+        _quantize_serial(j.h, K, I, &j.ah)
+    elif sd > 0:
+        _group_sums_serial(j.h, K, I, d.group, <float *>j.xsd)
+    j.tr_dn = _tile_rows(D, d.row_stride, nth, 1, True)
+    colibri_pool_run(nth, _biased_down_task, &j, (D + j.tr_dn - 1) // j.tr_dn)
+
+
+cdef inline void _norm_row(bint layer_norm, const float *x, Py_ssize_t n, const float *w,
+                           const float *bias, float eps, float *out) noexcept nogil:
+    """The model's norm of one row x (n,) into out: Model._norm_rows_into's, the same bits."""
+    if layer_norm:
+        colibri_layer_norm_row(x, n, w, bias, eps, out)
+    else:
+        colibri_rms_norm_rows(x, n, 1, n, w, eps, out, n)
+
+
+def layer_norm_rows(x, weight, bias, float eps, out):
+    """LayerNorm of the rows of x (N, C) into out (N, C) as the compiled decode step computes
+    it (norms.layer_norm's operations and summation order, the same bits); weight (C,), bias
+    (C,) or None; all float32 C-contiguous."""
+    cdef Py_ssize_t xd[2]
+    cdef Py_ssize_t od[2]
+    cdef Py_ssize_t wd[1]
+    cdef Py_ssize_t bd[1]
+    cdef const float *xp = _f32(x, "x", 2, False, xd)
+    cdef float *op = _f32(out, "out", 2, True, od)
+    cdef const float *wp = _f32(weight, "weight", 1, False, wd)
+    cdef const float *bp = NULL if bias is None else _f32(bias, "bias", 1, False, bd)
+    cdef Py_ssize_t i
+    if od[0] != xd[0] or od[1] != xd[1] or wd[0] != xd[1] or (bias is not None
+                                                             and bd[0] != xd[1]):
+        raise ValueError(f"layer_norm_rows: x ({xd[0]}, {xd[1]}), weight ({wd[0]},), out "
+                         f"({od[0]}, {od[1]}) and bias must agree")
+    for i in range(xd[0]):
+        colibri_layer_norm_row(xp + i * xd[1], xd[1], wp, bp, eps, op + i * xd[1])
