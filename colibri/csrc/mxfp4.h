@@ -385,16 +385,61 @@ COLIBRI_DEF_MX_IDOT(colibri_idot16_mxfp4_avx2, 1, COLIBRI_AVX2_FN, colibri_idot_
     DPWSSD(DPWSSD(DPWSSD(DPWSSD(_mm256_setzero_si256(), c[0], _mm256_loadu_si256(qt)),          \
                          c[1], _mm256_loadu_si256(qt + 1)), c[2], _mm256_loadu_si256(qt + 2)),  \
            c[3], _mm256_loadu_si256(qt + 3))
-#define COLIBRI_MX_DOT8_AVX512VNNI(lo, ql, hi, qh)                                             \
-    COLIBRI_MX_DOT8_VNNI(_mm256_dpbusd_epi32, lo, ql, hi, qh)
-#define COLIBRI_MX_DOT16_AVX512VNNI(c, qt) COLIBRI_MX_DOT16_VNNI(_mm256_dpwssd_epi32, c, qt)
 #define COLIBRI_MX_DOT8_AVXVNNI(lo, ql, hi, qh)                                                \
     COLIBRI_MX_DOT8_VNNI(_mm256_dpbusd_avx_epi32, lo, ql, hi, qh)
 #define COLIBRI_MX_DOT16_AVXVNNI(c, qt) COLIBRI_MX_DOT16_VNNI(_mm256_dpwssd_avx_epi32, c, qt)
-COLIBRI_DEF_MX_CHUNK(avx512vnni, COLIBRI_AVX512VNNI_INLINE, COLIBRI_MX_DOT8_AVX512VNNI,
-                     COLIBRI_MX_DOT16_AVX512VNNI)
 COLIBRI_DEF_MX_CHUNK(avxvnni, COLIBRI_AVXVNNI_INLINE, COLIBRI_MX_DOT8_AVXVNNI,
                      COLIBRI_MX_DOT16_AVXVNNI)
+
+/* avx512vnni: the chunk in 512 bits, as vnni.h's q4 / q8 chunks (avx512_int.h has the lane
+ * layout and the fold): int8 [lo | hi] against the 64 code bytes at 64 k, one vpdpbusd;
+ * int16 lo and hi widened (zero-extended, 128-bit lanes reordered 0 2 1 3: [c0 | c1],
+ * [c2 | c3] of the AVX2 chunk) against the runs at 128 k and 128 k + 64, two vpdpwssd. The
+ * same block sums, so the avx2 path's bits. */
+COLIBRI_AVX512VNNI_INLINE void colibri_mx_ichunk_avx512vnni(const int WIDE, const uint8_t *wq,
+                                                            const int8_t *q, ptrdiff_t qs,
+                                                            const int n, const int32_t *s,
+                                                            ptrdiff_t ds, __m256i *isum,
+                                                            const int NT)
+{
+    __m512i u[2][COLIBRI_MAX_NT], pk[COLIBRI_MAX_NT];
+    int k, t;
+    for (t = 0; t < NT; t++) pk[t] = _mm512_setzero_si512();    /* (set at k = 0; for gcc) */
+    for (k = 0; k < 4; k++) {                                  /* pair k: blocks 2k, 2k+1 */
+        __m256i lo = _mm256_setzero_si256(), hi = lo;
+        __m512i c01, c23, z8;
+        if (2 * k < n) colibri_mx_ipair_avx2(wq + 32 * k, 2 * k + 1 < n, &lo, &hi);
+        if (WIDE) {
+            c01 = _mm512_cvtepu8_epi16(lo);
+            c23 = _mm512_cvtepu8_epi16(hi);
+            c01 = _mm512_shuffle_i64x2(c01, c01, _MM_SHUFFLE(3, 1, 2, 0));
+            c23 = _mm512_shuffle_i64x2(c23, c23, _MM_SHUFFLE(3, 1, 2, 0));
+        } else {
+            z8 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        for (t = 0; t < NT; t++) {
+            __m512i p = _mm512_setzero_si512();
+            if (2 * k < n) {
+                if (WIDE) {
+                    const int8_t *qt = q + t * qs + 128 * k;
+                    p = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(p, c01, _mm512_loadu_si512(qt)),
+                                            c23, _mm512_loadu_si512(qt + 64));
+                } else {
+                    p = _mm512_dpbusd_epi32(p, z8, _mm512_loadu_si512(q + t * qs + 64 * k));
+                }
+            }
+            if (k & 1)
+                u[k >> 1][t] = colibri_ifold2_512(pk[t], p);
+            else
+                pk[t] = p;
+        }
+    }
+    for (t = 0; t < NT; t++) {                        /* - 12 sum q = - (s + s / 2) */
+        const __m256i st = _mm256_loadu_si256((const __m256i *)(const void *)(s + t * ds));
+        isum[t] = _mm256_sub_epi32(colibri_ifold4_512(u[0][t], u[1][t]),
+                                   _mm256_add_epi32(st, _mm256_srai_epi32(st, 1)));
+    }
+}
 COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avx512vnni_body, COLIBRI_AVX512VNNI_INLINE,
                          colibri_mx_ichunk_avx512vnni)
 COLIBRI_DEF_MX_IDOT_BODY(colibri_idot_mxfp4_avxvnni_body, COLIBRI_AVXVNNI_INLINE,
