@@ -49,6 +49,7 @@ __all__ = [
     "attend_cached_sinks_into", "kv_widen_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
     "prepare_biased_experts",
+    "prepare_biased_experts_grouped",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -577,5 +578,36 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
     return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                          activation, float(alpha), float(limit),
+                                          resolve_threads(threads), activations, n_experts)
+
+
+# NumPy's float32 exp loop was found at import: the compiled calls that reproduce np.exp
+# (prepare_biased_experts_grouped, the decode step's shared-expert gate) can run
+EXP_LOOP: bool = bool(_kernels.EXP_LOOP)
+
+
+def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
+                                   b_gate: np.ndarray | None, b_up: np.ndarray | None,
+                                   b_down: np.ndarray | None, activation: str, alpha: float,
+                                   limit: float, *, threads: int | None = None,
+                                   activations: str = "f32", n_experts: int | None = None
+                                   ) -> Callable[..., None]:
+    """Routed experts with biases and / or swigluoai over T token rows (moe.BiasedExperts'
+    prefill and ragged steps) as one compiled call, the arguments of prepare_biased_experts.
+
+    Returns p with p(x, ids, weights, out): x float32 (T, D), ids int32 (T, K), weights
+    float32 (T, K), out float32 (T, D) (may be x), all C-contiguous: moe.BiasedExperts.
+    reference's result bit for bit (the slots grouped by expert once; each expert's gate /
+    up / down rows over its tokens as a prepared linear of them would run them, biases
+    added after; the activation NumPy's operations with NumPy's exp; the weighted outputs
+    added per token in ascending expert order). Over an arena, p(x, ids, weights, out,
+    slots) with slots int32 (T, K), as prepare_biased_experts. RuntimeError if NumPy's
+    float32 exp loop was not found (EXP_LOOP False).
+    """
+    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    return _kernels.PreparedBiasedGrouped(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)

@@ -1,8 +1,10 @@
 """BiasedExperts (colibri/moe.py, GPT-OSS's experts: biases, swigluoai) on MXFP4 stacks:
 against a NumPy reference (decoded weights, float64), and bit for bit against the plain
 per-expert composition of kernels.linear calls (what it did before it grouped and prepared
-its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts with many tokens on int16 activations run the f32 GEMM path
-(moe.MXFP4_GEMM_TOKENS)."""
+its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts
+with many tokens take each matrix's GEMM path as kernels.linear does (on int8 / int16
+activations the integer GEMM, csrc/igemm.h). tests/test_biased_experts_prefill.py has the
+grouped call against BiasedExperts.reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 from colibri import kernels as K, mxfp4
 from colibri import _reference as R
-from colibri.moe import MXFP4_GEMM_TOKENS, BiasedExperts, swigluoai
+from colibri.moe import BiasedExperts, swigluoai
 from colibri.weights import WeightRef
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -37,13 +39,11 @@ def reference(be: BiasedExperts, x, ids, wts) -> np.ndarray:
     weights, the activations quantized as the kernels do), the activation in float32 as
     transformers; an expert's activations as BiasedExperts picks them."""
     bits = {"f32": 0, "int16": 16, "int8": 8}[be.activations]
-    counts = np.bincount(ids.reshape(-1), minlength=E)
 
     def lin(v, w, b, e):
-        b_ = 0 if bits == 16 and counts[e] >= MXFP4_GEMM_TOKENS else bits
-        if not b_:
+        if not bits:
             return R.linear_ref(v, w, b, expert=e)
-        return R.linear_iact_ref(v, w, b, expert=e, bits=b_)
+        return R.linear_iact_ref(v, w, b, expert=e, bits=bits)
 
     y = np.zeros((x.shape[0], D))
     for t in range(x.shape[0]):
@@ -65,8 +65,7 @@ def per_expert_calls(be: BiasedExperts, x, ids, wts) -> np.ndarray:
     acc = np.zeros((x.shape[0], D), F32)
     for e, group in zip(experts_.tolist(), np.split(order, starts[1:])):
         tokens = group // ids.shape[1]
-        act = ("f32" if be.activations == "int16" and len(group) >= MXFP4_GEMM_TOKENS
-               else be.activations)
+        act = be.activations
         xs = np.ascontiguousarray(x[tokens])
         g = K.linear(xs, be.w_gate, be.b_gate[e], expert=e, threads=2, activations=act)
         u = K.linear(xs, be.w_up, be.b_up[e], expert=e, threads=2, activations=act)
@@ -116,20 +115,3 @@ def test_out_may_be_x_and_repeated_ids():
     y = be(x, ids, wts, x)
     assert y is x
     np.testing.assert_array_equal(x, want)
-
-
-def test_many_tokens_take_f32_activations_on_int16():
-    """An expert with >= MXFP4_GEMM_TOKENS tokens gives the f32-activation bits on int16;
-    with fewer, the int16 kernels' (another result)."""
-    rng = rng_for("biased-gemm")
-    b16, b32 = experts(rng, "int16"), None
-    b32 = BiasedExperts(b16.w_gate, b16.w_up, b16.w_down, b16.b_gate, b16.b_up, b16.b_down,
-                        "swigluoai", ALPHA, LIMIT, 2, "f32")
-    x = rng.standard_normal((MXFP4_GEMM_TOKENS, D)).astype(F32)
-    ids = np.tile(np.array([[1, 3]], np.int32), (MXFP4_GEMM_TOKENS, 1))
-    wts = rng.random(ids.shape).astype(F32)
-    np.testing.assert_array_equal(b16(x, ids, wts, np.empty_like(x)),
-                                  b32(x, ids, wts, np.empty_like(x)))
-    few = slice(0, MXFP4_GEMM_TOKENS - 1)
-    assert not np.array_equal(b16(x[few], ids[few], wts[few], np.empty_like(x[few])),
-                              b32(x[few], ids[few], wts[few], np.empty_like(x[few])))
