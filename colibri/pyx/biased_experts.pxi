@@ -261,7 +261,7 @@ ctypedef struct GroupedJob:
     const int64_t *tpos         # (TK,) token t's positions at t*K.., ascending
     const int32_t *active       # (n_active,) the experts with slots, ascending
     const int32_t *srow         # (E,) each expert's stack row (its id, or its arena slot)
-    Py_ssize_t n_active, tr_gu, nt_gu, tr_dn
+    Py_ssize_t n_active, tr_gu, nt_gu, tr_dn, nt_dn
     const float *weights        # (T, K)
     float *y                    # (T, D)
     bint qx
@@ -319,28 +319,29 @@ cdef void _grouped_gateup_task(void *ctx, Py_ssize_t it) noexcept nogil:
 
 
 cdef void _grouped_down_task(void *ctx, Py_ssize_t it) noexcept nogil:
-    """Work item it: rows r0..r1 of down (+ bias) of every active expert for its positions,
-    then y[t, r0:r1] = sum of w * og over token t's positions in ascending order (ascending
-    expert id, a repeated id in k order: BiasedExperts.reference's order of the sums)."""
+    """Work item it: rows r0..r1 of down (+ bias) of active expert it / nt_dn for all its
+    positions (the expert's h rows stay in cache across its tiles)."""
     cdef const GroupedJob *j = <const GroupedJob *>ctx
-    cdef Py_ssize_t D = j.D, I = j.I, r0 = it * j.tr_dn, r1 = r0 + j.tr_dn, a, e, p0, t, k, c, p
-    cdef Py_ssize_t sd = j.d.xsum_cols
-    cdef float *yt
+    cdef Py_ssize_t e = j.active[it // j.nt_dn], D = j.D, I = j.I
+    cdef Py_ssize_t r0 = (it % j.nt_dn) * j.tr_dn, r1 = r0 + j.tr_dn, p0 = j.offsets[e]
     if r1 > D:
         r1 = D
-    for a in range(j.n_active):
-        e = j.active[a]
-        p0 = j.offsets[e]
-        _linear_rows(j.d, j.srow[e], j.h + p0 * I, j.offsets[e + 1] - p0, j.xsd + p0 * sd,
-                     _act_at(&j.ah, p0), NULL if j.bd == NULL else j.bd + e * D,
-                     j.og + p0 * D, D, r0, r1)
-    for t in range(j.T):
-        yt = j.y + t * D + r0
-        for c in range(r1 - r0):
-            yt[c] = 0.0
-        for k in range(j.K):
-            p = j.tpos[t * j.K + k]
-            colibri_bx_weighted_add(yt, j.og + p * D + r0, j.weights[j.slots[p]], r1 - r0)
+    _linear_rows(j.d, j.srow[e], j.h + p0 * I, j.offsets[e + 1] - p0,
+                 j.xsd + p0 * j.d.xsum_cols, _act_at(&j.ah, p0),
+                 NULL if j.bd == NULL else j.bd + e * D, j.og + p0 * D, D, r0, r1)
+
+
+cdef void _grouped_combine_task(void *ctx, Py_ssize_t t) noexcept nogil:
+    """Token t: y[t] = the sum of w * og over its positions in ascending order (ascending
+    expert id, a repeated id in k order: BiasedExperts.reference's order of the sums)."""
+    cdef const GroupedJob *j = <const GroupedJob *>ctx
+    cdef Py_ssize_t D = j.D, k, c, p
+    cdef float *yt = j.y + t * D
+    for c in range(D):
+        yt[c] = 0.0
+    for k in range(j.K):
+        p = j.tpos[t * j.K + k]
+        colibri_bx_weighted_add(yt, j.og + p * D, j.weights[j.slots[p]], D)
 
 
 cdef class PreparedBiasedGrouped:
@@ -466,8 +467,8 @@ cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wma
                        const int32_t *ids, const int32_t *slot_rows, Py_ssize_t E, int nth,
                        Py_ssize_t gbytes, char *cur) noexcept nogil:
     """PreparedBiasedGrouped's work on its scratch cur (jp: the call's arguments set, all
-    checked; E the biases' experts): group the slots, then three pool jobs: gather, gate /
-    up / activation, down / combine."""
+    checked; E the biases' experts): group the slots, then four pool jobs: gather, gate /
+    up / activation, down (tiles of one expert, as gate / up), the combine per token."""
     cdef GroupedJob j = jp[0]
     cdef Wmat g = gw[0], u = uw[0], d = dw[0]
     cdef Py_ssize_t T = j.T, K = j.K, D = g.cols, I = g.rows, TK = T * K, p, e, t, k, i, n
@@ -519,8 +520,10 @@ cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wma
     j.g, j.u, j.d = &g, &u, &d
     j.offsets, j.slots, j.tpos, j.active, j.srow = offsets, slots, tpos, active, srow
     j.n_active = n_active
-    # tiles as expert_ffn's: gate / up tiles whole groups (q4 down: its group sums) or
-    # 32-blocks (down on the idot path) of h, and whole panels on a GEMM path
+    # row tiles of one expert (its token rows stay in cache across them, where tiles of
+    # every expert would stream each expert's h once per tile: measured slower at pp128):
+    # gate / up tiles whole groups (q4 down: its group sums) or 32-blocks (down on the idot
+    # path) of h, and whole panels on a GEMM path
     cdef Py_ssize_t align_gu = d.group if d.xsum_cols > 0 else (32 if d.iact else 1), align_dn = 1
     cdef Py_ssize_t nr_gu = COLIBRI_IGEMM_NR if g.iact else COLIBRI_GEMM_NR
     if gbytes > 0:
@@ -529,10 +532,9 @@ cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wma
     cdef bint one_pass = max_tokens <= COLIBRI_MAX_NT
     j.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, align_gu, one_pass)
     j.nt_gu = (I + j.tr_gu - 1) // j.tr_gu
-    j.tr_dn = _tile_rows(D, _GEMM_TILE_ROW_BYTES if gbytes else d.row_stride, nth, align_dn,
-                         one_pass)
-    if j.tr_dn < 16 and D >= 16 * 4 * nth:
-        j.tr_dn = 16
+    j.tr_dn = _tile_rows(D, d.row_stride, nth, align_dn, one_pass)
+    j.nt_dn = (D + j.tr_dn - 1) // j.tr_dn
     colibri_pool_run(nth, _grouped_gather_task, &j, TK)
     colibri_pool_run(nth, _grouped_gateup_task, &j, n_active * j.nt_gu)
-    colibri_pool_run(nth, _grouped_down_task, &j, (D + j.tr_dn - 1) // j.tr_dn)
+    colibri_pool_run(nth, _grouped_down_task, &j, n_active * j.nt_dn)
+    colibri_pool_run(nth, _grouped_combine_task, &j, T)
