@@ -50,6 +50,7 @@ __all__ = [
     "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
     "prepare_biased_experts",
     "prepare_biased_experts_grouped",
+    "mxfp4_f32_activations",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -585,6 +586,16 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
 # NumPy's float32 exp loop was found at import: the compiled calls that reproduce np.exp
 # (prepare_biased_experts_grouped, the decode step's shared-expert gate) can run
 EXP_LOOP: bool = bool(_kernels.EXP_LOOP)
+
+
+def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
+    """True when the biased experts (moe.BiasedExperts) run matrix w for an expert of n
+    tokens on f32 activations (the f32 GEMM path) instead of `activations`: an MXFP4 matrix
+    on int16 activations, from 8 tokens, below the integer GEMM's crossover on the current
+    ISA path (where the int16 row kernel would run: the slower there)."""
+    if not isinstance(w, WeightRef):
+        raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
+    return _kernels.mxfp4_f32_activations(w, activations, int(n))
 
 
 def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,

@@ -105,7 +105,7 @@ class BiasedExperts:
     def __post_init__(self):
         self._stacks = (self.w_gate, self.w_up, self.w_down)
         self._biases = (self.b_gate, self.b_up, self.b_down)
-        self._prepared: dict[tuple[int, int], Callable] = {}
+        self._prepared: dict[tuple[int, int, str], Callable] = {}
         args = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down,
                 self.activation, self.alpha, self.limit)
         kw = dict(threads=self.threads, activations=self.activations, n_experts=self.n_experts)
@@ -115,14 +115,19 @@ class BiasedExperts:
         self._grouped = (kernels.prepare_biased_experts_grouped(*args, **kw)
                          if kernels.EXP_LOOP else None)
 
-    def _linear(self, j: int, e: int, s: int) -> Callable[[np.ndarray, np.ndarray], None]:
-        """Matrix j (0 gate, 1 up, 2 down) of expert e at stack row s: its prepared linear,
+    def _linear(self, j: int, e: int, n: int, s: int
+                ) -> Callable[[np.ndarray, np.ndarray], None]:
+        """Matrix j (0 gate, 1 up, 2 down) of expert e at stack row s, for n tokens: its
+        prepared linear (on f32 activations where kernels.mxfp4_f32_activations says so),
         then its bias added."""
-        p = self._prepared.get((j, s))
+        act = ("f32" if kernels.mxfp4_f32_activations(self._stacks[j], self.activations, n)
+               else self.activations)
+        key = (j, s, act)
+        p = self._prepared.get(key)
         if p is None:
             p = kernels.prepare_linear(self._stacks[j].expert(s), threads=self.threads,
-                                       activations=self.activations)
-            self._prepared[(j, s)] = p
+                                       activations=act)
+            self._prepared[key] = p
         b = self._biases[j]
         if b is None:
             return p
@@ -166,12 +171,12 @@ class BiasedExperts:
             xs = x if T == 1 and n == 1 else np.ascontiguousarray(x[tokens])
             g = np.empty((n, I), dtype=np.float32)
             u = np.empty((n, I), dtype=np.float32)
-            self._linear(0, e, s)(xs, g)
-            self._linear(1, e, s)(xs, u)
+            self._linear(0, e, n, s)(xs, g)
+            self._linear(1, e, n, s)(xs, u)
             h = (_swigluoai_into(g, u, self.alpha, self.limit) if self.activation == "swigluoai"
                  else _silu_mul_into(g, u))
             y = np.empty((n, D), dtype=np.float32)
-            self._linear(2, e, s)(h, y)
+            self._linear(2, e, n, s)(h, y)
             y *= w_slot[group][:, None]
             if n == 1:
                 acc[tokens[0]] += y[0]

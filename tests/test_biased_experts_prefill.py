@@ -95,6 +95,22 @@ def test_grouped_call_is_the_reference_bit_for_bit(isa, fmt, activations):
                                       f"{isa} {fmt} {activations} T={T}")
 
 
+def test_int16_mxfp4_without_the_integer_gemm(isa):
+    """Where the integer GEMM does not take an expert's tokens (igemm_min_tokens 10^9, as on
+    the avx2 path), an int16 MXFP4 expert with >= 8 tokens runs on f32 activations
+    (kernels.mxfp4_f32_activations), the others on the int16 row kernel: the reference's
+    bits, and not those with the integer GEMM on."""
+    rng = rng_for("bx-f32-twin")
+    be = experts(rng, "mxfp4", "int16")
+    x, ids, wts = case(rng, 40)
+    with_igemm = grouped(be, x, ids, wts)
+    runtime.set_igemm_min_tokens(10 ** 9)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert counts.max() >= 8 and counts.min() < 8
+    np.testing.assert_array_equal(grouped(be, x, ids, wts), spec(be, x, ids, wts))
+    assert not np.array_equal(grouped(be, x, ids, wts), with_igemm)
+
+
 @pytest.mark.parametrize("activations", ["f32", "int16"])
 def test_silu_bf16_and_no_biases(isa, activations):
     """The silu activation, bf16 stacks (the f32 path for every activations setting), no

@@ -236,12 +236,39 @@ cdef extern from "csrc/biased_experts.h" nogil:
     void colibri_bx_weighted_add(float *y, const float *o, float w, Py_ssize_t n)
 
 
+cdef enum:
+    # an expert with at least this many tokens runs an MXFP4 matrix on f32 activations (the
+    # f32 GEMM path) when the model's are int16 and the integer GEMM does not take that
+    # many: the int16 row kernel decodes each weight block again per 3 tokens
+    # (docs/performance.md changes 27, 31: on the avx2 path, 2880 x 2880, 1 thread, from 8
+    # tokens the f32 GEMM is the faster; avx512vnni takes the integer GEMM from 4)
+    MXFP4_F32_TOKENS = 8
+
+
+cdef inline bint _mx_f32(const Wmat *m, Py_ssize_t n) noexcept nogil:
+    """Matrix m (loaded for the call's activations) runs n tokens on f32 activations."""
+    return m.fmt == COLIBRI_MXFP4 and m.wide and n >= MXFP4_F32_TOKENS and n < _gemm_min_for(m)
+
+
+def mxfp4_f32_activations(w, activations, Py_ssize_t n):
+    """True when the biased experts run matrix w (a WeightRef) for an expert of n tokens on
+    f32 activations instead of `activations` (int16 MXFP4, MXFP4_F32_TOKENS or more tokens,
+    fewer than the integer GEMM's crossover on this ISA path): BiasedExperts.reference asks
+    this, the grouped call decides the same way."""
+    cdef Wmat m
+    keep = _load(w, "w", &m, _activations(activations))
+    return bool(_mx_f32(&m, n))
+
+
 ctypedef struct GroupedJob:
     # one grouped call; positions p index the (token, k) slots grouped by expert id: expert e
     # owns positions offsets[e]..offsets[e+1], its slots in ascending (t, k) order
     const Wmat *g
     const Wmat *u
     const Wmat *d
+    const Wmat *gf              # the same matrices for f32 activations (_mx_f32)
+    const Wmat *uf
+    const Wmat *df
     const float *bg             # (E, I) biases or NULL
     const float *bu
     const float *bd             # (E, D) or NULL
@@ -300,9 +327,11 @@ cdef void _grouped_gateup_task(void *ctx, Py_ssize_t it) noexcept nogil:
     cdef Py_ssize_t sd = j.d.xsum_cols
     if r1 > I:
         r1 = I
-    _linear_rows(j.g, w, j.xg + p0 * D, n, j.xsg + p0 * j.g.xsum_cols, _act_at(&j.ax, p0),
+    _linear_rows(j.gf if _mx_f32(j.g, n) else j.g, w, j.xg + p0 * D, n,
+                 j.xsg + p0 * j.g.xsum_cols, _act_at(&j.ax, p0),
                  NULL if j.bg == NULL else j.bg + e * I, j.hg + p0 * I, I, r0, r1)
-    _linear_rows(j.u, w, j.xg + p0 * D, n, j.xsu + p0 * j.u.xsum_cols, _act_at(&j.ax, p0),
+    _linear_rows(j.uf if _mx_f32(j.u, n) else j.u, w, j.xg + p0 * D, n,
+                 j.xsu + p0 * j.u.xsum_cols, _act_at(&j.ax, p0),
                  NULL if j.bu == NULL else j.bu + e * I, j.h + p0 * I, I, r0, r1)
     for p in range(p0, p0 + n):
         if j.swiglu_oai:
@@ -324,9 +353,10 @@ cdef void _grouped_down_task(void *ctx, Py_ssize_t it) noexcept nogil:
     cdef const GroupedJob *j = <const GroupedJob *>ctx
     cdef Py_ssize_t e = j.active[it // j.nt_dn], D = j.D, I = j.I
     cdef Py_ssize_t r0 = (it % j.nt_dn) * j.tr_dn, r1 = r0 + j.tr_dn, p0 = j.offsets[e]
+    cdef Py_ssize_t n = j.offsets[e + 1] - p0
     if r1 > D:
         r1 = D
-    _linear_rows(j.d, j.srow[e], j.h + p0 * I, j.offsets[e + 1] - p0,
+    _linear_rows(j.df if _mx_f32(j.d, n) else j.d, j.srow[e], j.h + p0 * I, n,
                  j.xsd + p0 * j.d.xsum_cols, _act_at(&j.ah, p0),
                  NULL if j.bd == NULL else j.bd + e * D, j.og + p0 * D, D, r0, r1)
 
@@ -354,8 +384,10 @@ cdef class PreparedBiasedGrouped:
     exp: csrc/biased_experts.h), then its down rows with their bias; each token's outputs
     weighted and added in ascending expert order. Stacks and biases as
     PreparedBiasedExperts; over an arena `p(x, ids, weights, out, slots)` reads expert
-    ids[t, k] from stack row slots[t, k] (each expert's first slot: one row per expert)."""
-    cdef Wmat g, u, d
+    ids[t, k] from stack row slots[t, k] (each expert's first slot: one row per expert).
+    An int16 MXFP4 matrix of an expert with many tokens may run on f32 activations
+    (mxfp4_f32_activations), as the reference's."""
+    cdef Wmat g, u, d, gf, uf, df
     cdef object w_gate, w_up, w_down, keep, biases, activations
     cdef const float *bp[3]
     cdef int threads, isa, swiglu_oai
@@ -396,6 +428,7 @@ cdef class PreparedBiasedGrouped:
         keep = []
         _load_ffn(self.w_gate, self.w_up, self.w_down, &self.g, &self.u, &self.d, keep,
                   _activations(self.activations))
+        _load_ffn(self.w_gate, self.w_up, self.w_down, &self.gf, &self.uf, &self.df, keep, 0)
         self.keep, self.isa = keep, _isa
 
     def __call__(self, x, ids, weights, out, slots=None):
@@ -444,6 +477,8 @@ cdef class PreparedBiasedGrouped:
             n_min = _gemm_min_for(u)
         if _gemm_min_for(d) < n_min:
             n_min = _gemm_min_for(d)
+        if (_mx_f32(g, TK) or _mx_f32(u, TK) or _mx_f32(d, TK)) and _gemm_min < n_min:
+            n_min = _gemm_min                # the f32 GEMM of the twins
         cdef Py_ssize_t gbytes = _gemm_bytes(TK, nth, n_min)
         cdef Py_ssize_t nbytes = (8 * (E + 1) + 8 * E + 4 * TK + 8 * TK + 8 * TK + 8 * E
                                   + 4 * TK * (D + sg + su + 2 * I + sd + D) + 16 * 64 + gbytes
@@ -458,19 +493,21 @@ cdef class PreparedBiasedGrouped:
         cdef char *cur = _base(buf)
         try:
             with nogil:
-                _grouped_run(&j, g, u, d, idp, slp, E, nth, gbytes, cur)
+                _grouped_run(&j, g, u, d, &self.gf, &self.uf, &self.df, idp, slp, E, nth,
+                             gbytes, cur)
         finally:
             _give(buf)
 
 
 cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wmat *dw,
+                       const Wmat *gfw, const Wmat *ufw, const Wmat *dfw,
                        const int32_t *ids, const int32_t *slot_rows, Py_ssize_t E, int nth,
                        Py_ssize_t gbytes, char *cur) noexcept nogil:
     """PreparedBiasedGrouped's work on its scratch cur (jp: the call's arguments set, all
     checked; E the biases' experts): group the slots, then four pool jobs: gather, gate /
     up / activation, down (tiles of one expert, as gate / up), the combine per token."""
     cdef GroupedJob j = jp[0]
-    cdef Wmat g = gw[0], u = uw[0], d = dw[0]
+    cdef Wmat g = gw[0], u = uw[0], d = dw[0], gf = gfw[0], uf = ufw[0], df = dfw[0]
     cdef Py_ssize_t T = j.T, K = j.K, D = g.cols, I = g.rows, TK = T * K, p, e, t, k, i, n
     cdef Py_ssize_t n_active = 0, max_tokens = 0
     cdef int64_t *offsets = <int64_t *>_carve(&cur, 8 * (E + 1))
@@ -492,6 +529,9 @@ cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wma
         g.gemm_scratch = <float *>_carve(&cur, gbytes)
         u.gemm_scratch = g.gemm_scratch
         d.gemm_scratch = g.gemm_scratch
+        gf.gemm_scratch = g.gemm_scratch
+        uf.gemm_scratch = g.gemm_scratch
+        df.gemm_scratch = g.gemm_scratch
     j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
     j.ah = j.ax
     if j.qx:
@@ -517,7 +557,7 @@ cdef void _grouped_run(GroupedJob *jp, const Wmat *gw, const Wmat *uw, const Wma
                 tpos[t * K + i] = tpos[t * K + i - 1]
                 i -= 1
             tpos[t * K + i] = v
-    j.g, j.u, j.d = &g, &u, &d
+    j.g, j.u, j.d, j.gf, j.uf, j.df = &g, &u, &d, &gf, &uf, &df
     j.offsets, j.slots, j.tpos, j.active, j.srow = offsets, slots, tpos, active, srow
     j.n_active = n_active
     # row tiles of one expert (its token rows stay in cache across them, where tiles of
