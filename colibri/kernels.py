@@ -583,16 +583,14 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
                                           resolve_threads(threads), activations, n_experts)
 
 
-# NumPy's float32 exp loop was found at import: the compiled calls that reproduce np.exp
-# (prepare_biased_experts_grouped, the decode step's shared-expert gate) can run
+# NumPy's float32 exp loop was found at import (the calls that reproduce np.exp can run)
 EXP_LOOP: bool = bool(_kernels.EXP_LOOP)
 
 
 def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
-    """True when the biased experts (moe.BiasedExperts) run matrix w for an expert of n
-    tokens on f32 activations (the f32 GEMM path) instead of `activations`: an MXFP4 matrix
-    on int16 activations, from 8 tokens, below the integer GEMM's crossover on the current
-    ISA path (where the int16 row kernel would run: the slower there)."""
+    """True when moe.BiasedExperts runs matrix w for an expert of n tokens on f32
+    activations (the f32 GEMM) instead of `activations`: MXFP4 on int16, from 8 tokens,
+    below the integer GEMM's crossover on the current ISA path."""
     if not isinstance(w, WeightRef):
         raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
     return _kernels.mxfp4_f32_activations(w, activations, int(n))
@@ -604,17 +602,15 @@ def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: W
                                    limit: float, *, threads: int | None = None,
                                    activations: str = "f32", n_experts: int | None = None
                                    ) -> Callable[..., None]:
-    """Routed experts with biases and / or swigluoai over T token rows (moe.BiasedExperts'
-    prefill and ragged steps) as one compiled call, the arguments of prepare_biased_experts.
+    """prepare_biased_experts' experts over T token rows (prefill, ragged steps), one call.
 
-    Returns p with p(x, ids, weights, out): x float32 (T, D), ids int32 (T, K), weights
-    float32 (T, K), out float32 (T, D) (may be x), all C-contiguous: moe.BiasedExperts.
-    reference's result bit for bit (the slots grouped by expert once; each expert's gate /
-    up / down rows over its tokens as a prepared linear of them would run them, biases
-    added after; the activation NumPy's operations with NumPy's exp; the weighted outputs
-    added per token in ascending expert order). Over an arena, p(x, ids, weights, out,
-    slots) with slots int32 (T, K), as prepare_biased_experts. RuntimeError if NumPy's
-    float32 exp loop was not found (EXP_LOOP False).
+    Returns p with p(x, ids, weights, out[, slots]): x float32 (T, D), ids int32 (T, K),
+    weights float32 (T, K), out float32 (T, D) (may be x), slots as prepare_biased_experts':
+    moe.BiasedExperts.reference's result bit for bit (slots grouped by expert once; each
+    expert's matrices over its tokens on the path a prepared linear of them takes, biases
+    after; the activation NumPy's operations and exp; the outputs summed per token in
+    ascending expert order). RuntimeError if NumPy's float32 exp loop was not found
+    (EXP_LOOP False).
     """
     for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(ref, WeightRef):
