@@ -1,6 +1,7 @@
-# colibri/pyx/biased_experts.pxi: the decode step (one token) of routed experts with biases
-# and / or the swigluoai activation (GPT-OSS; colibri/moe.py, BiasedExperts) in one nogil
-# call: PreparedBiasedExperts.
+# colibri/pyx/biased_experts.pxi: routed experts with biases and / or the swigluoai
+# activation (GPT-OSS; colibri/moe.py, BiasedExperts) in one nogil call: the decode step's
+# one token (PreparedBiasedExperts), and T token rows grouped by expert (PreparedBiasedGrouped:
+# prefill, the ragged step; BiasedExperts.reference's bits).
 
 cdef extern from "csrc/swigluoai.h" nogil:
     void colibri_swigluoai(int isa, const float *g, float *u, Py_ssize_t n, float alpha,
