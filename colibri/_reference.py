@@ -223,8 +223,8 @@ def fmaf_ref(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 def linear_igemm_ref(x: np.ndarray, w: "WeightRef", bias: np.ndarray | None = None, *,
                      expert: int = 0, bits: int = 8) -> np.ndarray:
-    """linear on the integer GEMM path (activations "int8" bits 8 / "int16" bits 16, q4/q8
-    weights, from runtime.igemm_min_tokens() tokens), bit for bit: x float32 (T, C) ->
+    """linear on the integer GEMM path (activations "int8" bits 8 / "int16" bits 16, q4 / q8 /
+    mxfp4 weights, from runtime.igemm_min_tokens() tokens), bit for bit: x float32 (T, C) ->
     float32 (T, R).
 
     Per (token t, row r): acc = 0; per block b in order acc = fmaf(float32(isum_b),

@@ -49,6 +49,8 @@ __all__ = [
     "attend_cached_sinks_into", "kv_widen_into",
     "prepare_linear", "prepare_route", "prepare_expert_ffn", "prepare_mla_absorbed",
     "prepare_biased_experts",
+    "prepare_biased_experts_grouped",
+    "mxfp4_f32_activations",
 ]
 
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
@@ -577,5 +579,42 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
         if not isinstance(ref, WeightRef):
             raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
     return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
+                                          activation, float(alpha), float(limit),
+                                          resolve_threads(threads), activations, n_experts)
+
+
+# NumPy's float32 exp loop was found at import (the calls that reproduce np.exp can run)
+EXP_LOOP: bool = bool(_kernels.EXP_LOOP)
+
+
+def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
+    """True when moe.BiasedExperts runs matrix w for an expert of n tokens on f32
+    activations (the f32 GEMM) instead of `activations`: MXFP4 on int16, from 8 tokens,
+    below the integer GEMM's crossover on the current ISA path."""
+    if not isinstance(w, WeightRef):
+        raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
+    return _kernels.mxfp4_f32_activations(w, activations, int(n))
+
+
+def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
+                                   b_gate: np.ndarray | None, b_up: np.ndarray | None,
+                                   b_down: np.ndarray | None, activation: str, alpha: float,
+                                   limit: float, *, threads: int | None = None,
+                                   activations: str = "f32", n_experts: int | None = None
+                                   ) -> Callable[..., None]:
+    """prepare_biased_experts' experts over T token rows (prefill, ragged steps), one call.
+
+    Returns p with p(x, ids, weights, out[, slots]): x float32 (T, D), ids int32 (T, K),
+    weights float32 (T, K), out float32 (T, D) (may be x), slots as prepare_biased_experts':
+    moe.BiasedExperts.reference's result bit for bit (slots grouped by expert once; each
+    expert's matrices over its tokens on the path a prepared linear of them takes, biases
+    after; the activation NumPy's operations and exp; the outputs summed per token in
+    ascending expert order). RuntimeError if NumPy's float32 exp loop was not found
+    (EXP_LOOP False).
+    """
+    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    return _kernels.PreparedBiasedGrouped(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)

@@ -68,15 +68,6 @@ def _silu_mul_into(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return u
 
 
-# An expert with at least this many tokens runs its MXFP4 matrices on f32 activations (the
-# GEMM path: the panel decoded once per 64 tokens) when the model asks for int16 ones: the
-# int16 row kernel decodes each weight block again for every 3 tokens and is slower from
-# about 8 tokens on (2880 x 2880, 1 thread, docs/performance.md change 27: 16 tokens f32
-# GEMM 2.6 ms, int16 rows 4.5 ms; int8 rows 1.8 ms, so int8 keeps its row kernel). f32
-# activations are the exact ones, so the result stays within the int16 bounds.
-MXFP4_GEMM_TOKENS = 8
-
-
 @dataclass
 class BiasedExperts:
     """Routed experts with biases and / or the swigluoai activation: `p(x, ids, weights,
@@ -87,11 +78,13 @@ class BiasedExperts:
 
     One token (the decode step): one compiled call (kernels.prepare_biased_experts: the
     chosen experts' gate / up rows, biases and activation on the pool, then their down rows
-    and the weighted sum). More tokens (reference): one pass per chosen expert over its
-    tokens (grouped once per call), each matrix a prepared linear (its weight view checked
-    once, kept per stack row and activations) and its bias added after it (the kernels add
-    a bias the same way: one float32 addition), the activation in place. Either way the
-    expert outputs are added per token in ascending expert order.
+    and the weighted sum). More tokens (prefill, the ragged step of several sequences; or
+    out is x): one compiled call too (kernels.prepare_biased_experts_grouped: the slots
+    grouped by expert once, then per expert its matrices over its tokens), whose bits are
+    those of `reference`, the specification: one pass per chosen expert over its tokens,
+    each matrix a prepared linear (kept per stack row) and its bias added after it (the
+    kernels add a bias the same way: one float32 addition), the activation in NumPy. Either
+    way the expert outputs are added per token in ascending expert order.
 
     Over an expert cache's arena (colibri.expert_cache) the stacks hold its slots (n_slots,
     ...) and n_experts is the biases' E; `p(x, ids, weights, out, slots)` then reads expert
@@ -112,20 +105,23 @@ class BiasedExperts:
     def __post_init__(self):
         self._stacks = (self.w_gate, self.w_up, self.w_down)
         self._biases = (self.b_gate, self.b_up, self.b_down)
-        # per matrix: the activations of an expert with many tokens (see MXFP4_GEMM_TOKENS)
-        self._many = tuple("f32" if self.activations == "int16" and w.dtype == "mxfp4"
-                           else self.activations for w in self._stacks)
         self._prepared: dict[tuple[int, int, str], Callable] = {}
+        args = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down,
+                self.activation, self.alpha, self.limit)
+        kw = dict(threads=self.threads, activations=self.activations, n_experts=self.n_experts)
         # one token (the decode step): every chosen expert in one compiled call
-        self._decode = kernels.prepare_biased_experts(
-            self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down,
-            self.activation, self.alpha, self.limit, threads=self.threads,
-            activations=self.activations, n_experts=self.n_experts)
+        self._decode = kernels.prepare_biased_experts(*args, **kw)
+        # more tokens: one compiled call with reference's bits (it needs NumPy's exp loop)
+        self._grouped = (kernels.prepare_biased_experts_grouped(*args, **kw)
+                         if kernels.EXP_LOOP else None)
 
-    def _linear(self, j: int, e: int, n: int, s: int) -> Callable[[np.ndarray, np.ndarray], None]:
+    def _linear(self, j: int, e: int, n: int, s: int
+                ) -> Callable[[np.ndarray, np.ndarray], None]:
         """Matrix j (0 gate, 1 up, 2 down) of expert e at stack row s, for n tokens: its
-        prepared linear, then its bias added."""
-        act = self._many[j] if n >= MXFP4_GEMM_TOKENS else self.activations
+        prepared linear (on f32 activations where kernels.mxfp4_f32_activations says so),
+        then its bias added."""
+        act = ("f32" if kernels.mxfp4_f32_activations(self._stacks[j], self.activations, n)
+               else self.activations)
         key = (j, s, act)
         p = self._prepared.get(key)
         if p is None:
@@ -144,20 +140,21 @@ class BiasedExperts:
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                  out: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         T, K = ids.shape
-        if T == 1 and not np.may_share_memory(x, out):
-            if slots is None:
-                self._decode(x, ids, weights, out)
-            else:
-                self._decode(x, ids, weights, out, slots)
-            return out
-        return self.reference(x, ids, weights, out, slots)
+        call = (self._decode if T == 1 and not np.may_share_memory(x, out)
+                else self._grouped or self.reference)
+        if slots is None:
+            call(x, ids, weights, out)
+        else:
+            call(x, ids, weights, out, slots)
+        return out
 
     def reference(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                   out: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """__call__ as a Python loop over the chosen experts, one prepared linear per
-        matrix and the activation in NumPy: the path of more than one token, and the
-        specification the one-token compiled call is tested against (the same bits but
-        the activation's exp)."""
+        matrix and the activation in NumPy: the specification the compiled calls are tested
+        against (the grouped one: the same bits; the one-token one: the same bits but the
+        activation's exp), and the path of more than one token where NumPy's exp loop was
+        not found."""
         T, K = ids.shape
         I, D = self.w_gate.rows, self.w_down.rows
         flat = ids.reshape(-1)

@@ -25,7 +25,7 @@ environment variable or else its default. None of them changes a result, only th
   pool, for the small matrices of a small model).
 - ``gemm_min_tokens`` (no variable): tokens per matrix from which f32 activations take the
   prefill (GEMM) path.
-- ``igemm_min_tokens`` (no variable): the same for q8 / q4 matrices on int8 / int16
+- ``igemm_min_tokens`` (no variable): the same for q8 / q4 / mxfp4 matrices on int8 / int16
   activations (the integer GEMM path); 0, the default, takes each path's measured
   crossover (``igemm_crossover(isa, activations)``).
 
@@ -246,7 +246,7 @@ MIN_PARALLEL_BYTES = Knob("min_parallel_bytes", "COLIBRI_MIN_PARALLEL_BYTES", 1 
 # 32; callgrind 0.46 vs 0.60 instructions per multiply-add at 4, 0.55 vs 0.54 at 3).
 GEMM_MIN_TOKENS = Knob("gemm_min_tokens", None, 4, 1,
                        _kernels.get_gemm_min_tokens, _kernels.set_gemm_min_tokens)
-# igemm_min_tokens: the same for a q8 / q4 matrix on int8 / int16 activations: from this many
+# igemm_min_tokens: the same for a q8 / q4 / mxfp4 matrix on int8 / int16 activations: from this many
 # tokens per matrix it takes the integer GEMM path (csrc/igemm.h: a panel of rows decoded
 # once per K-chunk into vpdpbusd / vpdpwssd order, docs/performance.md change 25) instead of
 # the idot row kernel. 0, the default: each ISA path's measured crossover
@@ -271,8 +271,8 @@ spin_us, set_spin_us = SPIN_US.get, SPIN_US.set
 
 
 def igemm_crossover(isa: str | None = None, activations: str = "int16") -> int | None:
-    """Tokens per matrix from which ISA path `isa` (default: the current one) runs q8 / q4
-    matrices on `activations` ("int8" / "int16") on the integer GEMM path when
+    """Tokens per matrix from which ISA path `isa` (default: the current one) runs q8 / q4 /
+    mxfp4 matrices on `activations` ("int8" / "int16") on the integer GEMM path when
     igemm_min_tokens() is 0 (the default); None: that path keeps the row kernel."""
     if activations not in ("int8", "int16"):
         raise ValueError(f"activations must be 'int8' or 'int16', found {activations!r}")

@@ -156,7 +156,7 @@ def test_mxfp4_model_quantized_activations_within_bounds(mx, ref, activations):
     """The MXFP4 experts on int16 / int8 activations (csrc/mxfp4.h's integer bodies) against
     transformers on the same weights: within test_model's INT16_TOL / INT8_TOL
     (docs/accuracy.md), and really another path (the decode step's logits move; a prompt's
-    experts with many tokens run int16 on f32 activations, moe.MXFP4_GEMM_TOKENS)."""
+    experts with many tokens take the integer GEMM path)."""
     import colibri.api as api
     from test_model import INT8_TOL, INT16_TOL, _positions, _rel_err
     m, hf, _ = mx

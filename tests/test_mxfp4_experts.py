@@ -1,16 +1,19 @@
 """BiasedExperts (colibri/moe.py, GPT-OSS's experts: biases, swigluoai) on MXFP4 stacks:
 against a NumPy reference (decoded weights, float64), and bit for bit against the plain
 per-expert composition of kernels.linear calls (what it did before it grouped and prepared
-its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts with many tokens on int16 activations run the f32 GEMM path
-(moe.MXFP4_GEMM_TOKENS)."""
+its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts
+with many tokens take each matrix's GEMM path as kernels.linear does (on int8 / int16
+activations the integer GEMM, csrc/igemm.h), or on int16 where that path does not take them
+the f32 GEMM (kernels.mxfp4_f32_activations). tests/test_biased_experts_prefill.py has the
+grouped call against BiasedExperts.reference."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from colibri import kernels as K, mxfp4
+from colibri import kernels as K, mxfp4, runtime
 from colibri import _reference as R
-from colibri.moe import MXFP4_GEMM_TOKENS, BiasedExperts, swigluoai
+from colibri.moe import BiasedExperts, swigluoai
 from colibri.weights import WeightRef
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -40,7 +43,7 @@ def reference(be: BiasedExperts, x, ids, wts) -> np.ndarray:
     counts = np.bincount(ids.reshape(-1), minlength=E)
 
     def lin(v, w, b, e):
-        b_ = 0 if bits == 16 and counts[e] >= MXFP4_GEMM_TOKENS else bits
+        b_ = 0 if K.mxfp4_f32_activations(w, be.activations, counts[e]) else bits
         if not b_:
             return R.linear_ref(v, w, b, expert=e)
         return R.linear_iact_ref(v, w, b, expert=e, bits=b_)
@@ -65,7 +68,7 @@ def per_expert_calls(be: BiasedExperts, x, ids, wts) -> np.ndarray:
     acc = np.zeros((x.shape[0], D), F32)
     for e, group in zip(experts_.tolist(), np.split(order, starts[1:])):
         tokens = group // ids.shape[1]
-        act = ("f32" if be.activations == "int16" and len(group) >= MXFP4_GEMM_TOKENS
+        act = ("f32" if K.mxfp4_f32_activations(be.w_gate, be.activations, len(group))
                else be.activations)
         xs = np.ascontiguousarray(x[tokens])
         g = K.linear(xs, be.w_gate, be.b_gate[e], expert=e, threads=2, activations=act)
@@ -118,18 +121,31 @@ def test_out_may_be_x_and_repeated_ids():
     np.testing.assert_array_equal(x, want)
 
 
-def test_many_tokens_take_f32_activations_on_int16():
-    """An expert with >= MXFP4_GEMM_TOKENS tokens gives the f32-activation bits on int16;
-    with fewer, the int16 kernels' (another result)."""
-    rng = rng_for("biased-gemm")
-    b16, b32 = experts(rng, "int16"), None
-    b32 = BiasedExperts(b16.w_gate, b16.w_up, b16.w_down, b16.b_gate, b16.b_up, b16.b_down,
-                        "swigluoai", ALPHA, LIMIT, 2, "f32")
-    x = rng.standard_normal((MXFP4_GEMM_TOKENS, D)).astype(F32)
-    ids = np.tile(np.array([[1, 3]], np.int32), (MXFP4_GEMM_TOKENS, 1))
-    wts = rng.random(ids.shape).astype(F32)
-    np.testing.assert_array_equal(b16(x, ids, wts, np.empty_like(x)),
-                                  b32(x, ids, wts, np.empty_like(x)))
-    few = slice(0, MXFP4_GEMM_TOKENS - 1)
-    assert not np.array_equal(b16(x[few], ids[few], wts[few], np.empty_like(x[few])),
-                              b32(x[few], ids[few], wts[few], np.empty_like(x[few])))
+@pytest.mark.parametrize("igemm_from, f32", [(10 ** 9, True), (1, False)])
+def test_many_int16_tokens_without_the_integer_gemm_take_f32(isa, igemm_from, f32):
+    """An expert with >= 8 tokens on int16 gives the f32-activation bits where the integer
+    GEMM does not take it (igemm_min_tokens 10^9: the avx2 path's default), the integer
+    GEMM's int16 bits where it does; fewer tokens: the int16 row kernel either way."""
+    previous = runtime.igemm_min_tokens()
+    runtime.set_igemm_min_tokens(igemm_from)
+    try:
+        rng = rng_for("biased-gemm")
+        b16 = experts(rng, "int16")
+        b32 = BiasedExperts(b16.w_gate, b16.w_up, b16.w_down, b16.b_gate, b16.b_up,
+                            b16.b_down, "swigluoai", ALPHA, LIMIT, 2, "f32")
+        x = rng.standard_normal((8, D)).astype(F32)
+        ids = np.tile(np.array([[1, 3]], np.int32), (8, 1))
+        wts = rng.random(ids.shape).astype(F32)
+        assert K.mxfp4_f32_activations(b16.w_gate, "int16", 8) is f32
+        assert not K.mxfp4_f32_activations(b16.w_gate, "int16", 7)
+        assert not K.mxfp4_f32_activations(b16.w_gate, "int8", 8)
+        same = np.array_equal(b16(x, ids, wts, np.empty_like(x)),
+                              b32(x, ids, wts, np.empty_like(x)))
+        assert same is f32
+        np.testing.assert_array_equal(b16(x, ids, wts, np.empty_like(x)),
+                                      per_expert_calls(b16, x, ids, wts))
+        few = slice(0, 7)
+        assert not np.array_equal(b16(x[few], ids[few], wts[few], np.empty_like(x[few])),
+                                  b32(x[few], ids[few], wts[few], np.empty_like(x[few])))
+    finally:
+        runtime.set_igemm_min_tokens(previous)

@@ -2,7 +2,9 @@
 codes dotted exactly with the activation codes, scale 2^(e - 127) / 2 times the activation
 block's d. Against the NumPy twin (colibri._reference.linear_iact_ref) on every ISA path,
 each SIMD body against the scalar one, the VNNI bodies bit for bit against the AVX2 one.
-Tolerances as tests/test_kernels_activations.py (its iact_magnitude bound)."""
+Tolerances as tests/test_kernels_activations.py (its iact_magnitude bound). The integer GEMM
+path is off here (igemm_min_tokens 10^9: these are the row kernels' tests);
+tests/test_mxfp4_gemm.py has its MXFP4 body."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,6 +21,15 @@ ACTS = [("int8", 8), ("int16", 16)]
 # (tokens, rows, cols): one block, odd block counts, partial last chunks, GPT-OSS's 2880
 SHAPES = [(1, 1, 32), (2, 37, 64), (3, 19, 96), (4, 13, 256), (5, 7, 288), (7, 5, 544),
           (1, 6, 2880), (130, 3, 128)]
+
+
+@pytest.fixture(autouse=True)
+def row_kernels_only():
+    """Every call on the row kernel, whatever its token count (restored after)."""
+    previous = runtime.igemm_min_tokens()
+    runtime.set_igemm_min_tokens(10 ** 9)
+    yield
+    runtime.set_igemm_min_tokens(previous)
 
 
 def mx_weight(rng, shape, scales=(120, 134)) -> WeightRef:

@@ -1,5 +1,5 @@
 /* csrc/igemm.h: the integer-activation GEMM path (prefill with int8 / int16 activation codes
- * against q8 / q4 weights): its scalar specification, the panel decoder, the AVX2, AVX-VNNI
+ * against q8 / q4 / mxfp4 weights): its scalar specification, the panel decoder, the AVX2, AVX-VNNI
  * (256-bit) and AVX-512 VNNI (512-bit) micro-kernels, and its table colibri_igemm_for.
  *
  * The idot row kernels (avx2_int.h, vnni.h) decode each weight block once per pass of 3-4
@@ -20,8 +20,10 @@
  *     isum_b = sum over the 32 columns of block b of code_w * code_a     (exact int32)
  *     acc = 0; for b in block order: acc = fmaf((float)isum_b, s_i,g(b) * d_t,b, acc)
  *     y = acc
- * code_w: the int8 (q8) or nibble - 8 (q4); code_a: the int8 / int16 activation code; d the
- * activation block scale; s_i,g the weight group scale; s_i,g * d a float product, rounded.
+ * code_w: the int8 (q8), nibble - 8 (q4) or twice the FP4 value (mxfp4: 0, +-1, +-2, +-3,
+ * +-4, +-6, +-8, +-12, an integer); code_a: the int8 / int16 activation code; d the
+ * activation block scale; s_i,g the weight group scale (mxfp4: the block's E8M0 scale
+ * halved, 2^(e - 128), exact); s_i,g * d a float product, rounded.
  * The integer sums are exact whatever the instructions (the bounds below), so every body
  * gives these bits: the result of a (row, token) depends on nothing else (not the panel,
  * the micro-kernel shape, the token pass, the thread). It differs in the last bits from the
@@ -30,15 +32,18 @@
  *
  * How the bodies reach exact integer sums (|code_a| <= 127 int8, <= 32767 int16):
  *   VNNI int8 (vpdpbusd, u8 x s8): the panel holds u8 codes: q4 the nibble (0..15), q8 the
- *     byte + 128 (w ^ 0x80); the block sum less 8 sum code_a (q4) or 128 sum code_a (q8)
- *     is the signed one. The activation rows carry s = 8 * sum code_a per block (the row
- *     kernels' q4 fold), so the correction is s or 16 s. Sums <= 32 * 255 * 127 before it.
- *   AVX2 int8 (vpmaddubsw + vpmaddwd with ones): q4 as VNNI (pairs <= 2 * 15 * 127); q8
+ *     byte + 128 (w ^ 0x80), mxfp4 u = code2 + 12 (0..24, mxfp4.h's row-kernel operand); the
+ *     block sum less 8 sum code_a (q4), 128 sum code_a (q8) or 12 sum code_a (mxfp4) is the
+ *     signed one. The activation rows carry s = 8 * sum code_a per block (the row kernels'
+ *     q4 fold), so the correction is s, 16 s or s + s / 2 (s is a multiple of 8: exact).
+ *     Sums <= 32 * 255 * 127 before it.
+ *   AVX2 int8 (vpmaddubsw + vpmaddwd with ones): q4, mxfp4 as VNNI (pairs <= 2 * 24 * 127); q8
  *     holds signed codes and multiplies |w| by sign(code_a, w) (pairs <= 2 * 128 * 127 <
  *     2^15: never saturates), no correction.
  *   AVX-512 VNNI int16: each code split into two s8 halves against the u8 panel, two
  *     vpdpbusd (colibri_irepack_avx512 has the arithmetic).
- *   256-bit int16 (vpdpwssd / vpmaddwd, s16 x s16): the panel holds signed codes (q4 nibble - 8);
+ *   256-bit int16 (vpdpwssd / vpmaddwd, s16 x s16): the panel holds signed codes (q4 nibble - 8,
+ *     mxfp4 code2);
  *     the pair products never reach vpmaddwd's one inexact case (-32768^2 twice), and
  *     |isum| <= 32 * 128 * 32767 < 2^31. (float)isum then rounds (|isum| may pass 2^24) the
  *     same way in every body: round to nearest even (C conversion, vcvtdq2ps).
@@ -50,6 +55,7 @@
 #include "avx2.h"
 #include "vnni.h"
 #include "gemm.h"
+#include "mxfp4.h"
 
 #define COLIBRI_IGEMM_NR 48    /* rows per panel: 3 vectors of 16 (512-bit), 6 of 8 (256) */
 #define COLIBRI_IGEMM_KC 256   /* columns per K-chunk: 8 blocks, one chunk of the d, s order */
@@ -98,10 +104,13 @@ static void colibri_igemm_scalar_body(int fmt, int wide, const uint8_t *row0, pt
                 int32_t isum = 0;
                 float sg;
                 for (c = 32 * b; c < 32 * b + 32; c++) {
-                    int w = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c] : colibri_q4_nibble(row, c) - 8;
+                    int w = fmt == COLIBRI_Q8 ? (int)(int8_t)row[c]
+                            : fmt == COLIBRI_MXFP4 ? colibri_fp4_code2(colibri_mxfp4_nibble(row, c))
+                            : colibri_q4_nibble(row, c) - 8;
                     isum += w * (wide ? qt16[colibri_qpos16(c)] : qt[colibri_qpos(c)]);
                 }
-                sg = colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
+                sg = fmt == COLIBRI_MXFP4 ? 0.5f * colibri_e8m0_to_f32(scales[b])
+                     : colibri_f16_to_f32(colibri_ld_u16(scales + 2 * (32 * b / group)));
                 acc = fmaf((float)isum, sg * d[t * ds + colibri_dpos(b)], acc);
             }
             y[t * ys + i] = acc;
@@ -124,6 +133,8 @@ COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm_q8_scalar, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm_q4_scalar, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm16_q8_scalar, COLIBRI_Q8, 1)
 COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm16_q4_scalar, COLIBRI_Q4, 1)
+COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm_mx_scalar, COLIBRI_MXFP4, 0)
+COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm16_mx_scalar, COLIBRI_MXFP4, 1)
 
 #if COLIBRI_X86
 /* ------------------------------------------------------------------------------------------
@@ -132,9 +143,9 @@ COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm16_q4_scalar, COLIBRI_Q4, 1)
  */
 
 /* What the panel holds (the micro-kernel's operand). */
-enum { COLIBRI_IPANEL_U8 = 0,     /* int8: q4 nibble, q8 byte + 128 (VNNI vpdpbusd) */
-       COLIBRI_IPANEL_S8 = 1,     /* int8: q4 nibble, q8 signed byte (AVX2 vpmaddubsw) */
-       COLIBRI_IPANEL_S16 = 2 };  /* int16: signed codes (q4 nibble - 8) */
+enum { COLIBRI_IPANEL_U8 = 0,     /* int8: q4 nibble, q8 byte + 128, mxfp4 code2 + 12 (VNNI) */
+       COLIBRI_IPANEL_S8 = 1,     /* int8: q4 nibble, q8 signed byte, mxfp4 code2 + 12 (AVX2) */
+       COLIBRI_IPANEL_S16 = 2 };  /* int16: signed codes (q4 nibble - 8, mxfp4 code2) */
 
 static inline int32_t colibri_ld_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -157,14 +168,11 @@ COLIBRI_AVX2_INLINE void colibri_itranspose8x4_avx2(const uint8_t *const p[8], p
     u[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
-/* The 8 f16 scales at p[r] + off of 8 rows as f32, transposed: sc[j * NR + r] = scale j of
- * row r (group 32: a chunk's 8 blocks). */
-COLIBRI_AVX2_INLINE void colibri_iscales8x8_avx2(const uint8_t *const p[8], ptrdiff_t off,
-                                                 float *sc)
+/* a[r] lane j -> sc[j * NR + r] (8 x 8). */
+COLIBRI_AVX2_INLINE void colibri_itranspose8x8_ps_avx2(const __m256 a[8], float *sc)
 {
-    __m256 a[8], t[8], u[8];
+    __m256 t[8], u[8];
     int r;
-    for (r = 0; r < 8; r++) a[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[r] + off)));
     for (r = 0; r < 8; r += 2) {
         t[r] = _mm256_unpacklo_ps(a[r], a[r + 1]);
         t[r + 1] = _mm256_unpackhi_ps(a[r], a[r + 1]);
@@ -182,6 +190,35 @@ COLIBRI_AVX2_INLINE void colibri_iscales8x8_avx2(const uint8_t *const p[8], ptrd
     }
 }
 
+/* The 8 f16 scales at p[r] + off of 8 rows as f32, transposed: sc[j * NR + r] = scale j of
+ * row r (group 32: a chunk's 8 blocks). */
+COLIBRI_AVX2_INLINE void colibri_iscales8x8_avx2(const uint8_t *const p[8], ptrdiff_t off,
+                                                 float *sc)
+{
+    __m256 a[8];
+    int r;
+    for (r = 0; r < 8; r++) a[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p[r] + off)));
+    colibri_itranspose8x8_ps_avx2(a, sc);
+}
+
+/* The same for 8 E8M0 scale bytes per row (mxfp4), halved: 2^(e - 128) (byte 0: 2^-128,
+ * the subnormal colibri_e8m0_to_f32 gives, halved exactly). */
+COLIBRI_AVX2_INLINE void colibri_imxscales8x8_avx2(const uint8_t *const p[8], ptrdiff_t off,
+                                                   float *sc)
+{
+    const __m256 half = _mm256_set1_ps(0.5f);
+    __m256 a[8];
+    int r;
+    for (r = 0; r < 8; r++) {
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p[r] + off)));
+        const __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23),
+                                                _mm256_set1_epi32(0x00400000),
+                                                _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+        a[r] = _mm256_mul_ps(_mm256_castsi256_ps(bits), half);
+    }
+    colibri_itranspose8x8_ps_avx2(a, sc);
+}
+
 /* Blocks b0 .. b0 + kb - 1 (kb <= 8) of rows 0 .. nv8 * 8 - 1 (rows past nr repeat row nr -
  * 1: decoded, never stored) into the panel (KIND) and their scales sc[j * NR + row]. */
 COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, const uint8_t *row0,
@@ -192,14 +229,26 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
     const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     const __m256i m15 = _mm256_set1_epi8(15), m80 = _mm256_set1_epi8((char)0x80);
     const __m256i eight = _mm256_set1_epi8(8);
-    const ptrdiff_t soff = fmt == COLIBRI_Q8 ? cols : cols / 2, bpb = fmt == COLIBRI_Q4 ? 16 : 32;
+    const ptrdiff_t soff = fmt == COLIBRI_Q8 ? cols : cols / 2, bpb = fmt == COLIBRI_Q8 ? 32 : 16;
+    /* mxfp4: nibble -> code2 + 12 (the int8 panels) or code2 (int16), in both lanes */
+    const __m256i mxlut = KIND == COLIBRI_IPANEL_S16
+        ? _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+        : _mm256_setr_epi8(COLIBRI_MX_LUT16, COLIBRI_MX_LUT16);
     ptrdiff_t gi[8];                                   /* block j's group */
     int g, r, j, k;
     for (j = 0; j < kb; j++) gi[j] = 32 * (b0 + j) / group;
     for (g = 0; g < nv8; g++) {
         const uint8_t *p[8];
         for (r = 0; r < 8; r++) p[r] = row0 + (8 * g + r < nr ? 8 * g + r : nr - 1) * rs;
-        if (group == 32 && kb == 8)                    /* 8 rows x 8 scales, transposed */
+        if (fmt == COLIBRI_MXFP4 && kb == 8)
+            colibri_imxscales8x8_avx2(p, soff + b0, sc + 8 * g);
+        else if (fmt == COLIBRI_MXFP4)                 /* E8M0, halved: 2^(e - 128), exact */
+            for (r = 0; r < 8; r++)
+                for (j = 0; j < kb; j++)
+                    sc[j * COLIBRI_IGEMM_NR + 8 * g + r] =
+                        0.5f * colibri_e8m0_to_f32(p[r][soff + b0 + j]);
+        else if (group == 32 && kb == 8)               /* 8 rows x 8 scales, transposed */
             colibri_iscales8x8_avx2(p, soff + 2 * b0, sc + 8 * g);
         else
             for (r = 0; r < 8; r++)
@@ -214,6 +263,19 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
                 for (k = 0; k < 4; k++) {
                     st[k] = _mm256_and_si256(u[k], m15);
                     st[k + 4] = _mm256_and_si256(_mm256_srli_epi16(u[k], 4), m15);
+                }
+            } else if (fmt == COLIBRI_MXFP4) {
+                /* u[k]: bytes 4k..4k+3 = elements 8k..8k+7 (low nibble first) of each row;
+                 * mapped, interleaved into element order (rows 0, 1 | 2, 3 of each lane
+                 * half: steps 2k, 2k+1 of each), the dwords regrouped by step */
+                for (k = 0; k < 4; k++) {
+                    const __m256i l = _mm256_shuffle_epi8(mxlut, _mm256_and_si256(u[k], m15));
+                    const __m256i h = _mm256_shuffle_epi8(
+                        mxlut, _mm256_and_si256(_mm256_srli_epi16(u[k], 4), m15));
+                    const __m256i a = _mm256_shuffle_epi32(_mm256_unpacklo_epi8(l, h), 0xD8);
+                    const __m256i c = _mm256_shuffle_epi32(_mm256_unpackhi_epi8(l, h), 0xD8);
+                    st[2 * k] = _mm256_unpacklo_epi64(a, c);
+                    st[2 * k + 1] = _mm256_unpackhi_epi64(a, c);
                 }
             } else {
                 for (k = 0; k < 4; k++) st[k] = u[k];
@@ -379,11 +441,13 @@ ATTR void NAME(const int fmt, const int WIDE, const uint8_t *panel, const float 
         }                                                                                   \
         for (t = 0; t < MT; t++) {                                                          \
             const int corr = WIDE ? 0 : fmt == COLIBRI_Q4 ? s[t * ds + dp]                  \
+                                      : fmt == COLIBRI_MXFP4                                \
+                                      ? s[t * ds + dp] + (s[t * ds + dp] >> 1)              \
                                       : CORR8 * s[t * ds + dp];                             \
             const __m256 dv = _mm256_set1_ps(d[t * ds + dp]);                               \
             for (v = 0; v < MRV; v++) {                                                     \
                 __m256i i = ia[t][v];                                                       \
-                if (!WIDE && (fmt == COLIBRI_Q4 || CORR8))                                  \
+                if (!WIDE && (fmt != COLIBRI_Q8 || CORR8))                                  \
                     i = _mm256_sub_epi32(i, _mm256_set1_epi32(corr));                       \
                 fa[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i),                           \
                     _mm256_mul_ps(_mm256_loadu_ps(sc + j * COLIBRI_IGEMM_NR + 8 * v), dv),  \
@@ -411,6 +475,8 @@ COLIBRI_DEF_IGEMM_AVX2(colibri_igemm_q8_avx2, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm_q4_avx2, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm16_q8_avx2, COLIBRI_Q8, 1)
 COLIBRI_DEF_IGEMM_AVX2(colibri_igemm16_q4_avx2, COLIBRI_Q4, 1)
+COLIBRI_DEF_IGEMM_AVX2(colibri_igemm_mx_avx2, COLIBRI_MXFP4, 0)
+COLIBRI_DEF_IGEMM_AVX2(colibri_igemm16_mx_avx2, COLIBRI_MXFP4, 1)
 #endif /* COLIBRI_X86 */
 
 #if COLIBRI_VNNI
@@ -429,6 +495,8 @@ COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm_q8_avxvnni, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm_q4_avxvnni, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_q8_avxvnni, COLIBRI_Q8, 1)
 COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_q4_avxvnni, COLIBRI_Q4, 1)
+COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm_mx_avxvnni, COLIBRI_MXFP4, 0)
+COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_mx_avxvnni, COLIBRI_MXFP4, 1)
 
 /* ------------------------------------------------------------------------------------------
  * AVX-512 VNNI (EVEX, 32 registers): vectors of 16 rows, up to 4 tokens x 3 vectors (the
@@ -515,7 +583,8 @@ COLIBRI_AVX512VNNI_INLINE void colibri_imk_avx512vnni_body(
                         (const void *)(ns + j * COLIBRI_IGEMM_NR + 16 * v)), 7));
         }
         for (t = 0; t < MT; t++) {
-            const int corr = fmt == COLIBRI_Q4 ? s[t * ds + dp] : 16 * s[t * ds + dp];
+            const int st = s[t * ds + dp];
+            const int corr = fmt == COLIBRI_Q4 ? st : fmt == COLIBRI_MXFP4 ? st + (st >> 1) : 16 * st;
             const __m512 dv = _mm512_set1_ps(d[t * ds + dp]);
             for (v = 0; v < MRV; v++) {
                 __m512i i = ia[t][v];
@@ -539,16 +608,20 @@ COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm_q8_avx512vnni, COLIBRI_Q8, 0)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm_q4_avx512vnni, COLIBRI_Q4, 0)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm16_q8_avx512vnni, COLIBRI_Q8, 1)
 COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm16_q4_avx512vnni, COLIBRI_Q4, 1)
+COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm_mx_avx512vnni, COLIBRI_MXFP4, 0)
+COLIBRI_DEF_IGEMM_AVX512VNNI(colibri_igemm16_mx_avx512vnni, COLIBRI_MXFP4, 1)
 #endif /* COLIBRI_VNNI */
 
-/* The integer GEMM of (isa, fmt, wide: int16 codes, else int8); NULL unless fmt is q8 or
- * q4. The avx512 path (no VNNI) runs the AVX2 body, as its row kernels do. */
+/* The integer GEMM of (isa, fmt, wide: int16 codes, else int8); NULL unless fmt is q8, q4
+ * or mxfp4. The avx512 path (no VNNI) runs the AVX2 body, as its row kernels do. */
 static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
 {
-    if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
+    if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4 && fmt != COLIBRI_MXFP4) return NULL;
 #define COLIBRI_IGEMM_PICK(SFX)                                                              \
-    return wide ? (fmt == COLIBRI_Q8 ? colibri_igemm16_q8_##SFX : colibri_igemm16_q4_##SFX) \
-                : (fmt == COLIBRI_Q8 ? colibri_igemm_q8_##SFX : colibri_igemm_q4_##SFX);
+    return wide ? (fmt == COLIBRI_Q8 ? colibri_igemm16_q8_##SFX                             \
+                   : fmt == COLIBRI_Q4 ? colibri_igemm16_q4_##SFX : colibri_igemm16_mx_##SFX) \
+                : (fmt == COLIBRI_Q8 ? colibri_igemm_q8_##SFX                               \
+                   : fmt == COLIBRI_Q4 ? colibri_igemm_q4_##SFX : colibri_igemm_mx_##SFX);
     if (isa == COLIBRI_ISA_SCALAR) { COLIBRI_IGEMM_PICK(scalar) }
 #if COLIBRI_VNNI
     if (isa == COLIBRI_ISA_AVX512VNNI) { COLIBRI_IGEMM_PICK(avx512vnni) }

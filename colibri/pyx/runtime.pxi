@@ -91,7 +91,7 @@ cdef Py_ssize_t _NEVER = 1 << 62
 
 
 def set_igemm_min_tokens(Py_ssize_t n):
-    """Tokens per matrix from which a q8 / q4 matrix on int8 / int16 activations uses the
+    """Tokens per matrix from which a q8 / q4 / mxfp4 matrix on int8 / int16 activations uses the
     integer GEMM path (csrc/igemm.h), on every ISA path; 0: each path's own measured
     crossover (igemm_crossover). A huge value turns the path off. >= 0."""
     global _igemm_min
@@ -116,7 +116,7 @@ cdef inline Py_ssize_t _gemm_min_for(const Wmat *m) noexcept nogil:
     activations (m.iact), the f32 one otherwise."""
     if not m.iact:
         return _gemm_min
-    if m.igemm == NULL:                      # mxfp4: no integer GEMM body, the row kernel
+    if m.igemm == NULL:                      # no integer GEMM body: the row kernel
         return _NEVER
     if _igemm_min > 0:
         return _igemm_min

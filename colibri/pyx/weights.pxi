@@ -176,7 +176,7 @@ cdef object _load(object w, str name, Wmat *m, int act=0):
         m.idot = colibri_idot_for(_isa, m.fmt, m.wide)
         m.igemm = colibri_igemm_for(_isa, m.fmt, m.wide)
         m.igemm_min = colibri_igemm_crossover(_isa, m.wide)
-        if m.idot == NULL or (m.igemm == NULL and m.fmt != COLIBRI_MXFP4):   # mxfp4: no igemm
+        if m.idot == NULL or m.igemm == NULL:
             raise RuntimeError(f"{name}: no {ACTIVATIONS[act]} row kernel for format {dtype} "
                                f"on ISA {_isa}")
         # int16: 3 tokens per pass (q4 1024 x 1024 in cache, 12 tokens, 1 thread: 4 per pass
