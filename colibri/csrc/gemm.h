@@ -251,79 +251,105 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
 }
 #undef COLIBRI_PANEL_POS
 
-/* MT tokens x MR rows, 8 column lanes each; lanes read from acc first unless FIRST. Named
- * accumulators, not arrays: GCC 12 keeps an array of vectors in registers but also stores it
- * to the stack on every iteration. */
+/* The micro-kernel: MT tokens x NG row groups, 8 column lanes per row; lanes read from acc
+ * first unless FIRST. One text for the AVX2 body (a group is one row, a vector its 8 lanes)
+ * and the AVX-512 body (a group is a row pair of the PAIRED panel, a vector both rows' 8
+ * lanes), over the vector operations the includer defines before it (COLIBRI_MKV: the
+ * type; _ZERO; _LDA / _STA: an accumulator's lanes from / to acc; _X(p): a token's 8
+ * columns at p, broadcast to every row of a group; _W(p, c): a group's 8 columns c..c+7,
+ * p its first row's start; _AW: floats of acc per group; _GS: panel rows per group). Named
+ * accumulators, not arrays: GCC 12 keeps an array of vectors in registers but also stores
+ * it to the stack on every iteration. */
 #define COLIBRI_MK_TOKENS(X)                                                                 \
     X(0, a00, a01, a02) X(1, a10, a11, a12) X(2, a20, a21, a22) X(3, a30, a31, a32)
-COLIBRI_AVX2_INLINE void colibri_mk_avx2_body(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
-                                              const float *x, ptrdiff_t xs, float *acc,
-                                              ptrdiff_t as, const int MT, const int MR,
-                                              const int FIRST)
-{
-    const __m256 z = _mm256_setzero_ps();
-    __m256 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z,
-           a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z;
-    const float *w1p = w + ws, *w2p = w + 2 * ws;
-    ptrdiff_t c;
 #define COLIBRI_MK_LOAD(T, A0, A1, A2)                                                       \
     if (MT > T) {                                                                           \
-        A0 = _mm256_loadu_ps(acc + T * as);                                                 \
-        if (MR > 1) A1 = _mm256_loadu_ps(acc + T * as + 8);                                 \
-        if (MR > 2) A2 = _mm256_loadu_ps(acc + T * as + 16);                                \
+        A0 = COLIBRI_MKV_LDA(acc + T * as);                                                 \
+        if (NG > 1) A1 = COLIBRI_MKV_LDA(acc + T * as + COLIBRI_MKV_AW);                    \
+        if (NG > 2) A2 = COLIBRI_MKV_LDA(acc + T * as + 2 * COLIBRI_MKV_AW);                \
     }
 #define COLIBRI_MK_FMA(T, A0, A1, A2)                                                        \
     if (MT > T) {                                                                           \
-        const __m256 xv = _mm256_loadu_ps(x + T * xs + c);                                  \
-        A0 = _mm256_fmadd_ps(w0, xv, A0);                                                   \
-        if (MR > 1) A1 = _mm256_fmadd_ps(w1, xv, A1);                                       \
-        if (MR > 2) A2 = _mm256_fmadd_ps(w2, xv, A2);                                       \
+        const COLIBRI_MKV xv = COLIBRI_MKV_X(x + T * xs + c);                               \
+        A0 = COLIBRI_MKV_FMA(w0, xv, A0);                                                   \
+        if (NG > 1) A1 = COLIBRI_MKV_FMA(w1, xv, A1);                                       \
+        if (NG > 2) A2 = COLIBRI_MKV_FMA(w2, xv, A2);                                       \
     }
 #define COLIBRI_MK_STORE(T, A0, A1, A2)                                                      \
     if (MT > T) {                                                                           \
-        _mm256_storeu_ps(acc + T * as, A0);                                                 \
-        if (MR > 1) _mm256_storeu_ps(acc + T * as + 8, A1);                                 \
-        if (MR > 2) _mm256_storeu_ps(acc + T * as + 16, A2);                                \
+        COLIBRI_MKV_STA(acc + T * as, A0);                                                  \
+        if (NG > 1) COLIBRI_MKV_STA(acc + T * as + COLIBRI_MKV_AW, A1);                     \
+        if (NG > 2) COLIBRI_MKV_STA(acc + T * as + 2 * COLIBRI_MKV_AW, A2);                 \
     }
-    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD) }
 #if defined(__clang__)
-#pragma unroll 2
+#define COLIBRI_UNROLL2 _Pragma("unroll 2")
 #elif defined(__GNUC__)
-#pragma GCC unroll 2
+#define COLIBRI_UNROLL2 _Pragma("GCC unroll 2")
+#else
+#define COLIBRI_UNROLL2
 #endif
-    for (c = 0; c < kc8; c += 8) {
-        w0 = _mm256_loadu_ps(w + c);
-        if (MR > 1) w1 = _mm256_loadu_ps(w1p + c);
-        if (MR > 2) w2 = _mm256_loadu_ps(w2p + c);
-        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA)
-    }
-    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE)
-#undef COLIBRI_MK_LOAD
-#undef COLIBRI_MK_FMA
-#undef COLIBRI_MK_STORE
+#define COLIBRI_MK_BODY(NAME, ATTR)                                                          \
+ATTR void NAME(const float *w, ptrdiff_t ws, ptrdiff_t kc8, const float *x, ptrdiff_t xs,    \
+               float *acc, ptrdiff_t as, const int MT, const int NG, const int FIRST)        \
+{                                                                                            \
+    const COLIBRI_MKV z = COLIBRI_MKV_ZERO();                                                \
+    COLIBRI_MKV a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z,      \
+                a22 = z, a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z;                  \
+    const float *w1p = w + COLIBRI_MKV_GS * ws, *w2p = w + 2 * COLIBRI_MKV_GS * ws;          \
+    ptrdiff_t c;                                                                             \
+    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD) }                                       \
+    COLIBRI_UNROLL2                                                                          \
+    for (c = 0; c < kc8; c += 8) {                                                           \
+        w0 = COLIBRI_MKV_W(w, c);                                                            \
+        if (NG > 1) w1 = COLIBRI_MKV_W(w1p, c);                                              \
+        if (NG > 2) w2 = COLIBRI_MKV_W(w2p, c);                                              \
+        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA)                                                    \
+    }                                                                                        \
+    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE)                                                      \
 }
-#undef COLIBRI_MK_TOKENS
 
-COLIBRI_AVX2_FN void colibri_mk_avx2(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
-                                     const float *x, ptrdiff_t xs, float *acc, ptrdiff_t as,
-                                     int mt, int mr, int first)
-{
-#define COLIBRI_MK_CASE(MT, MR)                                                              \
-    if (first) colibri_mk_avx2_body(w, ws, kc8, x, xs, acc, as, MT, MR, 1);                  \
-    else colibri_mk_avx2_body(w, ws, kc8, x, xs, acc, as, MT, MR, 0);                        \
-    return;
-#define COLIBRI_MK_ROWS(MT)                                                                  \
-    if (mr == 3) { COLIBRI_MK_CASE(MT, 3) } else if (mr == 2) { COLIBRI_MK_CASE(MT, 2) }    \
-    else { COLIBRI_MK_CASE(MT, 1) }
-    switch (mt) {
-    case 4: COLIBRI_MK_ROWS(4)
-    case 3: COLIBRI_MK_ROWS(3)
-    case 2: COLIBRI_MK_ROWS(2)
-    default: COLIBRI_MK_ROWS(1)
-    }
-#undef COLIBRI_MK_ROWS
-#undef COLIBRI_MK_CASE
+/* The micro-kernel entry of a path: mt tokens (1..4) x mr rows, the body unrolled for each
+ * (tokens, groups) case; NG: the groups of mr rows. */
+#define COLIBRI_DEF_MK(NAME, ATTR, BODY, NG)                                                 \
+ATTR void NAME(const float *w, ptrdiff_t ws, ptrdiff_t kc8, const float *x, ptrdiff_t xs,    \
+               float *acc, ptrdiff_t as, int mt, int mr, int first)                          \
+{                                                                                            \
+    const int ng = NG(mr);                                                                   \
+    switch (mt * 4 + ng) {                                                                   \
+    COLIBRI_MK_CASES(BODY, 4) COLIBRI_MK_CASES(BODY, 3) COLIBRI_MK_CASES(BODY, 2)            \
+    default: COLIBRI_MK_CASES(BODY, 1)                                                       \
+    }                                                                                        \
 }
+#define COLIBRI_MK_CALL(BODY, MT, G)                                                         \
+    if (first) BODY(w, ws, kc8, x, xs, acc, as, MT, G, 1);                                   \
+    else BODY(w, ws, kc8, x, xs, acc, as, MT, G, 0);                                         \
+    return;
+#define COLIBRI_MK_CASES(BODY, MT)                                                           \
+    case MT * 4 + 3: COLIBRI_MK_CALL(BODY, MT, 3)                                            \
+    case MT * 4 + 2: COLIBRI_MK_CALL(BODY, MT, 2)                                            \
+    case MT * 4 + 1: COLIBRI_MK_CALL(BODY, MT, 1)
+
+#define COLIBRI_MKV __m256
+#define COLIBRI_MKV_ZERO _mm256_setzero_ps
+#define COLIBRI_MKV_LDA _mm256_loadu_ps
+#define COLIBRI_MKV_STA _mm256_storeu_ps
+#define COLIBRI_MKV_FMA _mm256_fmadd_ps
+#define COLIBRI_MKV_X _mm256_loadu_ps
+#define COLIBRI_MKV_W(p, c) _mm256_loadu_ps((p) + (c))
+#define COLIBRI_MKV_AW 8
+#define COLIBRI_MKV_GS 1
+COLIBRI_MK_BODY(colibri_mk_avx2_body, COLIBRI_AVX2_INLINE)
+#define COLIBRI_MK_ROWS_AVX2(mr) (mr)
+COLIBRI_DEF_MK(colibri_mk_avx2, COLIBRI_AVX2_FN, colibri_mk_avx2_body, COLIBRI_MK_ROWS_AVX2)
+#undef COLIBRI_MKV
+#undef COLIBRI_MKV_ZERO
+#undef COLIBRI_MKV_LDA
+#undef COLIBRI_MKV_STA
+#undef COLIBRI_MKV_FMA
+#undef COLIBRI_MKV_X
+#undef COLIBRI_MKV_W
+#undef COLIBRI_MKV_AW
+#undef COLIBRI_MKV_GS
 
 COLIBRI_AVX2_INLINE float colibri_hsum8_avx2(const float *l)
 {
@@ -358,77 +384,27 @@ COLIBRI_DEF_GEMM_AVX2(colibri_gemm_mxfp4_avx2, COLIBRI_MXFP4)
  * broadcasts, 12 FMAs. An odd last row's partner (zeros in the panel) accumulates into the
  * lane slot of row nr, which the driver never reads (nr < NR then). */
 #define COLIBRI_GEMM_MR512 6
-#define COLIBRI_MK_TOKENS(X)                                                                 \
-    X(0, a00, a01, a02) X(1, a10, a11, a12) X(2, a20, a21, a22) X(3, a30, a31, a32)
-COLIBRI_AVX512_INLINE void colibri_mk_avx512_body(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
-                                                  const float *x, ptrdiff_t xs, float *acc,
-                                                  ptrdiff_t as, const int MT, const int NP,
-                                                  const int FIRST)
-{
-    const __m512 z = _mm512_setzero_ps();
-    __m512 a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z, a22 = z,
-           a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z;
-    const float *w1p = w + 2 * ws, *w2p = w + 4 * ws;           /* pairs 1, 2 */
-    ptrdiff_t c;
-#define COLIBRI_MK_LOAD(T, A0, A1, A2)                                                       \
-    if (MT > T) {                                                                           \
-        A0 = _mm512_loadu_ps(acc + T * as);                                                 \
-        if (NP > 1) A1 = _mm512_loadu_ps(acc + T * as + 16);                                \
-        if (NP > 2) A2 = _mm512_loadu_ps(acc + T * as + 32);                                \
-    }
-#define COLIBRI_MK_FMA(T, A0, A1, A2)                                                        \
-    if (MT > T) {                                                                           \
-        const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + T * xs + c));          \
-        A0 = _mm512_fmadd_ps(w0, xv, A0);                                                   \
-        if (NP > 1) A1 = _mm512_fmadd_ps(w1, xv, A1);                                       \
-        if (NP > 2) A2 = _mm512_fmadd_ps(w2, xv, A2);                                       \
-    }
-#define COLIBRI_MK_STORE(T, A0, A1, A2)                                                      \
-    if (MT > T) {                                                                           \
-        _mm512_storeu_ps(acc + T * as, A0);                                                 \
-        if (NP > 1) _mm512_storeu_ps(acc + T * as + 16, A1);                                \
-        if (NP > 2) _mm512_storeu_ps(acc + T * as + 32, A2);                                \
-    }
-    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD) }
-#if defined(__clang__)
-#pragma unroll 2
-#elif defined(__GNUC__)
-#pragma GCC unroll 2
-#endif
-    for (c = 0; c < kc8; c += 8) {
-        w0 = _mm512_load_ps(w + 2 * c);
-        if (NP > 1) w1 = _mm512_load_ps(w1p + 2 * c);
-        if (NP > 2) w2 = _mm512_load_ps(w2p + 2 * c);
-        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA)
-    }
-    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE)
-#undef COLIBRI_MK_LOAD
-#undef COLIBRI_MK_FMA
-#undef COLIBRI_MK_STORE
-}
-#undef COLIBRI_MK_TOKENS
-
-COLIBRI_AVX512_FN void colibri_mk_avx512(const float *w, ptrdiff_t ws, ptrdiff_t kc8,
-                                         const float *x, ptrdiff_t xs, float *acc,
-                                         ptrdiff_t as, int mt, int mr, int first)
-{
-    const int np = (mr + 1) / 2;                                 /* row pairs, 1..3 */
-#define COLIBRI_MK_CASE(MT, NP)                                                              \
-    if (first) colibri_mk_avx512_body(w, ws, kc8, x, xs, acc, as, MT, NP, 1);                \
-    else colibri_mk_avx512_body(w, ws, kc8, x, xs, acc, as, MT, NP, 0);                      \
-    return;
-#define COLIBRI_MK_ROWS(MT)                                                                  \
-    if (np == 3) { COLIBRI_MK_CASE(MT, 3) } else if (np == 2) { COLIBRI_MK_CASE(MT, 2) }    \
-    else { COLIBRI_MK_CASE(MT, 1) }
-    switch (mt) {
-    case 4: COLIBRI_MK_ROWS(4)
-    case 3: COLIBRI_MK_ROWS(3)
-    case 2: COLIBRI_MK_ROWS(2)
-    default: COLIBRI_MK_ROWS(1)
-    }
-#undef COLIBRI_MK_ROWS
-#undef COLIBRI_MK_CASE
-}
+#define COLIBRI_MKV __m512
+#define COLIBRI_MKV_ZERO _mm512_setzero_ps
+#define COLIBRI_MKV_LDA _mm512_loadu_ps
+#define COLIBRI_MKV_STA _mm512_storeu_ps
+#define COLIBRI_MKV_FMA _mm512_fmadd_ps
+#define COLIBRI_MKV_X(p) _mm512_broadcast_f32x8(_mm256_loadu_ps(p))
+#define COLIBRI_MKV_W(p, c) _mm512_load_ps((p) + 2 * (c))
+#define COLIBRI_MKV_AW 16
+#define COLIBRI_MKV_GS 2
+COLIBRI_MK_BODY(colibri_mk_avx512_body, COLIBRI_AVX512_INLINE)
+#define COLIBRI_MK_PAIRS(mr) (((mr) + 1) / 2)                 /* row pairs, 1..3 */
+COLIBRI_DEF_MK(colibri_mk_avx512, COLIBRI_AVX512_FN, colibri_mk_avx512_body, COLIBRI_MK_PAIRS)
+#undef COLIBRI_MKV
+#undef COLIBRI_MKV_ZERO
+#undef COLIBRI_MKV_LDA
+#undef COLIBRI_MKV_STA
+#undef COLIBRI_MKV_FMA
+#undef COLIBRI_MKV_X
+#undef COLIBRI_MKV_W
+#undef COLIBRI_MKV_AW
+#undef COLIBRI_MKV_GS
 
 #define COLIBRI_DEF_GEMM_AVX512(NAME, FMT)                                                   \
     COLIBRI_AVX512_INLINE void NAME##_panel(const int fmt, const uint8_t *row0,             \
