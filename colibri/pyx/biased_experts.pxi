@@ -79,6 +79,72 @@ cdef void _biased_down_task(void *ctx, Py_ssize_t it) noexcept nogil:
             j.y[c] = j.y[c] + j.og[k * D + c] * wk
 
 
+cdef Py_ssize_t _biased_bytes(Py_ssize_t K, const Wmat *g, const Wmat *u,
+                              const Wmat *d) noexcept nogil:
+    """The scratch of a one-token run over K experts (_biased_one)."""
+    cdef Py_ssize_t I = g.rows, D = g.cols
+    cdef bint qx = g.iact or u.iact
+    return (4 * (g.xsum_cols + u.xsum_cols) + 4 * K * (2 * I + d.xsum_cols + D) + 6 * 64
+            + (_act_bytes(1, D, g.wide or u.wide) if qx else 0)
+            + (_act_bytes(K, I, d.wide) if d.iact else 0))
+
+
+cdef void _biased_job(BiasedJob *j, const Wmat *g, const Wmat *u, const Wmat *d,
+                      const float *bg, const float *bu, const float *bd, bint swiglu_oai,
+                      float alpha, float limit, const float *x, float *y, Py_ssize_t K,
+                      const int32_t *experts, const int32_t *rows,
+                      const float *wk) noexcept nogil:
+    """j for one token x (D,) -> y (D,) over K experts sorted by id (their stack rows, their
+    weights), before _biased_one gives it its scratch."""
+    j.g, j.u, j.d = g, u, d
+    j.bg, j.bu, j.bd = bg, bu, bd
+    j.x, j.y, j.K, j.D, j.I = x, y, K, g.cols, g.rows
+    j.experts, j.rows, j.wk = experts, rows, wk
+    j.swiglu_oai, j.alpha, j.limit = swiglu_oai, alpha, limit
+    j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
+    j.ah = j.ax
+
+
+cdef void _biased_one(BiasedJob *j, int threads, char *cur) noexcept nogil:
+    """The one-token run of j on cur (_biased_bytes bytes, 64-aligned): x's activations and
+    group sums, gate / up rows with their biases and the activation (one pool job), h's
+    activations or group sums, then down rows with their bias and the weighted sum (the
+    second job). PreparedBiasedExperts' call and the compiled decode step's
+    (pyx/decode_families.pxi) both run it."""
+    cdef const Wmat *g = j.g
+    cdef const Wmat *u = j.u
+    cdef const Wmat *d = j.d
+    cdef Py_ssize_t K = j.K, I = j.I, D = j.D
+    cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
+    cdef bint qx = g.iact or u.iact
+    cdef int nth
+    j.xsg = <float *>_carve(&cur, 4 * sg)
+    j.xsu = <float *>_carve(&cur, 4 * su)
+    j.hg = <float *>_carve(&cur, 4 * K * I)
+    j.h = <float *>_carve(&cur, 4 * K * I)
+    j.xsd = <float *>_carve(&cur, 4 * K * sd)
+    j.og = <float *>_carve(&cur, 4 * K * D)
+    if qx:
+        _carve_act(&cur, &j.ax, 1, D, g.wide or u.wide)
+        _quantize_serial(j.x, 1, D, &j.ax)
+    if d.iact:
+        _carve_act(&cur, &j.ah, K, I, d.wide)
+    if sg > 0:
+        colibri_group_sums(j.x, D, g.group, <float *>j.xsg)
+    if su > 0:
+        colibri_group_sums(j.x, D, u.group, <float *>j.xsu)
+    nth = _team(<double>K * (I * (g.row_stride + u.row_stride) + D * d.row_stride), threads)
+    j.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, 1, True)
+    j.nt_gu = (I + j.tr_gu - 1) // j.tr_gu
+    colibri_pool_run(nth, _biased_gateup_task, j, K * j.nt_gu)
+    if d.iact:                           # h's rows for down, between the two jobs
+        _quantize_serial(j.h, K, I, &j.ah)
+    elif sd > 0:
+        _group_sums_serial(j.h, K, I, d.group, <float *>j.xsd)
+    j.tr_dn = _tile_rows(D, d.row_stride, nth, 1, True)
+    colibri_pool_run(nth, _biased_down_task, j, (D + j.tr_dn - 1) // j.tr_dn)
+
+
 cdef class PreparedBiasedExperts:
     """BiasedExperts' decode (one token) in one nogil call: `p(x, ids, weights, out)` with x
     (1, D), ids int32 (1, K), weights (1, K), out (1, D) float32 C-contiguous: out = sum
@@ -140,7 +206,7 @@ cdef class PreparedBiasedExperts:
         cdef Py_ssize_t od[2]
         cdef const float *xp = _f32(x, "x", 2, False, xd)
         cdef float *op = _f32(out, "out", 2, True, od)
-        cdef Py_ssize_t D = self.g.cols, I = self.g.rows, E = self.g.n_experts
+        cdef Py_ssize_t D = self.g.cols, E = self.g.n_experts
         if xd[0] != 1 or xd[1] != D or od[0] != 1 or od[1] != D:
             raise ValueError(f"PreparedBiasedExperts: x ({xd[0]}, {xd[1]}) and out ({od[0]}, "
                              f"{od[1]}) must be (1, {D}) (one token)")
@@ -176,53 +242,14 @@ cdef class PreparedBiasedExperts:
             if not 0 <= rows[k] < E:
                 raise ValueError(f"PreparedBiasedExperts: slot {rows[k]} is out of range for "
                                  f"{E} stack rows")
-        cdef const Wmat *g = &self.g
-        cdef const Wmat *u = &self.u
-        cdef const Wmat *d = &self.d
-        cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
-        cdef bint qx = g.iact or u.iact
-        cdef Py_ssize_t nbytes = (4 * (sg + su) + 4 * K * (2 * I + sd + D) + 6 * 64
-                                  + (_act_bytes(1, D, g.wide or u.wide) if qx else 0)
-                                  + (_act_bytes(K, I, d.wide) if d.iact else 0))
-        buf = _take(nbytes)
-        cdef char *cur = _base(buf)
         cdef BiasedJob j
-        cdef int nth
-        j.g, j.u, j.d = g, u, d
-        j.bg, j.bu, j.bd = self.bp[0], self.bp[1], self.bp[2]
-        j.x, j.y, j.K, j.D, j.I = xp, op, K, D, I
-        j.experts, j.rows, j.wk = experts, rows, wk
-        j.swiglu_oai, j.alpha, j.limit = self.swiglu_oai, self.alpha, self.limit
-        j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
-        j.ah = j.ax
+        _biased_job(&j, &self.g, &self.u, &self.d, self.bp[0], self.bp[1], self.bp[2],
+                    self.swiglu_oai, self.alpha, self.limit, xp, op, K, experts, rows, wk)
+        buf = _take(_biased_bytes(K, &self.g, &self.u, &self.d))
+        cdef char *cur = _base(buf)
         try:
             with nogil:
-                j.xsg = <float *>_carve(&cur, 4 * sg)
-                j.xsu = <float *>_carve(&cur, 4 * su)
-                j.hg = <float *>_carve(&cur, 4 * K * I)
-                j.h = <float *>_carve(&cur, 4 * K * I)
-                j.xsd = <float *>_carve(&cur, 4 * K * sd)
-                j.og = <float *>_carve(&cur, 4 * K * D)
-                if qx:
-                    _carve_act(&cur, &j.ax, 1, D, g.wide or u.wide)
-                    _quantize_serial(xp, 1, D, &j.ax)
-                if d.iact:
-                    _carve_act(&cur, &j.ah, K, I, d.wide)
-                if sg > 0:
-                    colibri_group_sums(xp, D, g.group, <float *>j.xsg)
-                if su > 0:
-                    colibri_group_sums(xp, D, u.group, <float *>j.xsu)
-                nth = _team(<double>K * (I * (g.row_stride + u.row_stride) + D * d.row_stride),
-                            self.threads)
-                j.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, 1, True)
-                j.nt_gu = (I + j.tr_gu - 1) // j.tr_gu
-                colibri_pool_run(nth, _biased_gateup_task, &j, K * j.nt_gu)
-                if d.iact:                    # h's rows for down, between the two jobs
-                    _quantize_serial(j.h, K, I, &j.ah)
-                elif sd > 0:
-                    _group_sums_serial(j.h, K, I, d.group, <float *>j.xsd)
-                j.tr_dn = _tile_rows(D, d.row_stride, nth, 1, True)
-                colibri_pool_run(nth, _biased_down_task, &j, (D + j.tr_dn - 1) // j.tr_dn)
+                _biased_one(&j, self.threads, cur)
         finally:
             _give(buf)
 

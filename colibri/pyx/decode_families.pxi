@@ -5,9 +5,9 @@
 #   - _mla_attention: MLA.decode (colibri/mla.py) — the q projection (or q LoRA: wq_a, its
 #     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
 #     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
-#   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi: the same
-#     BiasedJob, the same two pool jobs, the same scratch layout and order of the sums), on
-#     carved scratch instead of the per-process buffer.
+#   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi's
+#     _biased_job / _biased_one: the same run, the same order of the sums), on carved
+#     scratch instead of the per-process buffer.
 # The same C functions in the same order as the Python step, so the same bits.
 
 from libc.string cimport memcpy
@@ -118,66 +118,25 @@ cdef void _mla_attention(const DMla *a, const DMlaBuf *mb, const float *x, int f
               scale, threads, <float *>work, mb.o)
 
 
-cdef Py_ssize_t _biased_bytes(Py_ssize_t K, const Wmat *g, const Wmat *u,
-                              const Wmat *d) noexcept nogil:
-    """PreparedBiasedExperts' scratch for one token and K experts."""
-    cdef Py_ssize_t I = g.rows, D = g.cols
-    cdef bint qx = g.iact or u.iact
-    return (4 * (g.xsum_cols + u.xsum_cols) + 4 * K * (2 * I + d.xsum_cols + D) + 6 * 64
-            + (_act_bytes(1, D, g.wide or u.wide) if qx else 0)
-            + (_act_bytes(K, I, d.wide) if d.iact else 0))
-
-
 cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBiased *bx,
                         const float *x, const int32_t *ids, const float *wts, Py_ssize_t K,
                         float *y, int threads, char *cur) noexcept nogil:
     """PreparedBiasedExperts(x, ids, weights, y) for one token of K <= BIASED_MAX_K experts
-    (ids in range), on cur (_biased_bytes(K, ...) bytes, 64-aligned)."""
+    (ids in range), on cur (_biased_bytes(K, ...) bytes, 64-aligned): the same run
+    (_biased_one, pyx/biased_experts.pxi)."""
     cdef int32_t experts[BIASED_MAX_K]
     cdef float wk[BIASED_MAX_K]
-    cdef Py_ssize_t k, i, I = g.rows, D = g.cols
-    cdef Py_ssize_t sg = g.xsum_cols, su = u.xsum_cols, sd = d.xsum_cols
-    cdef bint qx = g.iact or u.iact
+    cdef Py_ssize_t k, i
     cdef BiasedJob j
-    cdef int nth
     for k in range(K):                   # insertion sort by expert id, stable
         i = k
         while i > 0 and experts[i - 1] > ids[k]:
             experts[i], wk[i] = experts[i - 1], wk[i - 1]
             i -= 1
         experts[i], wk[i] = ids[k], wts[k]
-    j.g, j.u, j.d = g, u, d
-    j.bg, j.bu, j.bd = bx.bg, bx.bu, bx.bd
-    j.x, j.y, j.K, j.D, j.I = x, y, K, D, I
-    j.experts, j.rows, j.wk = experts, experts, wk
-    j.swiglu_oai, j.alpha, j.limit = bx.swiglu_oai, bx.alpha, bx.limit
-    j.ax.q, j.ax.d, j.ax.s, j.ax.qs, j.ax.ds, j.ax.isa, j.ax.wide = NULL, NULL, NULL, 0, 0, 0, 0
-    j.ah = j.ax
-    j.xsg = <float *>_carve(&cur, 4 * sg)
-    j.xsu = <float *>_carve(&cur, 4 * su)
-    j.hg = <float *>_carve(&cur, 4 * K * I)
-    j.h = <float *>_carve(&cur, 4 * K * I)
-    j.xsd = <float *>_carve(&cur, 4 * K * sd)
-    j.og = <float *>_carve(&cur, 4 * K * D)
-    if qx:
-        _carve_act(&cur, &j.ax, 1, D, g.wide or u.wide)
-        _quantize_serial(x, 1, D, &j.ax)
-    if d.iact:
-        _carve_act(&cur, &j.ah, K, I, d.wide)
-    if sg > 0:
-        colibri_group_sums(x, D, g.group, <float *>j.xsg)
-    if su > 0:
-        colibri_group_sums(x, D, u.group, <float *>j.xsu)
-    nth = _team(<double>K * (I * (g.row_stride + u.row_stride) + D * d.row_stride), threads)
-    j.tr_gu = _tile_rows(I, g.row_stride + u.row_stride, nth, 1, True)
-    j.nt_gu = (I + j.tr_gu - 1) // j.tr_gu
-    colibri_pool_run(nth, _biased_gateup_task, &j, K * j.nt_gu)
-    if d.iact:                           # h's rows for down, between the two jobs
-        _quantize_serial(j.h, K, I, &j.ah)
-    elif sd > 0:
-        _group_sums_serial(j.h, K, I, d.group, <float *>j.xsd)
-    j.tr_dn = _tile_rows(D, d.row_stride, nth, 1, True)
-    colibri_pool_run(nth, _biased_down_task, &j, (D + j.tr_dn - 1) // j.tr_dn)
+    _biased_job(&j, g, u, d, bx.bg, bx.bu, bx.bd, bx.swiglu_oai, bx.alpha, bx.limit, x, y,
+                K, experts, experts, wk)
+    _biased_one(&j, threads, cur)
 
 
 cdef inline void _norm_row(bint layer_norm, const float *x, Py_ssize_t n, const float *w,
