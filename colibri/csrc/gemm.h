@@ -252,34 +252,36 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
 #undef COLIBRI_PANEL_POS
 
 /* The micro-kernel: MT tokens x NG row groups, 8 column lanes per row; lanes read from acc
- * first unless FIRST. One text for the AVX2 body (a group is one row, a vector its 8 lanes)
- * and the AVX-512 body (a group is a row pair of the PAIRED panel, a vector both rows' 8
- * lanes), over the vector operations the includer defines before it (COLIBRI_MKV: the
- * type; _ZERO; _LDA / _STA: an accumulator's lanes from / to acc; _X(p): a token's 8
- * columns at p, broadcast to every row of a group; _W(p, c): a group's 8 columns c..c+7,
- * p its first row's start; _AW: floats of acc per group; _GS: panel rows per group). Named
+ * first unless FIRST. One text for the AVX2 body (P = 256: a group is one row, a vector its
+ * 8 lanes) and the AVX-512 body (P = 512: a group is a row pair of the PAIRED panel, a
+ * vector both rows' 8 lanes), over each path's vector operations COLIBRI_MK<P>_<OP> (V: the
+ * type; ZERO; LDA / STA: an accumulator's lanes from / to acc; X(p): a token's 8 columns at
+ * p, broadcast to every row of a group; W(p, c): a group's 8 columns c..c+7, p its first
+ * row's start; GS: panel rows per group, so 8 GS floats of acc per group). Named
  * accumulators, not arrays: GCC 12 keeps an array of vectors in registers but also stores
  * it to the stack on every iteration. */
-#define COLIBRI_MK_TOKENS(X)                                                                 \
-    X(0, a00, a01, a02) X(1, a10, a11, a12) X(2, a20, a21, a22) X(3, a30, a31, a32)
-#define COLIBRI_MK_LOAD(T, A0, A1, A2)                                                       \
+#define COLIBRI_MK_OP(P, OP) COLIBRI_MK##P##_##OP
+#define COLIBRI_MK_TOKENS(X, P)                                                              \
+    X(0, a00, a01, a02, P) X(1, a10, a11, a12, P) X(2, a20, a21, a22, P)                     \
+    X(3, a30, a31, a32, P)
+#define COLIBRI_MK_LOAD(T, A0, A1, A2, P)                                                    \
     if (MT > T) {                                                                           \
-        A0 = COLIBRI_MKV_LDA(acc + T * as);                                                 \
-        if (NG > 1) A1 = COLIBRI_MKV_LDA(acc + T * as + COLIBRI_MKV_AW);                    \
-        if (NG > 2) A2 = COLIBRI_MKV_LDA(acc + T * as + 2 * COLIBRI_MKV_AW);                \
+        A0 = COLIBRI_MK_OP(P, LDA)(acc + T * as);                                           \
+        if (NG > 1) A1 = COLIBRI_MK_OP(P, LDA)(acc + T * as + 8 * COLIBRI_MK_OP(P, GS));    \
+        if (NG > 2) A2 = COLIBRI_MK_OP(P, LDA)(acc + T * as + 16 * COLIBRI_MK_OP(P, GS));   \
     }
-#define COLIBRI_MK_FMA(T, A0, A1, A2)                                                        \
+#define COLIBRI_MK_FMA(T, A0, A1, A2, P)                                                     \
     if (MT > T) {                                                                           \
-        const COLIBRI_MKV xv = COLIBRI_MKV_X(x + T * xs + c);                               \
-        A0 = COLIBRI_MKV_FMA(w0, xv, A0);                                                   \
-        if (NG > 1) A1 = COLIBRI_MKV_FMA(w1, xv, A1);                                       \
-        if (NG > 2) A2 = COLIBRI_MKV_FMA(w2, xv, A2);                                       \
+        const COLIBRI_MK_OP(P, V) xv = COLIBRI_MK_OP(P, X)(x + T * xs + c);                 \
+        A0 = COLIBRI_MK_OP(P, FMA)(w0, xv, A0);                                             \
+        if (NG > 1) A1 = COLIBRI_MK_OP(P, FMA)(w1, xv, A1);                                 \
+        if (NG > 2) A2 = COLIBRI_MK_OP(P, FMA)(w2, xv, A2);                                 \
     }
-#define COLIBRI_MK_STORE(T, A0, A1, A2)                                                      \
+#define COLIBRI_MK_STORE(T, A0, A1, A2, P)                                                   \
     if (MT > T) {                                                                           \
-        COLIBRI_MKV_STA(acc + T * as, A0);                                                  \
-        if (NG > 1) COLIBRI_MKV_STA(acc + T * as + COLIBRI_MKV_AW, A1);                     \
-        if (NG > 2) COLIBRI_MKV_STA(acc + T * as + 2 * COLIBRI_MKV_AW, A2);                 \
+        COLIBRI_MK_OP(P, STA)(acc + T * as, A0);                                            \
+        if (NG > 1) COLIBRI_MK_OP(P, STA)(acc + T * as + 8 * COLIBRI_MK_OP(P, GS), A1);     \
+        if (NG > 2) COLIBRI_MK_OP(P, STA)(acc + T * as + 16 * COLIBRI_MK_OP(P, GS), A2);    \
     }
 #if defined(__clang__)
 #define COLIBRI_UNROLL2 _Pragma("unroll 2")
@@ -288,24 +290,25 @@ COLIBRI_AVX2_INLINE void colibri_panel_avx2_body(const int fmt, const uint8_t *r
 #else
 #define COLIBRI_UNROLL2
 #endif
-#define COLIBRI_MK_BODY(NAME, ATTR)                                                          \
+#define COLIBRI_MK_BODY(NAME, ATTR, P)                                                       \
 ATTR void NAME(const float *w, ptrdiff_t ws, ptrdiff_t kc8, const float *x, ptrdiff_t xs,    \
                float *acc, ptrdiff_t as, const int MT, const int NG, const int FIRST)        \
 {                                                                                            \
-    const COLIBRI_MKV z = COLIBRI_MKV_ZERO();                                                \
-    COLIBRI_MKV a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z, a21 = z,      \
-                a22 = z, a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z;                  \
-    const float *w1p = w + COLIBRI_MKV_GS * ws, *w2p = w + 2 * COLIBRI_MKV_GS * ws;          \
+    const COLIBRI_MK_OP(P, V) z = COLIBRI_MK_OP(P, ZERO)();                                  \
+    COLIBRI_MK_OP(P, V) a00 = z, a01 = z, a02 = z, a10 = z, a11 = z, a12 = z, a20 = z,       \
+                        a21 = z, a22 = z, a30 = z, a31 = z, a32 = z, w0 = z, w1 = z, w2 = z; \
+    const ptrdiff_t gs = COLIBRI_MK_OP(P, GS) * ws;          /* panel floats per group */  \
+    const float *w1p = w + gs, *w2p = w + 2 * gs;                                            \
     ptrdiff_t c;                                                                             \
-    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD) }                                       \
+    if (!FIRST) { COLIBRI_MK_TOKENS(COLIBRI_MK_LOAD, P) }                                    \
     COLIBRI_UNROLL2                                                                          \
     for (c = 0; c < kc8; c += 8) {                                                           \
-        w0 = COLIBRI_MKV_W(w, c);                                                            \
-        if (NG > 1) w1 = COLIBRI_MKV_W(w1p, c);                                              \
-        if (NG > 2) w2 = COLIBRI_MKV_W(w2p, c);                                              \
-        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA)                                                    \
+        w0 = COLIBRI_MK_OP(P, W)(w, c);                                                      \
+        if (NG > 1) w1 = COLIBRI_MK_OP(P, W)(w1p, c);                                        \
+        if (NG > 2) w2 = COLIBRI_MK_OP(P, W)(w2p, c);                                        \
+        COLIBRI_MK_TOKENS(COLIBRI_MK_FMA, P)                                                 \
     }                                                                                        \
-    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE)                                                      \
+    COLIBRI_MK_TOKENS(COLIBRI_MK_STORE, P)                                                   \
 }
 
 /* The micro-kernel entry of a path: mt tokens (1..4) x mr rows, the body unrolled for each
@@ -329,27 +332,17 @@ ATTR void NAME(const float *w, ptrdiff_t ws, ptrdiff_t kc8, const float *x, ptrd
     case MT * 4 + 2: COLIBRI_MK_CALL(BODY, MT, 2)                                            \
     case MT * 4 + 1: COLIBRI_MK_CALL(BODY, MT, 1)
 
-#define COLIBRI_MKV __m256
-#define COLIBRI_MKV_ZERO _mm256_setzero_ps
-#define COLIBRI_MKV_LDA _mm256_loadu_ps
-#define COLIBRI_MKV_STA _mm256_storeu_ps
-#define COLIBRI_MKV_FMA _mm256_fmadd_ps
-#define COLIBRI_MKV_X _mm256_loadu_ps
-#define COLIBRI_MKV_W(p, c) _mm256_loadu_ps((p) + (c))
-#define COLIBRI_MKV_AW 8
-#define COLIBRI_MKV_GS 1
-COLIBRI_MK_BODY(colibri_mk_avx2_body, COLIBRI_AVX2_INLINE)
+#define COLIBRI_MK256_V __m256
+#define COLIBRI_MK256_ZERO _mm256_setzero_ps
+#define COLIBRI_MK256_LDA _mm256_loadu_ps
+#define COLIBRI_MK256_STA _mm256_storeu_ps
+#define COLIBRI_MK256_FMA _mm256_fmadd_ps
+#define COLIBRI_MK256_X _mm256_loadu_ps
+#define COLIBRI_MK256_W(p, c) _mm256_loadu_ps((p) + (c))
+#define COLIBRI_MK256_GS 1
+COLIBRI_MK_BODY(colibri_mk_avx2_body, COLIBRI_AVX2_INLINE, 256)
 #define COLIBRI_MK_ROWS_AVX2(mr) (mr)
 COLIBRI_DEF_MK(colibri_mk_avx2, COLIBRI_AVX2_FN, colibri_mk_avx2_body, COLIBRI_MK_ROWS_AVX2)
-#undef COLIBRI_MKV
-#undef COLIBRI_MKV_ZERO
-#undef COLIBRI_MKV_LDA
-#undef COLIBRI_MKV_STA
-#undef COLIBRI_MKV_FMA
-#undef COLIBRI_MKV_X
-#undef COLIBRI_MKV_W
-#undef COLIBRI_MKV_AW
-#undef COLIBRI_MKV_GS
 
 COLIBRI_AVX2_INLINE float colibri_hsum8_avx2(const float *l)
 {
@@ -384,27 +377,17 @@ COLIBRI_DEF_GEMM_AVX2(colibri_gemm_mxfp4_avx2, COLIBRI_MXFP4)
  * broadcasts, 12 FMAs. An odd last row's partner (zeros in the panel) accumulates into the
  * lane slot of row nr, which the driver never reads (nr < NR then). */
 #define COLIBRI_GEMM_MR512 6
-#define COLIBRI_MKV __m512
-#define COLIBRI_MKV_ZERO _mm512_setzero_ps
-#define COLIBRI_MKV_LDA _mm512_loadu_ps
-#define COLIBRI_MKV_STA _mm512_storeu_ps
-#define COLIBRI_MKV_FMA _mm512_fmadd_ps
-#define COLIBRI_MKV_X(p) _mm512_broadcast_f32x8(_mm256_loadu_ps(p))
-#define COLIBRI_MKV_W(p, c) _mm512_load_ps((p) + 2 * (c))
-#define COLIBRI_MKV_AW 16
-#define COLIBRI_MKV_GS 2
-COLIBRI_MK_BODY(colibri_mk_avx512_body, COLIBRI_AVX512_INLINE)
+#define COLIBRI_MK512_V __m512
+#define COLIBRI_MK512_ZERO _mm512_setzero_ps
+#define COLIBRI_MK512_LDA _mm512_loadu_ps
+#define COLIBRI_MK512_STA _mm512_storeu_ps
+#define COLIBRI_MK512_FMA _mm512_fmadd_ps
+#define COLIBRI_MK512_X(p) _mm512_broadcast_f32x8(_mm256_loadu_ps(p))
+#define COLIBRI_MK512_W(p, c) _mm512_load_ps((p) + 2 * (c))
+#define COLIBRI_MK512_GS 2
+COLIBRI_MK_BODY(colibri_mk_avx512_body, COLIBRI_AVX512_INLINE, 512)
 #define COLIBRI_MK_PAIRS(mr) (((mr) + 1) / 2)                 /* row pairs, 1..3 */
 COLIBRI_DEF_MK(colibri_mk_avx512, COLIBRI_AVX512_FN, colibri_mk_avx512_body, COLIBRI_MK_PAIRS)
-#undef COLIBRI_MKV
-#undef COLIBRI_MKV_ZERO
-#undef COLIBRI_MKV_LDA
-#undef COLIBRI_MKV_STA
-#undef COLIBRI_MKV_FMA
-#undef COLIBRI_MKV_X
-#undef COLIBRI_MKV_W
-#undef COLIBRI_MKV_AW
-#undef COLIBRI_MKV_GS
 
 #define COLIBRI_DEF_GEMM_AVX512(NAME, FMT)                                                   \
     COLIBRI_AVX512_INLINE void NAME##_panel(const int fmt, const uint8_t *row0,             \
