@@ -97,46 +97,67 @@ COLIBRI_AVX2_INLINE void colibri_tmv_avx2_body(const int fmt, const uint8_t *row
     }
 }
 
-/* The same sums with the accumulators in registers: per 64 columns, 8 vectors down all n
- * rows, each weight decoded as the panel body decodes it (q4: fma(code, s, -8 s), exact) and
- * added by the same fused multiply-add in the same row order, so the same bits as the panel
- * body, without the panel's store and reload. q8 / q4 and plain formats, cols % 64 == 0. */
-COLIBRI_AVX2_INLINE void colibri_tmv_regs_avx2_body(const int fmt, const uint8_t *row0,
-                                                    ptrdiff_t rs, ptrdiff_t n, ptrdiff_t cols,
-                                                    ptrdiff_t group, const float *q, float *out)
-{
-    const int quant = fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4;
-    const ptrdiff_t codes = fmt == COLIBRI_Q4 ? cols / 2 : cols;     /* scales follow codes */
-    ptrdiff_t c0, i;
-    int b, k;
-    for (c0 = 0; c0 < cols; c0 += 64) {
-        __m256 a[8];
-        for (k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
-        for (i = 0; i < n; i++) {
-            const uint8_t *row = row0 + i * rs;
-            const __m256 qv = _mm256_set1_ps(q[i]);
-            if (i + 2 < n)
-                __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
-            if (quant) {
-                for (b = 0; b < 2; b++) {
-                    const ptrdiff_t c = c0 + 32 * b;
-                    const float sc = _cvtsh_ss(colibri_ld_u16(row + codes + 2 * (c / group)));
-                    const __m256 sv = _mm256_set1_ps(sc), ov = _mm256_set1_ps(-8.0f * sc);
-                    __m256 w[4];
-                    colibri_codes32_avx2(fmt, row + (fmt == COLIBRI_Q4 ? c / 2 : c), w);
-                    for (k = 0; k < 4; k++)
-                        a[4 * b + k] = _mm256_fmadd_ps(
-                            qv, fmt == COLIBRI_Q4 ? _mm256_fmadd_ps(w[k], sv, ov)
-                                                  : _mm256_mul_ps(w[k], sv), a[4 * b + k]);
-                }
-            } else {
-                for (k = 0; k < 8; k++)
-                    a[k] = _mm256_fmadd_ps(qv, colibri_load8_avx2(fmt, row, c0 + 8 * k), a[k]);
-            }
-        }
-        for (k = 0; k < 8; k++) _mm256_storeu_ps(out + c0 + 8 * k, a[k]);
-    }
+/* The same sums with the accumulators in registers: per 64 columns, 64 / L vectors of L
+ * lanes down all n rows, each weight decoded as the panel body decodes it (q4: fma(code, s,
+ * -8 s), exact) and added by the same fused multiply-add in the same row order, so the same
+ * bits as the panel body, without the panel's store and reload. q8 / q4 and plain formats,
+ * cols % 64 == 0. One text for the AVX2 body (P = 256, L = 8) and the AVX-512 one (P = 512,
+ * L = 16), over each path's COLIBRI_TMV<P>_<OP> (V: the vector type; L its lanes; ZERO,
+ * SET1, FMA, MUL, STORE; CODES32(fmt, codes, w): 32 codes as 32 / L vectors; PLAIN(fmt, row,
+ * c): L plain elements). */
+#define COLIBRI_TMV_OP(P, OP) COLIBRI_TMV##P##_##OP
+#define COLIBRI_TMV_REGS_BODY(NAME, ATTR, P)                                                 \
+ATTR void NAME(const int fmt, const uint8_t *row0, ptrdiff_t rs, ptrdiff_t n, ptrdiff_t cols, \
+               ptrdiff_t group, const float *q, float *out)                                  \
+{                                                                                            \
+    enum { L = COLIBRI_TMV_OP(P, L), NV = 64 / L, NW = 32 / L };                             \
+    const int quant = fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4;                                \
+    const ptrdiff_t codes = fmt == COLIBRI_Q4 ? cols / 2 : cols;    /* scales follow codes */ \
+    ptrdiff_t c0, i;                                                                         \
+    int b, k;                                                                                \
+    for (c0 = 0; c0 < cols; c0 += 64) {                                                      \
+        COLIBRI_TMV_OP(P, V) a[NV];                                                          \
+        for (k = 0; k < NV; k++) a[k] = COLIBRI_TMV_OP(P, ZERO)();                           \
+        for (i = 0; i < n; i++) {                                                            \
+            const uint8_t *row = row0 + i * rs;                                              \
+            const COLIBRI_TMV_OP(P, V) qv = COLIBRI_TMV_OP(P, SET1)(q[i]);                   \
+            if (i + 2 < n)                                                                   \
+                __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);  \
+            if (quant) {                                                                     \
+                for (b = 0; b < 2; b++) {                                                    \
+                    const ptrdiff_t c = c0 + 32 * b;                                         \
+                    const float sc = _cvtsh_ss(colibri_ld_u16(row + codes + 2 * (c / group))); \
+                    const COLIBRI_TMV_OP(P, V) sv = COLIBRI_TMV_OP(P, SET1)(sc);             \
+                    const COLIBRI_TMV_OP(P, V) ov = COLIBRI_TMV_OP(P, SET1)(-8.0f * sc);     \
+                    COLIBRI_TMV_OP(P, V) w[NW];                                              \
+                    COLIBRI_TMV_OP(P, CODES32)(fmt, row + (fmt == COLIBRI_Q4 ? c / 2 : c), w); \
+                    for (k = 0; k < NW; k++)                                                 \
+                        a[NW * b + k] = COLIBRI_TMV_OP(P, FMA)(                              \
+                            qv, fmt == COLIBRI_Q4 ? COLIBRI_TMV_OP(P, FMA)(w[k], sv, ov)     \
+                                                  : COLIBRI_TMV_OP(P, MUL)(w[k], sv),        \
+                            a[NW * b + k]);                                                  \
+                }                                                                            \
+            } else {                                                                         \
+                for (k = 0; k < NV; k++)                                                     \
+                    a[k] = COLIBRI_TMV_OP(P, FMA)(qv, COLIBRI_TMV_OP(P, PLAIN)(fmt, row,     \
+                                                                               c0 + L * k), \
+                                                  a[k]);                                     \
+            }                                                                                \
+        }                                                                                    \
+        for (k = 0; k < NV; k++) COLIBRI_TMV_OP(P, STORE)(out + c0 + L * k, a[k]);           \
+    }                                                                                        \
 }
+
+#define COLIBRI_TMV256_V __m256
+#define COLIBRI_TMV256_L 8
+#define COLIBRI_TMV256_ZERO _mm256_setzero_ps
+#define COLIBRI_TMV256_SET1 _mm256_set1_ps
+#define COLIBRI_TMV256_FMA _mm256_fmadd_ps
+#define COLIBRI_TMV256_MUL _mm256_mul_ps
+#define COLIBRI_TMV256_STORE _mm256_storeu_ps
+#define COLIBRI_TMV256_CODES32 colibri_codes32_avx2
+#define COLIBRI_TMV256_PLAIN colibri_load8_avx2
+COLIBRI_TMV_REGS_BODY(colibri_tmv_regs_avx2_body, COLIBRI_AVX2_INLINE, 256)
 
 #define COLIBRI_DEF_TMV_AVX2(name, FMT)                                                      \
     COLIBRI_AVX2_FN void name(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t n, ptrdiff_t cols,\
@@ -154,46 +175,17 @@ COLIBRI_DEF_TMV_AVX2(colibri_tmv_q8_avx2, COLIBRI_Q8)
 COLIBRI_DEF_TMV_AVX2(colibri_tmv_q4_avx2, COLIBRI_Q4)
 COLIBRI_DEF_TMV_AVX2(colibri_tmv_mxfp4_avx2, COLIBRI_MXFP4)
 
-/* The register body on 16 lanes: per 64 columns 4 vectors down all rows, each weight decoded
- * as the AVX2 body decodes it and added by the same fused multiply-add in the same row
- * order: the same bits as the AVX2 bodies. q8 / q4 and plain formats, cols % 64 == 0. */
-COLIBRI_AVX512_INLINE void colibri_tmv_avx512_body(const int fmt, const uint8_t *row0,
-                                                   ptrdiff_t rs, ptrdiff_t n, ptrdiff_t cols,
-                                                   ptrdiff_t group, const float *q, float *out)
-{
-    const int quant = fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4;
-    const ptrdiff_t codes = fmt == COLIBRI_Q4 ? cols / 2 : cols;
-    ptrdiff_t c0, i;
-    int b, k;
-    for (c0 = 0; c0 < cols; c0 += 64) {
-        __m512 a[4];
-        for (k = 0; k < 4; k++) a[k] = _mm512_setzero_ps();
-        for (i = 0; i < n; i++) {
-            const uint8_t *row = row0 + i * rs;
-            const __m512 qv = _mm512_set1_ps(q[i]);
-            if (i + 2 < n)
-                __builtin_prefetch(row + 2 * rs + (fmt == COLIBRI_Q4 ? c0 / 2 : c0), 0, 3);
-            if (quant) {
-                for (b = 0; b < 2; b++) {
-                    const ptrdiff_t c = c0 + 32 * b;
-                    const float sc = _cvtsh_ss(colibri_ld_u16(row + codes + 2 * (c / group)));
-                    const __m512 sv = _mm512_set1_ps(sc), ov = _mm512_set1_ps(-8.0f * sc);
-                    __m512 w[2];
-                    colibri_codes32_avx512(fmt, row + (fmt == COLIBRI_Q4 ? c / 2 : c), w);
-                    for (k = 0; k < 2; k++)
-                        a[2 * b + k] = _mm512_fmadd_ps(
-                            qv, fmt == COLIBRI_Q4 ? _mm512_fmadd_ps(w[k], sv, ov)
-                                                  : _mm512_mul_ps(w[k], sv), a[2 * b + k]);
-                }
-            } else {
-                for (k = 0; k < 4; k++)
-                    a[k] = _mm512_fmadd_ps(qv, colibri_load16_avx512(fmt, row, c0 + 16 * k,
-                                                                     (__mmask16)0xFFFF), a[k]);
-            }
-        }
-        for (k = 0; k < 4; k++) _mm512_storeu_ps(out + c0 + 16 * k, a[k]);
-    }
-}
+/* The register body on 16 lanes (COLIBRI_TMV_REGS_BODY): the same bits as the AVX2 bodies. */
+#define COLIBRI_TMV512_V __m512
+#define COLIBRI_TMV512_L 16
+#define COLIBRI_TMV512_ZERO _mm512_setzero_ps
+#define COLIBRI_TMV512_SET1 _mm512_set1_ps
+#define COLIBRI_TMV512_FMA _mm512_fmadd_ps
+#define COLIBRI_TMV512_MUL _mm512_mul_ps
+#define COLIBRI_TMV512_STORE _mm512_storeu_ps
+#define COLIBRI_TMV512_CODES32 colibri_codes32_avx512
+#define COLIBRI_TMV512_PLAIN(fmt, row, c) colibri_load16_avx512(fmt, row, c, (__mmask16)0xFFFF)
+COLIBRI_TMV_REGS_BODY(colibri_tmv_avx512_body, COLIBRI_AVX512_INLINE, 512)
 
 #define COLIBRI_DEF_TMV_AVX512(name, FMT)                                                    \
     COLIBRI_AVX512_FN void name(const uint8_t *row0, ptrdiff_t rs, ptrdiff_t n,             \
