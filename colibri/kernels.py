@@ -405,6 +405,13 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
 # the decode step's small row operations, and prepared kernel calls
 
 
+def _weight_refs(**refs) -> None:
+    """ValueError naming the first argument (name=value) that is not a WeightRef."""
+    for name, ref in refs.items():
+        if not isinstance(ref, WeightRef):
+            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+
+
 def _rows_f32(name: str, a, ndim: tuple[int, ...], writable: bool = False) -> np.ndarray:
     """a as it is, if a C-contiguous float32 array of one of `ndim` dimensions (writable if
     asked); else ValueError naming what was expected and what was found."""
@@ -496,8 +503,7 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
     per-call checks of the weight (~3 us a call less). ValueError for bad arguments, here
     or at the call.
     """
-    if not isinstance(w, WeightRef):
-        raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
+    _weight_refs(w=w)
     b = None if bias is None else _rows_f32("bias", bias, (1,))
     return _kernels.PreparedLinear(w, b, resolve_threads(threads), activations)
 
@@ -529,9 +535,7 @@ def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
     float32 (T, K), out float32 (T, D) (may be x), all C-contiguous: the same work and bits
     as expert_ffn(x, ids, weights, w_gate, w_up, w_down, out=out, ...).
     """
-    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(ref, WeightRef):
-            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedExperts(w_gate, w_up, w_down, resolve_threads(threads), activations)
 
 
@@ -548,8 +552,7 @@ def prepare_mla_absorbed(kv_b: WeightRef, n_heads: int, nope_dim: int, v_dim: in
     slots 0..slot of scale * (q_nope W_kb[h] . c_j + q_rope . kr_j)) c_j: _reference's
     mla_absorbed on kv_b decoded to float32, up to summation order (~1e-6 relative).
     """
-    if not isinstance(kv_b, WeightRef):
-        raise ValueError(f"kv_b must be a WeightRef, found {type(kv_b).__name__}")
+    _weight_refs(kv_b=kv_b)
     return _kernels.PreparedMLA(kv_b, int(n_heads), int(nope_dim), int(v_dim),
                                 resolve_threads(threads))
 
@@ -575,9 +578,7 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
     with E = n_experts, and p(x, ids, weights, out, slots) reads expert ids[k] from stack
     row slots[k] (int32 (1, K)).
     """
-    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(ref, WeightRef):
-            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)
@@ -591,8 +592,7 @@ def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
     """True when moe.BiasedExperts runs matrix w for an expert of n tokens on f32
     activations (the f32 GEMM) instead of `activations`: MXFP4 on int16, from 8 tokens,
     below the integer GEMM's crossover on the current ISA path."""
-    if not isinstance(w, WeightRef):
-        raise ValueError(f"w must be a WeightRef, found {type(w).__name__}")
+    _weight_refs(w=w)
     return _kernels.mxfp4_f32_activations(w, activations, int(n))
 
 
@@ -612,9 +612,7 @@ def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: W
     ascending expert order). RuntimeError if NumPy's float32 exp loop was not found
     (EXP_LOOP False).
     """
-    for name, ref in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(ref, WeightRef):
-            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
+    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedBiasedGrouped(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)
