@@ -20,7 +20,7 @@ from colibri import _reference as R
 from colibri.weights import WeightRef
 from kernel_helpers import F32, GEMM_MIN, THREADS, assert_dot_close, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
-from test_igemm import act_rows
+from test_igemm import act_rows, assert_bodies_equal_scalar
 from test_kernels_activations import assert_iact_ffn_close, iact_magnitude
 from test_mxfp4_idot import mx_weight
 
@@ -129,13 +129,7 @@ def test_igemm_bodies_equal_scalar_body(isa, igemm_from, act, bits):
     np.asarray(w.buf)[w.row_stride:w.row_stride + 272] = 0xFF    # row 1: -6
     x = act_rows(rng, 70, 544)
     x[1] = -1.0
-    ys = {}
-    for path in ("scalar", isa):
-        runtime.set_isa(path)
-        ys[path] = [K.linear(x[:T], w, threads=2, activations=act) for T in (*range(1, 10), 70)]
-    runtime.set_isa(isa)
-    for a, b in zip(ys["scalar"], ys[isa]):
-        np.testing.assert_array_equal(a, b, f"{isa} {a.shape}")
+    assert_bodies_equal_scalar(w, x, isa, act)
 
 
 @pytest.mark.parametrize("act, bits", ACTS)
