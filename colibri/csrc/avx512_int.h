@@ -12,9 +12,9 @@
  *          16-31 of both blocks), against the packed token row's 64-byte runs at 128 k and
  *          128 k + 64 (which are [qt0 | qt1], [qt2 | qt3] of the AVX2 body): two vpmaddwd
  *          (or vpdpwssd) where the AVX2 body has four.
- *   int8:  [lo | hi] of colibri_ipair_avx2 against the 64 bytes at 64 k ([ql | qh]): one
- *          vpdpbusd where the 256-bit VNNI body has two (VNNI only: without it the q8 body's
- *          vpsignb has no 512-bit form, and the AVX2 body stays).
+ *   int8 (MXFP4's chunk, mxfp4.h): [lo | hi] of the pair decode against the 64 bytes at
+ *          64 k ([ql | qh]): one vpdpbusd where the 256-bit VNNI body has two. (For q4 / q8
+ *          that measured level with the 256-bit VNNI chunk, which they keep.)
  * The fold of a chunk's four P (colibri_ifold2_512, colibri_ifold4_512): unpack and add the
  * 32-bit and then the 64-bit lanes of two P so that each 128-bit lane holds one partial sum
  * of each of the four pairs, then add the two 256-bit halves: block 2 k + h of pair k lands

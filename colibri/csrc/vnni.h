@@ -4,8 +4,8 @@
  *   avxvnni     AVX-VNNI, VEX encoding, for CPUs with it but without AVX-512 (and the
  *               avx2 path's other bodies).
  * Both are colibri_idot_avx2_body's structure (the body text is shared: COLIBRI_DEF_IDOT_BODY
- * in avx2_int.h); only the integer part of a chunk differs, 256-bit on avxvnni and 512-bit on
- * avx512vnni (a pair's products in one vector, avx512_int.h; the same integers):
+ * in avx2_int.h); only the integer part of a chunk differs, 256-bit (int16 on avx512vnni:
+ * 512-bit, a pair's products in one vector, avx512_int.h; the same integers):
  *   int8:  vpdpbusd (u8 x s8, 4 products summed into each int32 lane, no saturation) does
  *          what vpmaddubsw + vpmaddwd(ones) + vpaddd do. Per pair and token:
  *          q4: p = dpbusd(dpbusd(0, lo, ql), hi, qh), the nibbles 0..15 as the u8 operand.
@@ -30,8 +30,8 @@
  * the scales, the q4 fold, fma per chunk, the final horizontal sum) is the AVX2 text, so a
  * VNNI path's result is the avx2 path's, bit for bit. The EVEX body is also compiled with
  * AVX-512VL, so it has 32 vector registers (the 4-token body spills less).
- * The 512-bit chunks (change 30), one token, 3584 x 1024 / 1024 x 1024 q4, 1 thread, Zen 5:
- * int16 26.2 -> 28.6 GB/s from L2, 25.9 -> 29.0 streamed; int8 36.0 -> 37.0 (L2).
+ * The 512-bit int16 chunk (change 30), one token, 3584 x 1024 q4 in cache, 1 thread, Zen 5:
+ * 29.0 GB/s (256-bit VNNI) -> 31.1.
  */
 #ifndef COLIBRI_VNNI_H
 #define COLIBRI_VNNI_H
@@ -51,9 +51,10 @@
     static inline __attribute__((always_inline, target(COLIBRI_AVXVNNI_TARGET)))
 
 /* The chunk functions of one VNNI path (SFX: its name; ATTR: its inline attributes; DPBUSD,
- * DPWSSD: the intrinsics of its encoding), with colibri_ichunk_any_avx2's signature (ones is
- * unused). The loops are colibri_ichunk_avx2's and colibri_ichunk16_avx2's. */
-#define COLIBRI_DEF_VNNI_CHUNKS(SFX, ATTR, DPBUSD, DPWSSD)                                   \
+ * DPWSSD: the intrinsics of its encoding): the int8 chunk (colibri_ichunk_avx2's loop), the
+ * 256-bit int16 chunk (colibri_ichunk16_avx2's), and the path's chunk function with
+ * colibri_ichunk_any_avx2's signature (ones is unused) over its int8 chunk and CHUNK16. */
+#define COLIBRI_DEF_VNNI_CHUNK8(SFX, ATTR, DPBUSD)                                           \
 ATTR void colibri_ichunk_##SFX(const int fmt, const uint8_t *wq, const int8_t *q,            \
                                ptrdiff_t qs, const int n, const int32_t *s, ptrdiff_t ds,    \
                                __m256i *isum, const int NT)                                  \
@@ -86,8 +87,9 @@ ATTR void colibri_ichunk_##SFX(const int fmt, const uint8_t *wq, const int8_t *q
             isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(                           \
                 _mm256_loadu_si256((const __m256i *)(const void *)(s + t * ds)), 4));        \
     }                                                                                        \
-}                                                                                            \
-                                                                                             \
+}
+
+#define COLIBRI_DEF_VNNI_CHUNK16(SFX, ATTR, DPWSSD)                                          \
 ATTR void colibri_ichunk16_##SFX(const int fmt, const uint8_t *wq, const int8_t *q,          \
                                  ptrdiff_t qs, const int n, __m256i *isum, const int NT)     \
 {                                                                                            \
@@ -114,8 +116,9 @@ ATTR void colibri_ichunk16_##SFX(const int fmt, const uint8_t *wq, const int8_t 
         }                                                                                    \
     }                                                                                        \
     for (t = 0; t < NT; t++) isum[t] = _mm256_hadd_epi32(h[0][t], h[1][t]);                  \
-}                                                                                            \
-                                                                                             \
+}
+
+#define COLIBRI_DEF_VNNI_ANY(SFX, ATTR, CHUNK16)                                             \
 ATTR void colibri_ichunk_any_##SFX(const int fmt, const int WIDE, const uint8_t *wq,         \
                                    const int8_t *q, ptrdiff_t qs, const int n, __m256i ones, \
                                    const int32_t *s, ptrdiff_t ds, __m256i *isum,            \
@@ -123,82 +126,21 @@ ATTR void colibri_ichunk_any_##SFX(const int fmt, const int WIDE, const uint8_t 
 {                                                                                            \
     (void)ones;                                                                              \
     if (WIDE)                                                                                \
-        colibri_ichunk16_##SFX(fmt, wq, q, qs, n, isum, NT);                                 \
+        CHUNK16(fmt, wq, q, qs, n, isum, NT);                                                \
     else                                                                                     \
         colibri_ichunk_##SFX(fmt, wq, q, qs, n, s, ds, isum, NT);                            \
 }
 
-COLIBRI_DEF_VNNI_CHUNKS(avxvnni, COLIBRI_AVXVNNI_INLINE, _mm256_dpbusd_avx_epi32,
-                        _mm256_dpwssd_avx_epi32)
+COLIBRI_DEF_VNNI_CHUNK8(avxvnni, COLIBRI_AVXVNNI_INLINE, _mm256_dpbusd_avx_epi32)
+COLIBRI_DEF_VNNI_CHUNK16(avxvnni, COLIBRI_AVXVNNI_INLINE, _mm256_dpwssd_avx_epi32)
+COLIBRI_DEF_VNNI_ANY(avxvnni, COLIBRI_AVXVNNI_INLINE, colibri_ichunk16_avxvnni)
 
-/* The avx512vnni path's chunks are 512-bit (avx512_int.h): a pair's products in one vector.
- * int8: [lo | hi] of colibri_ipair_avx2 (q8: as u8 w + 128) in one vector. q4: the pair's 32
- * code bytes in both halves, the upper half shifted right by 4, then & 15. q8: the 64 code
- * bytes' quadwords reordered 0 1 4 5 2 3 6 7 (the halves of both blocks), ^ 0x80. */
-COLIBRI_AVX512VNNI_INLINE __m512i colibri_ipair_512(const int fmt, const uint8_t *w,
-                                                    const int two)
-{
-    if (fmt == COLIBRI_Q4) {
-        __m256i b = two ? _mm256_loadu_si256((const __m256i *)w)
-                        : _mm256_maskz_loadu_epi8(0xFFFFu, w);
-        __m512i v = _mm512_broadcast_i64x4(b);
-        return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4),
-                                _mm512_set1_epi8(15));
-    } else {
-        __m512i v = two ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w);
-        v = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), v);
-        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
-    }
-}
-
-/* colibri_ichunk_avx512vnni's contract (the q8 correction - 16 s included) in 512 bits: one
- * vpdpbusd per pair and token against the 64 code bytes at 64 k ([ql | qh]). */
-COLIBRI_AVX512VNNI_INLINE void colibri_ichunk_512_avx512vnni(const int fmt, const uint8_t *wq,
-                                                             const int8_t *q, ptrdiff_t qs,
-                                                             const int n, const int32_t *s,
-                                                             ptrdiff_t ds, __m256i *isum,
-                                                             const int NT)
-{
-    const ptrdiff_t bpb = fmt == COLIBRI_Q4 ? 16 : 32;
-    __m512i u[2][COLIBRI_MAX_NT], pk[COLIBRI_MAX_NT];
-    int k, t;
-    for (t = 0; t < NT; t++) pk[t] = _mm512_setzero_si512();    /* (set at k = 0; for gcc) */
-    for (k = 0; k < 4; k++) {
-        __m512i z = _mm512_setzero_si512();
-        if (2 * k < n) z = colibri_ipair_512(fmt, wq + 2 * k * bpb, 2 * k + 1 < n);
-        for (t = 0; t < NT; t++) {
-            __m512i p = _mm512_setzero_si512();
-            if (2 * k < n)
-                p = _mm512_dpbusd_epi32(p, z, _mm512_loadu_si512(q + t * qs + 64 * k));
-            if (k & 1)
-                u[k >> 1][t] = colibri_ifold2_512(pk[t], p);
-            else
-                pk[t] = p;
-        }
-    }
-    for (t = 0; t < NT; t++) {
-        isum[t] = colibri_ifold4_512(u[0][t], u[1][t]);
-        if (fmt == COLIBRI_Q8)                  /* - 128 * sum q = - 16 * s, in the same lanes */
-            isum[t] = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(
-                _mm256_loadu_si256((const __m256i *)(const void *)(s + t * ds)), 4));
-    }
-}
-
+/* avx512vnni: the 256-bit int8 chunk (a 512-bit one, [lo | hi] in one vpdpbusd, measured
+ * level with it: 40.5 vs 41.1 GB/s of q4 in cache, change 30) and the 512-bit int16 chunk
+ * of avx512_int.h (31.1 vs 29.0). */
+COLIBRI_DEF_VNNI_CHUNK8(avx512vnni, COLIBRI_AVX512VNNI_INLINE, _mm256_dpbusd_epi32)
 COLIBRI_DEF_ICHUNK16_512(avx512vnni, COLIBRI_AVX512VNNI_INLINE, _mm512_dpwssd_epi32)
-
-COLIBRI_AVX512VNNI_INLINE void colibri_ichunk_any_avx512vnni(const int fmt, const int WIDE,
-                                                         const uint8_t *wq, const int8_t *q,
-                                                         ptrdiff_t qs, const int n,
-                                                         __m256i ones, const int32_t *s,
-                                                         ptrdiff_t ds, __m256i *isum,
-                                                         const int NT)
-{
-    (void)ones;
-    if (WIDE)
-        colibri_ichunk16_512_avx512vnni(fmt, wq, q, qs, n, isum, NT);
-    else
-        colibri_ichunk_512_avx512vnni(fmt, wq, q, qs, n, s, ds, isum, NT);
-}
+COLIBRI_DEF_VNNI_ANY(avx512vnni, COLIBRI_AVX512VNNI_INLINE, colibri_ichunk16_512_avx512vnni)
 
 COLIBRI_DEF_IDOT_BODY(colibri_idot_avx512vnni_body, COLIBRI_AVX512VNNI_INLINE,
                       colibri_ichunk_any_avx512vnni)
