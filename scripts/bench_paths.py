@@ -17,26 +17,17 @@ after: a second busy process halves these figures.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from colibri import kernels as K, runtime
 from colibri.weights import WeightRef
 
-
-def random_weight(rows: int, cols: int, fmt: str, seed: int = 0) -> WeightRef:
-    """A (rows, cols) matrix of N(0, 0.02) weights encoded as fmt (group 32 when quantized),
-    built by tiling one encoded 256-row block (encoding is slow in NumPy; speed does not
-    depend on the values)."""
-    rng = np.random.default_rng(seed)
-    block_rows = min(rows, 256)
-    gs = 32 if fmt in ("q4", "q8", "mxfp4") else 0
-    block = WeightRef.from_array((rng.standard_normal((block_rows, cols)) * 0.02)
-                                 .astype(np.float32), fmt, gs)
-    reps = -(-rows // block_rows)
-    buf = np.tile(np.asarray(block.buf), reps)[:rows * block.row_stride]
-    return WeightRef(np.ascontiguousarray(buf), 0, fmt, rows, cols, gs, block.row_stride, 1)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "asv_bench"))
+from benchmarks.common import weight  # noqa: E402  (random weights at real shapes, tiled)
 
 
 def timed_rounds(paths: list[str], rounds: int, run) -> dict[str, list[float]]:
@@ -94,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
             out = np.empty((1, rows), np.float32)
             for fmt in args.formats.split(","):
-                base = random_weight(rows, cols, fmt)
+                base = weight((rows, cols), fmt)
                 mats = [base] if args.in_cache else [
                     WeightRef(np.asarray(base.buf).copy(), 0, fmt, rows, cols, base.group_size,
                               base.row_stride, 1) for _ in range(40)]
@@ -111,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "gemm"):
             x = np.random.default_rng(2).standard_normal((args.tokens, cols)).astype(np.float32)
             for fmt in args.gemm_formats.split(","):
-                w = random_weight(rows, cols, fmt)
-                acts = ["f32"] + ([a for a in args.acts.split(",")] if fmt in ("q4", "q8") else [])
+                w = weight((rows, cols), fmt)
+                acts = ["f32"] + (args.acts.split(",") if fmt in ("q4", "q8") else [])
                 for act in acts:
                     secs = timed_rounds(paths, max(3, args.rounds // 3),
                                         lambda: K.linear(x, w, threads=1, activations=act))

@@ -38,7 +38,7 @@ def weight(shape: tuple[int, ...], fmt: str, seed: int = 0, group_size: int = 32
     Large stacks are built by tiling one encoded 256-row block (encoding is slow in NumPy;
     the kernels' speed does not depend on the values)."""
     rng = np.random.default_rng(seed)
-    gs = group_size if fmt in ("q8", "q4") else 0
+    gs = group_size if fmt in ("q8", "q4", "mxfp4") else 0
     *lead, R, C = shape
     E = lead[0] if lead else 1
     rows = min(R, 256)
