@@ -41,6 +41,7 @@ import numpy as np
 
 from .errors import ColibriError
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import Sampler, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
@@ -89,7 +90,11 @@ class SamplingParams:
     stop: text stop sequences (matched across token boundaries, not part of the output);
     stop_ids: stop token ids (None: the model's end-of-sequence ids; [] none);
     logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
+    prompt_logprobs: the same for the prompt's own tokens (colibri.prompt_logprobs: the
+    handle's prompt_logprobs, complete at the first event);
     return_routing: each TokenEvent carries the experts its token was routed to.
+    max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
+    ends with finish_reason "length".
     """
     max_tokens: int = 64
     temperature: float = 0.0
@@ -104,6 +109,7 @@ class SamplingParams:
     stop_ids: list[int] | None = None
     logprobs: int | None = None
     return_routing: bool = False
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
         """ValueError naming the field, the value and the allowed range."""
@@ -116,8 +122,8 @@ class SamplingParams:
                     or (v <= lo if lo_open else v < lo)):
                 bad(name, rng or f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
 
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= 2**31 - 1:
-            bad("max_tokens", "an integer in [1, 2**31 - 1]")
+        if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= 2**31 - 1:
+            bad("max_tokens", "an integer in [0, 2**31 - 1]")
         number("temperature", 0.0, 2.0)
         if not _is_int(self.top_k) or not 0 <= self.top_k <= 2**31 - 1:
             bad("top_k", "an integer in [0, 2**31 - 1] (0 = off)")
@@ -136,9 +142,10 @@ class SamplingParams:
         if self.stop_ids is not None and (not isinstance(self.stop_ids, (list, tuple))
                                           or any(not _is_int(i) or i < 0 for i in self.stop_ids)):
             bad("stop_ids", "None or a list of non-negative token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.return_routing, (bool, np.bool_)):
             bad("return_routing", "a bool")
 
@@ -171,7 +178,9 @@ class RequestHandle:
     """What Scheduler.submit returns: iterate it for the TokenEvents (blocking), cancel() it.
 
     id, prompt_tokens, completion_tokens (updated as tokens come), finish_reason (None until
-    the last event), error (the exception when finish_reason is "error").
+    the last event), error (the exception when finish_reason is "error"), prompt_logprobs
+    (with SamplingParams.prompt_logprobs: [None, (logprob, top or None), ...] per prompt
+    token, complete when the first event comes; colibri.prompt_logprobs).
     """
 
     def __init__(self, request_id: str, prompt_tokens: int, scheduler: "Scheduler"):
@@ -180,6 +189,7 @@ class RequestHandle:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self.prompt_logprobs: list | None = None
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._scheduler = scheduler
         self._cancel = False
@@ -434,9 +444,14 @@ class Scheduler:
     def _forward(self, segments, want_routing: bool):
         """logits float32 (N, V) of the last row of each segment [, routing per segment:
         int32 (M, S_i, K)]."""
+        rows = logits_rows(segments)        # every prompt row of those asking prompt_logprobs
+        extra = {} if rows is None else {"logits_rows": rows}
         out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
-                                        return_routing=want_routing)
-        return out if want_routing else (out, None)
+                                        return_routing=want_routing, **extra)
+        logits, routing = out if want_routing else (out, None)
+        if rows is not None:
+            logits = take_prompt_logprobs(segments, rows, logits)
+        return logits, routing
 
     def _plan(self) -> list[tuple[_Request, list[int]]]:
         """The segments of this step: every decoding slot's token, then prompt chunks of
@@ -488,6 +503,9 @@ class Scheduler:
                 return
             self._emit(r, ev)
         p = r.params
+        if p.max_tokens == 0:                      # scoring only: nothing to generate
+            self._end(r, TokenEvent(-1, "", finish_reason="length"))
+            return
         x = r.sampler.penalise(logits, r.history, r.generated)
         tok = r.sampler.choose(x)
         if tok in r.stop_ids:

@@ -529,7 +529,7 @@ class Model:
             cache.commit(valid, pos)
         return logits
 
-    def forward_ragged(self, segments, return_routing: bool = False):
+    def forward_ragged(self, segments, return_routing: bool = False, logits_rows=None):
         """Several sequences of different lengths in one step, each through its own cache
         (colibri.ragged; the step of continuous batching, colibri.batching).
 
@@ -537,7 +537,10 @@ class Model:
         for its S_i new ids (int, 1-D, S_i >= 1), each cache in one segment only. Returns
         logits float32 (N, V) of the last new token of each segment [, routing: per segment
         int32 (M, S_i, K), the experts each token chose in every MoE layer]; every cache
-        advances by its S_i tokens. Each row gets the values of its own forward through its
+        advances by its S_i tokens. logits_rows: per segment, the indices (int, within its S_i
+        new tokens) of the rows whose logits to return instead of the last one, concatenated
+        segment after segment: (sum R_i, V) (what scoring a prompt needs; the head then runs
+        on those rows only). Each row gets the values of its own forward through its
         cache (up to the projections' summation order: kernels.linear's GEMM path).
         """
         with ExitStack() as held:                 # every cache claimed, as forward does
@@ -547,7 +550,7 @@ class Model:
                         and type(seg[0]) is KVCache and id(seg[0]) not in claimed:
                     claimed.add(id(seg[0]))
                     held.enter_context(seg[0].claim())
-            return forward_ragged(self, segments, return_routing)
+            return forward_ragged(self, segments, return_routing, logits_rows)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):

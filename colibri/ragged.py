@@ -6,7 +6,8 @@ segment is one token, a prefill chunk S_i tokens). What does not mix positions r
 T rows in one call each: the embedding, the norms, the q/k/v and output projections, the MoE
 (its experts grouped over all rows: an expert's weights are read once per step for every
 sequence that chose it, which is what batching wins on a CPU) and the head (the last row of
-each segment only). What does mix positions runs per segment against that sequence's cache
+each segment, or the rows a caller asks for: scoring a prompt needs every position's
+logits, generating only the last). What does mix positions runs per segment against that sequence's cache
 (Attention.forward_segments, or the same method of another attention class): RoPE, the
 cache write, the attention. Every cache then commits its S_i slots.
 
@@ -86,11 +87,44 @@ def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]
     return segs
 
 
-def forward_ragged(model, segments: Sequence, return_routing: bool = False):
-    """Model.forward_ragged: logits float32 (N, V) of the last row of each segment [, routing
-    per segment int32 (M, S_i, K)]; each segment's cache advances by its S_i tokens."""
+def check_logits_rows(logits_rows, checked) -> list[np.ndarray] | None:
+    """logits_rows as int64 arrays, one per segment, each in [0, S_i); ValueError naming the
+    segment otherwise (None stays None: the last row of each segment)."""
+    if logits_rows is None:
+        return None
+    if not isinstance(logits_rows, (list, tuple)) or len(logits_rows) != len(checked):
+        raise ValueError(f"logits_rows must be a list of one array of row indices per segment "
+                         f"({len(checked)}), got {type(logits_rows).__name__}"
+                         + (f" of {len(logits_rows)}" if isinstance(logits_rows, (list, tuple))
+                            else ""))
+    out = []
+    for j, (rows, (_, ids)) in enumerate(zip(logits_rows, checked)):
+        r = np.asarray(rows)
+        if r.size == 0:
+            out.append(np.zeros(0, np.int64))
+            continue
+        if r.dtype.kind not in "iu" or r.ndim != 1:
+            raise ValueError(f"logits_rows[{j}] must be a 1-D array of integers, got dtype "
+                             f"{r.dtype} shape {r.shape}")
+        if int(r.min()) < 0 or int(r.max()) >= ids.size:
+            raise ValueError(f"logits_rows[{j}] out of the segment's rows [0, {ids.size}): min "
+                             f"{int(r.min())}, max {int(r.max())}")
+        out.append(r.astype(np.int64, copy=False))
+    return out
+
+
+def forward_ragged(model, segments: Sequence, return_routing: bool = False,
+                   logits_rows: Sequence | None = None):
+    """Model.forward_ragged: logits float32 (N, V) of the last row of each segment, or with
+    logits_rows (per segment, row indices int (R_i,) within its S_i new tokens) the logits of
+    those rows, segment after segment: (sum R_i, V) [, routing per segment int32 (M, S_i, K)];
+    each segment's cache advances by its S_i tokens."""
     checked = check_segments(model, segments)
-    if len(checked) == 1 and checked[0][1].size == 1:     # one token of one sequence: the
+    rows = check_logits_rows(logits_rows, checked)
+    if rows is not None and all(r.size == 1 and r[0] == ids.size - 1
+                                for r, (_, ids) in zip(rows, checked)):
+        rows = None                                       # the last rows: the usual step
+    if rows is None and len(checked) == 1 and checked[0][1].size == 1:  # one token of one sequence: the
         cache, ids = checked[0]                           # decode step (the same bits, fewer
         out = model._decode_call(ids, cache, None, return_routing)   # allocations)
         if out is not None:
@@ -102,10 +136,10 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False):
                 (0, 1, model.config.num_experts_per_tok), np.int32)
             return logits, [routing]
     with blas_on_one_thread():
-        return _run(model, checked, return_routing)
+        return _run(model, checked, return_routing, rows)
 
 
-def _run(model, checked, return_routing: bool):
+def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None):
     tm, c = model.timings, model.config
     t0 = time.perf_counter()
     segs = _segments(model, checked)
@@ -134,12 +168,16 @@ def _run(model, checked, return_routing: bool):
             y = layer.ffn(xf, tm)
         h += y if rm is None else y * rm
         t0 = time.perf_counter()
-    last = np.array([s.start + s.n - 1 for s in segs])                             # (N,)
+    if logits_rows is None:
+        last = np.array([s.start + s.n - 1 for s in segs])                         # (N,)
+    else:
+        last = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
     hl = np.ascontiguousarray(h[last])                                            # (N, D)
     model._norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
-    logits = np.empty((len(segs), c.vocab_size), dtype=np.float32)
-    model._head(hl, logits)
-    model._scale_logits(logits)
+    logits = np.empty((last.size, c.vocab_size), dtype=np.float32)
+    if last.size:
+        model._head(hl, logits)
+        model._scale_logits(logits)
     tm.add("head", t0)
     for s in segs:
         if s.decode:
