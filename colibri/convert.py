@@ -645,7 +645,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "aut
 
     src, dst = Path(src), Path(dst)
     if is_gguf(src):
-        from .gguf_import import convert_gguf        # the optional `gguf` package
+        from .extras import require_extra
+        require_extra("gguf", "gguf", f"converting {src.name} (GGUF)")   # the optional package
+        from .gguf_import import convert_gguf
         return convert_gguf(src, dst, quant=quant if quant != "none" else dtype, meta=meta,
                             force=force, checksums=checksums, progress=progress)
     if src.suffix.lower() == ".gguf" and src.is_file():

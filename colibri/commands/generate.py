@@ -27,8 +27,9 @@ def register(subparsers, parents=()) -> None:
                     f"{SHIPPED_MODEL}")
     add_model_arg(p)
     p.add_argument("-p", "--prompt", help="the prompt text")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("-n", "--max-new-tokens", "--n-predict", type=int, default=128, metavar="N",
+                   help="tokens to generate at most; -1: until the end of text or the "
+                        "context is full, as in llama.cpp (default: %(default)s)")
     p.add_argument("--temp", type=float, default=0.8, metavar="T",
                    help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, metavar="K",
@@ -63,7 +64,7 @@ def _check(args) -> None:
         raise ColibriError(f"the prompt is empty ({args.prompt!r}): give some text with -p")
     if args.embeddings is not None and args.chat:
         raise ColibriError("--chat needs a text prompt, not --embeddings")
-    for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= 0),
+    for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= -1),  # -1: no cap
                             ("--temp", args.temp, args.temp >= 0),
                             ("--top-k", args.top_k, args.top_k >= 0),
                             ("--top-p", args.top_p, 0 < args.top_p <= 1),
@@ -146,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and model.tokenizer is None:
         raise ColibriError(f"{model.file.path} has no tokenizer, so a text prompt cannot be "
                            f"encoded; use --embeddings FILE.npy")
+    if args.max_new_tokens == -1:      # llama.cpp's "infinity": the context's end stops it
+        args.ctx = args.ctx or model.max_context
+        args.max_new_tokens = args.ctx
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temp, top_k=args.top_k,
                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
                   seed=args.seed, chat=args.chat, ctx=args.ctx, stream=True,
