@@ -19,8 +19,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .. import __version__
 from ..batching import ContextLengthError, QueueFullError, SamplingParams
+from ..version import __version__
 from .bridge import Generation, wait_disconnect
 from .engine import Engine, ModelHolder, ReloadResult
 from .errors import (APIError, context_length_error, error_body, install_error_handlers,
