@@ -19,8 +19,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .. import __version__
 from ..batching import ContextLengthError, QueueFullError, SamplingParams
+from ..version import __version__
 from .best_of import choose_best
 from .bridge import Generation, wait_disconnect
 from .echo import add_echo
