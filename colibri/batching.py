@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constraints import ConstraintSpec, constrained_choice
 from .errors import ColibriError
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
@@ -92,7 +93,9 @@ class SamplingParams:
     logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
     prompt_logprobs: the same for the prompt's own tokens (colibri.prompt_logprobs: the
     handle's prompt_logprobs, complete at the first event);
-    return_routing: each TokenEvent carries the experts its token was routed to.
+    return_routing: each TokenEvent carries the experts its token was routed to;
+    constraint: a colibri.constraints.ConstraintSpec (JSON schema, regex, grammar) the output
+    must follow: masked before each draw, the request stops when the grammar is complete.
     max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
     ends with finish_reason "length".
     """
@@ -110,6 +113,7 @@ class SamplingParams:
     logprobs: int | None = None
     return_routing: bool = False
     prompt_logprobs: int | None = None
+    constraint: ConstraintSpec | None = None
 
     def check(self) -> None:
         """ValueError naming the field, the value and the allowed range."""
@@ -148,6 +152,8 @@ class SamplingParams:
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.return_routing, (bool, np.bool_)):
             bad("return_routing", "a bool")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            bad("constraint", "None or a colibri.constraints.ConstraintSpec (compile_spec)")
 
     def sampler(self) -> Sampler:
         return Sampler(self.temperature, self.top_k, self.top_p, self.min_p,
@@ -221,10 +227,12 @@ class _Request:
     its KV cache."""
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
-                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int):
+                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int):
         self.handle, self.prompt, self.params, self.on_event = handle, prompt, params, on_event
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
+        self.constraint = (None if params.constraint is None
+                           else params.constraint.start(tokenizer, vocab_size))
         self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
         self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
@@ -327,6 +335,9 @@ class Scheduler:
                 f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
                 f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
         stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
+        handle = RequestHandle("", len(prompt), self)
+        request = _Request(handle, prompt, params, stop_ids, self._tokenizer, on_event,
+                           kv_bytes, V)               # a bad constraint raises here
         with self._lock:
             if self._closed:
                 raise ColibriError("the scheduler is stopped; make a new one")
@@ -334,9 +345,8 @@ class Scheduler:
             if len(self._queue) >= self.max_queue + self.parallel - len(self._running):
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting "
                                      f"for a slot)", self._retry_after())
-            handle = RequestHandle(f"req-{next(self._ids)}", len(prompt), self)
-            self._queue.append(_Request(handle, prompt, params, stop_ids, self._tokenizer,
-                                        on_event, kv_bytes))
+            handle.id = f"req-{next(self._ids)}"
+            self._queue.append(request)
             self._wake.notify_all()
         return handle
 
@@ -507,8 +517,8 @@ class Scheduler:
             self._end(r, TokenEvent(-1, "", finish_reason="length"))
             return
         x = r.sampler.penalise(logits, r.history, r.generated)
-        tok = r.sampler.choose(x)
-        if tok in r.stop_ids:
+        tok, x, ended = constrained_choice(r.sampler, x, r.constraint)
+        if ended or tok in r.stop_ids:
             self._end(r, TokenEvent(-1, r.text_tail(), finish_reason="stop"))
             return
         lp = top = None
@@ -523,6 +533,9 @@ class Scheduler:
         text = r.guard.feed(r.decoder.push(tok)) if r.decoder is not None else ""
         finish = None
         if r.guard.done:
+            finish = "stop"
+        elif r.constraint is not None and r.constraint.done:     # the grammar is complete
+            text += r.text_tail()
             finish = "stop"
         elif len(r.generated) >= p.max_tokens:
             text += r.text_tail()
