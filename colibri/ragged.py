@@ -33,7 +33,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
     """[(cache, ids int64 (S,))] after checking each segment; ValueError naming the bad one."""
     if not isinstance(segments, (list, tuple)) or not segments:
         raise ValueError("segments must be a non-empty list of (cache, ids) pairs")
-    V, dims = model.config.vocab_size, model._cache_dims
+    V, dims = model.config.vocab_size, model.cache_dims
     out, seen = [], set()
     for j, seg in enumerate(segments):
         if not isinstance(seg, (list, tuple)) or len(seg) != 2:
@@ -49,7 +49,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         if found != dims:
             raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim, value "
                              f"dim) = {found}, model has {dims}")
-        if cache.owner is not None and cache.owner != model._identity:
+        if cache.owner is not None and cache.owner != model.identity:
             raise ForeignCacheError(f"segment {j}: its cache holds keys and values of another "
                                     f"model file, not of {model.file.path}")
         if id(cache) in seen:
@@ -65,7 +65,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         cache.check_room(a.size)
         out.append((cache, a.astype(np.int64, copy=False)))
     for cache, _ in out:
-        cache.owner = model._identity
+        cache.owner = model.identity
     return out
 
 
@@ -126,7 +126,7 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False,
         rows = None                                       # the last rows: the usual step
     if rows is None and len(checked) == 1 and checked[0][1].size == 1:  # one token of one sequence: the
         cache, ids = checked[0]                           # decode step (the same bits, fewer
-        out = model._decode_call(ids, cache, None, return_routing)   # allocations)
+        out = model.decode_call(ids, cache, None, return_routing)   # allocations)
         if out is not None:
             if not return_routing:
                 return out
@@ -147,18 +147,18 @@ def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | N
     T, D = ids.size, c.hidden_size
     eps = np.float32(c.rms_norm_eps)
     h = np.ascontiguousarray(model.embed(ids[None])[0], dtype=np.float32)        # (T, D)
-    if model._embedding_mult is not None:                                    # Granite's muP
-        h *= model._embedding_mult
-    rm = model._residual_mult
+    if model.embedding_mult is not None:                                    # Granite's muP
+        h *= model.embedding_mult
+    rm = model.residual_mult
     xa = np.empty((T, D), dtype=np.float32)
     xf = np.empty((T, D), dtype=np.float32)
     routing = []                                              # per MoE layer: ids (T, K)
     t0 = tm.add("embed", t0)
     for i, layer in enumerate(model.layers):
-        model._norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        model.norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
         o = layer.attn.forward_segments(xa, segs, i)
         h += o if rm is None else o * rm
-        model._norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
+        model.norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
         t0 = tm.add("attention", t0)
         if isinstance(layer.ffn, MoE):
             y, chosen, _, _ = layer.ffn(xf, tm)
@@ -173,11 +173,10 @@ def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | N
     else:
         last = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
     hl = np.ascontiguousarray(h[last])                                            # (N, D)
-    model._norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
+    model.norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
     logits = np.empty((last.size, c.vocab_size), dtype=np.float32)
     if last.size:
-        model._head(hl, logits)
-        model._scale_logits(logits)
+        model.head_into(hl, logits)
     tm.add("head", t0)
     for s in segs:
         if s.decode:
