@@ -284,6 +284,32 @@ class KVCache:
         new._lock = threading.Lock()
         return new
 
+    def prefix_copy(self, n: int | None = None, ctx: int | None = None) -> "KVCache":
+        """A new cache of `ctx` slots (default: this one's) holding a copy of this cache's
+        first n slots (default: all it holds): keys, values, padding and positions, so the
+        copy continues from slot n exactly as this cache would have. Several continuations
+        of one scored context each run on their own prefix copy (colibri.scoring), the
+        context computed once. Only the n slots are copied; ValueError unless
+        0 <= n <= length and n <= ctx."""
+        n = self.length if n is None else n
+        ctx = self.ctx if ctx is None else ctx
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.length:
+            raise ValueError(f"prefix_copy: n must be an integer in [0, {self.length}] (the "
+                             f"current length), got {n!r}")
+        if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < max(n, 1):
+            raise ValueError(f"prefix_copy: ctx must be an integer >= max(n, 1) = {max(n, 1)}, "
+                             f"got {ctx!r}")
+        n = int(n)
+        new = KVCache(self.n_layers, self.batch, self.n_kv_heads, int(ctx), self.head_dim,
+                      value_dim=self.value_dim, dtype=self.dtype)
+        for dst, src in zip(new.k + new.v, self.k + self.v):
+            dst[:, :, :n] = src[:, :, :n]
+        new.valid[:, :n] = self.valid[:, :n]
+        new.pos[:, :n] = self.pos[:, :n]
+        new.length = n
+        new.owner = self.owner
+        return new
+
     def claim(self) -> "_Held":
         """The cache's lock, taken (use as `with cache.claim(): ...`, released on exit);
         CacheBusyError when a forward pass on another thread holds it."""
