@@ -54,7 +54,8 @@ def ray_server(tmp_path_factory):
         [sys.executable, "-m", "colibri", "serve", str(model), "--ray", "--replicas", "2",
          "--host", "127.0.0.1", "--port", str(port), "--parallel", "2", "--ctx", "128",
          "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=model.parent)    # away from a checkout: the installed colibri, with its kernels
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     deadline = time.monotonic() + 180

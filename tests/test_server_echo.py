@@ -96,7 +96,10 @@ def test_a_batch_of_prompts_gives_one_choice_each_in_order(served):
                                                        "logprobs": 0, "max_tokens": 0})
     assert status == 200 and [c["text"] for c in by_text["choices"]] == texts
     for a, b in zip(body["choices"], by_text["choices"]):
-        assert a["logprobs"]["token_logprobs"] == b["logprobs"]["token_logprobs"]
+        # the two batches may step their prompts in other groupings (summation order)
+        np.testing.assert_allclose(a["logprobs"]["token_logprobs"][1:],
+                                   b["logprobs"]["token_logprobs"][1:], rtol=0, atol=1e-5)
+        assert b["logprobs"]["token_logprobs"][0] is None
         assert all(t is None for t in b["logprobs"]["top_logprobs"])
 
 
