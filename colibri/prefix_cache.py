@@ -130,7 +130,8 @@ class PrefixCache:
         itemsize = 4 if dtype == "f32" else 2
         L, H, Dk, Dv = self.dims
         self.block_bytes = L * H * (Dk + Dv) * self.block_tokens * itemsize
-        self._namespace = hashlib.blake2b(bytes(namespace), digest_size=16).digest()
+        self._namespace = bytes(namespace)
+        self._root = hashlib.blake2b(self._namespace, digest_size=16).digest()
         self._capacity = int(capacity)
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()    # LRU first
         self._lock = threading.RLock()
@@ -176,7 +177,8 @@ class PrefixCache:
         root. Raises RuntimeError while a running request holds blocks."""
         with self._lock:
             self.clear()
-            self._namespace = hashlib.blake2b(bytes(namespace), digest_size=16).digest()
+            self._namespace = bytes(namespace)
+            self._root = hashlib.blake2b(self._namespace, digest_size=16).digest()
 
     @property
     def pinned_bytes(self) -> int:
@@ -200,7 +202,7 @@ class PrefixCache:
     def chain(self, tokens: Sequence[int]) -> list[bytes]:
         """The digests of the whole blocks of `tokens`, block i's over tokens[:(i+1)*block]."""
         ids = np.asarray(tokens, dtype=np.int64)
-        n, out, prev = ids.size // self.block_tokens, [], self._namespace
+        n, out, prev = ids.size // self.block_tokens, [], self._root
         for i in range(n):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(ids[i * self.block_tokens:(i + 1) * self.block_tokens].tobytes())
@@ -263,6 +265,14 @@ class PrefixCache:
                 b.refs = max(0, b.refs - 1)
 
     # -- copies between blocks and KV caches ----------------------------------------------------
+    def reuse(self, tokens: Sequence[int], cache: KVCache) -> int:
+        """Start an empty one-sequence `cache` with the longest cached prefix of `tokens`
+        (match, then load; counted): the tokens it now holds, 0 on a miss or when off."""
+        if not self.enabled or cache.length or cache.batch != 1:
+            return 0
+        hit = self.match(tokens)
+        return self.load(cache, hit) if hit.blocks else 0
+
     def _check_cache(self, cache: KVCache) -> None:
         found = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
         if found != self.dims or cache.dtype != self.dtype or cache.batch != 1:
