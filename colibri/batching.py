@@ -577,7 +577,7 @@ class Scheduler:
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """slots_total, slots_busy, queue_depth, kv_bytes_in_use, kv_bytes_budget, tokens_in
-        (prompt tokens prefilled), tokens_out (generated), requests_finished, steps, prefix_cache."""
+        (prompt tokens prefilled), tokens_out (made), requests_finished, steps, prefix_cache."""
         with self._lock:
             return dict(slots_total=self.parallel, slots_busy=len(self._running),
                         queue_depth=len(self._queue), kv_bytes_in_use=self._kv_in_use,
