@@ -144,6 +144,10 @@ class PrefixCache:
         """A cache for `model`'s KVCaches; capacity None: DEFAULT_MAX_CTX (4096) tokens'
         bytes, the size of one default context (0: off)."""
         L, H, Dk, Dv = model.cache_dims
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(
+                capacity, (int, np.integer)) or capacity < 0):
+            raise ValueError(f"prefix_cache must be None (the default size) or a number of "
+                             f"bytes >= 0 (0: off), got {capacity!r}")
         if capacity is None:
             itemsize = 4 if model.kv_dtype == "f32" else 2
             capacity = DEFAULT_MAX_CTX * L * H * (Dk + Dv) * itemsize

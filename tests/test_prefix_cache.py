@@ -190,6 +190,17 @@ def test_namespaces_keep_models_apart(tmp_path):
         assert len(a.prefix_cache) == 0 and a.prefix_cache.match(ids).tokens == 0
 
 
+def test_bad_sizes_name_the_argument():
+    for bad in (-1, 1.5, "1GiB", True):
+        with pytest.raises(ValueError, match="prefix_cache must be"):
+            api.load(colibri.default_model_path(), prefix_cache=bad)
+    with api.load(colibri.default_model_path(), threads=1) as m:
+        with pytest.raises(ValueError, match="prefix_cache must be"):
+            Scheduler(m, prefix_cache=-5)
+        with pytest.raises(ValueError, match="capacity must be"):
+            m.prefix_cache.capacity = -1
+
+
 def test_longrope_is_off_with_its_reason():
     cfg = SimpleNamespace(rope_scaling={"rope_type": "longrope"})
     assert "LongRoPE" in unsupported_reason(SimpleNamespace(config=cfg))
