@@ -37,7 +37,7 @@ def default_model_path() -> Path:
 def load(path: str | os.PathLike | None = None, threads: int | None = None,
          activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
          mlock: bool = False, mmap: bool = True, kv_dtype: str = DEFAULT_KV_DTYPE,
-         **cache_options) -> Model:
+         prefix_cache: int | None = None, **cache_options) -> Model:
     """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
 
     path: the .colibri file (None: the bundled model, see default_model_path()).
@@ -69,13 +69,17 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         mantissa bits) or "f32" (exact; what the f32 parity tests pin). Each write rounds to
         nearest-even; attention computes in f32; the logits cost is measured in
         docs/accuracy.md. "fp16"/"float16"/"half", "bfloat16", "fp32"/"float32" are accepted.
+    prefix_cache: bytes of KV that generate keeps of the prompts it ran, reused by a later
+        call whose prompt starts with the same tokens (colibri.prefix_cache,
+        docs/prefix-caching.md): None (default) 4096 tokens' worth, 0 off. On by default as
+        in vLLM and llama.cpp's server; the Scheduler and the server have their own.
     cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
         "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
         "previous" or "both"; colibri.prefetch).
     """
     return Model(default_model_path() if path is None else path, threads=threads,
                  activations=activations, memory_budget=memory_budget, mlock=mlock, mmap=mmap,
-                 kv_dtype=kv_dtype, **cache_options)
+                 kv_dtype=kv_dtype, prefix_cache=prefix_cache, **cache_options)
 
 
 def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,

@@ -41,7 +41,9 @@ import numpy as np
 
 from .constraints import ConstraintSpec, constrained_choice
 from .errors import ColibriError
+from .guards import is_int as _is_int, is_number as _is_num
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import Sampler, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
@@ -74,14 +76,6 @@ class QueueFullError(ColibriError):
 # ---------------------------------------------------------------------------------------------
 # a request's settings and its events
 # ---------------------------------------------------------------------------------------------
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
 
 @dataclass
 class SamplingParams:
@@ -268,11 +262,13 @@ class Scheduler:
     requests may hold together (default parallel * ctx * bytes per token); max_queue:
     requests that may wait beyond the free slots before submit raises QueueFullError;
     prefill_chunk: prompt tokens per step (a longer prompt is prefilled over several steps,
-    each also advancing every running stream by one token).
+    each also advancing every running stream by one token). prefix_cache: prompt prefixes'
+    KV kept in the budget's idle part (colibri.prefix_sharing.PrefixSharing.of).
     """
 
     def __init__(self, model, parallel: int = 4, ctx: int | None = None,
-                 kv_budget: int | None = None, max_queue: int = 64, prefill_chunk: int = 64):
+                 kv_budget: int | None = None, max_queue: int = 64, prefill_chunk: int = 64,
+                 prefix_cache: PrefixCache | int | None = None):
         for name, val, lo in (("parallel", parallel, 1), ("max_queue", max_queue, 0),
                               ("prefill_chunk", prefill_chunk, 1)):
             if not _is_int(val) or val < lo:
@@ -291,6 +287,8 @@ class Scheduler:
             raise ValueError(f"kv_budget must be an integer of at least one token's "
                              f"{self.kv_bytes_per_token} bytes, got {kv_budget!r}")
         self.kv_budget = int(kv_budget)
+        self._prefix = PrefixSharing.of(self, prefix_cache)
+        self.prefix_cache = self._prefix.cache
         self._tokenizer = model.tokenizer
         self._default_stop_ids = set(default_stop_ids(model))
         self._lock = threading.Lock()
@@ -441,6 +439,7 @@ class Scheduler:
                 if r.prefilling:
                     r.prefilled += len(ids)
                     self._tokens_in += len(ids)
+                    self._prefix.after_chunk(r)
                     if r.prefilling:
                         continue
                 try:
@@ -469,7 +468,7 @@ class Scheduler:
         segments = [(r, [r.feed]) for r in self._running if not r.prefilling]
         budget = self.prefill_chunk
         for r in self._running:
-            if r.prefilling and budget > 0:
+            if r.prefilling and budget > 0 and self._prefix.ready(r, self._running):
                 chunk = r.prompt[r.prefilled:r.prefilled + budget]
                 segments.append((r, chunk))
                 budget -= len(chunk)
@@ -479,11 +478,12 @@ class Scheduler:
         """Move queued requests into free slots while their KV bytes fit (in order)."""
         with self._lock:
             while (self._queue and len(self._running) < self.parallel
-                   and self._kv_in_use + self._queue[0].kv_bytes <= self.kv_budget):
+                   and self._prefix.make_room(self._kv_in_use + self._queue[0].kv_bytes)):
                 r = self._queue.popleft()
                 r.cache = self.model.new_cache(ctx=len(r.prompt) + r.params.max_tokens)
                 self._kv_in_use += r.kv_bytes
                 self._running.append(r)
+                self._prefix.admit(r)
 
     def _drop_cancelled(self) -> None:
         with self._lock:
@@ -570,19 +570,20 @@ class Scheduler:
             seconds = time.perf_counter() - r.t_submit
             self._mean_seconds += (seconds - self._mean_seconds) / min(self._finished, 32)
             self._wake.notify_all()
+        self._prefix.end(r, keep=ev.finish_reason != "error")
         r.cache = None
         self._emit(r, ev)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
         """slots_total, slots_busy, queue_depth, kv_bytes_in_use, kv_bytes_budget, tokens_in
-        (prompt tokens prefilled), tokens_out (tokens generated), requests_finished, steps."""
+        (prompt tokens prefilled), tokens_out (made), requests_finished, steps, prefix_cache."""
         with self._lock:
             return dict(slots_total=self.parallel, slots_busy=len(self._running),
                         queue_depth=len(self._queue), kv_bytes_in_use=self._kv_in_use,
                         kv_bytes_budget=self.kv_budget, tokens_in=self._tokens_in,
                         tokens_out=self._tokens_out, requests_finished=self._finished,
-                        steps=self._steps)
+                        steps=self._steps, prefix_cache=self.prefix_cache.stats())
 
     def __enter__(self) -> "Scheduler":
         self.start()

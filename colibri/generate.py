@@ -22,6 +22,7 @@ from .batching import SamplingParams, Scheduler, TokenEvent
 from .constraints import Constraint, compile_spec, constrained_choice
 from .errors import ColibriError
 from .kv_cache import KVCache
+from .prefix_cache import PrefixCache
 from .resources import ResourceError
 from .sampling import Sampler
 from .stops import StopText, default_stop_ids, split_stop
@@ -50,6 +51,7 @@ class GenerationStats:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     finish_reason: str = ""                 # "stop" | "length" | "ctx"
+    cached_tokens: int = 0                  # prompt tokens copied from the prefix cache
     timings: dict = field(default_factory=dict)   # seconds per stage (router, experts, ...)
 
     @property
@@ -95,7 +97,8 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
                stop_ids: Sequence[int] = (), cache: KVCache | None = None,
                return_routing: bool = False, stats: GenerationStats | None = None,
                input_embeds: np.ndarray | None = None,
-               constraint: Constraint | None = None) -> Iterator[Step]:
+               constraint: Constraint | None = None,
+               prefix_cache: PrefixCache | None = None) -> Iterator[Step]:
     """Yield one Step per generated token of one sequence (text pieces left empty).
 
     Without return_routing a token is yielded as soon as it is sampled (the forward pass that
@@ -103,7 +106,8 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
     Step carries the token's own routing. The stop token itself is not yielded.
     input_embeds float (S, D): a prompt given as embeddings instead of ids (prompt = []).
     constraint: a colibri.constraints.Constraint masking each draw; the sequence stops
-    ("stop") when its grammar is complete.
+    ("stop") when its grammar is complete. prefix_cache: a PrefixCache to start an empty
+    cache from and to keep the prompt's (and at the end the generated tokens') blocks in.
     """
     prompt = [int(t) for t in prompt]
     n_prompt = len(prompt) if input_embeds is None else int(np.shape(input_embeds)[0])
@@ -120,10 +124,15 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
             raise ResourceError(f"a prompt of {n_prompt} tokens and max_new_tokens="
                                 f"{max_new_tokens}: {e}") from None
     stops = set(int(s) for s in stop_ids)
+    # only a fresh cache of one sequence holds exactly the prompt's tokens from slot 0
+    pc = prefix_cache if input_embeds is None and cache.length == 0 and cache.batch == 1 else None
     model.timings.reset()
     t0 = time.perf_counter()
     if input_embeds is None:
-        logits = prefill(model, np.asarray(prompt, dtype=np.int64), cache)
+        n = stats.cached_tokens = 0 if pc is None else pc.reuse(prompt, cache)
+        logits = prefill(model, np.asarray(prompt[n:], dtype=np.int64), cache)
+        if pc is not None:
+            pc.store(prompt, cache)
     else:
         logits = model.forward(input_embeds=input_embeds, cache=cache, last_only=True)[-1]
     stats.prefill_seconds = time.perf_counter() - t0
@@ -163,6 +172,8 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
             stats.decode_steps += 1
     finally:                                        # also when the caller stops early
         stats.timings = model.timings.copy()
+        if pc is not None:                          # the next chat turn starts with these
+            pc.store(history[:cache.length], cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +298,8 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     model.last_stats = stats
     steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                        cache=cache, return_routing=return_routing, stats=stats,
-                       input_embeds=input_embeds, constraint=constraint)
+                       input_embeds=input_embeds, constraint=constraint,
+                       prefix_cache=model.prefix_cache)
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
     if return_routing:
@@ -403,7 +415,8 @@ def _batch_pieces(model, prompts: list[list[int]], budgets: list[int], sampling:
     n_par = len(todo) if parallel is None else parallel
     longest = max(len(prompts[i]) + budgets[i] for i in todo)
     sched = Scheduler(model, parallel=n_par, ctx=longest, max_queue=len(todo),
-                      prefill_chunk=max(64, max(len(prompts[i]) for i in todo)))
+                      prefill_chunk=max(64, max(len(prompts[i]) for i in todo)),
+                      prefix_cache=model.prefix_cache)
     ready: list[tuple[int, TokenEvent]] = []
     handles = {}
     for i in todo:

@@ -21,9 +21,19 @@ import numpy as np
 
 from .errors import ColibriError
 
-__all__ = ["MAX_POSITION", "NonFiniteError", "ForeignCacheError", "CacheBusyError",
+__all__ = ["is_int", "is_number", "MAX_POSITION", "NonFiniteError", "ForeignCacheError", "CacheBusyError",
            "check_positions", "warn_past_context", "layer_nan_stage", "layer_nan_error",
            "run_moe", "head_nan_stage", "check_logits"]
+
+def is_int(v) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """An int or float (Python or NumPy), not a bool."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
 
 # Largest RoPE position accepted: far beyond any context, and with room for counting on
 MAX_POSITION = 2**31 - 1

@@ -48,6 +48,7 @@ from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
 from .norms import layer_norm, rms_norm
+from .prefix_cache import PrefixCache
 from .ragged import forward_ragged
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch, trace_layer
@@ -116,7 +117,8 @@ def _fused_linear(projs: tuple[_Linear, ...], threads: int) -> _Linear | None:
 class Model:
     """A loaded .colibri model. `Model(path_or_file, threads=None, activations="int16")`; see
     colibri.load (activations: "int16" the default, "f32" exact, "int8" the fastest; they
-    apply to q4/q8/mxfp4 matrices only; kv_dtype: the storage of the caches new_cache makes).
+    apply to q4/q8/mxfp4 matrices only; kv_dtype: the storage of the caches new_cache makes;
+    prefix_cache: bytes of prompt prefixes' KV that generate keeps, model.prefix_cache).
 
     config: the typed geometry (ModelConfig); vocab_size, hidden_size, n_layers, n_heads,
     n_kv_heads, head_dim, eps, moe_layers are shorthands of its fields.
@@ -126,7 +128,7 @@ class Model:
                  activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
                  mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
                  cache_mode: str = "arena", prefetch: str | None = None,
-                 kv_dtype: str = DEFAULT_KV_DTYPE):
+                 kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: int | None = None):
         self.kv_dtype = kv_dtype_name(kv_dtype)
         if threads is not None and (isinstance(threads, bool) or not isinstance(
                 threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS):
@@ -167,6 +169,8 @@ class Model:
         self._mapped = bool(mmap)
         self.memory_locked = False
         self._build()
+        # KV of prompt prefixes that generate reuses across calls (colibri.prefix_cache)
+        self.prefix_cache = PrefixCache.for_model(self, prefix_cache)
         self.expert_cache = hold_weights(self, self._plan, mlock=mlock, mapped=self._mapped,
                                          policy=cache_policy, mode=cache_mode,
                                          prefetch=prefetch)

@@ -22,6 +22,11 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _bytes_or_off(text: str) -> int:
+    """argparse type: a size as _bytes, or 0 / off for none."""
+    return 0 if text.strip().lower() in ("0", "off", "none") else _bytes(text)
+
+
 def register(subparsers, parents=()) -> None:
     p = subparsers.add_parser(
         "serve", parents=list(parents), help="serve a model over an OpenAI-compatible HTTP API",
@@ -49,6 +54,10 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
                    help="prompt tokens per step, so running streams keep their pace "
                         "(default: %(default)s)")
+    p.add_argument("--prefix-cache", type=_bytes_or_off, default=None, metavar="BYTES",
+                   help="KV of prompt prefixes kept for later requests (shared system "
+                        "prompts, chat turns, n > 1), e.g. 512MiB, inside --kv-budget; 0 or "
+                        "off: none (default: whatever the budget's running requests leave)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health; "
                         "enables POST /admin/reload")
@@ -85,7 +94,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The server's Settings for the parsed arguments."""
     return Settings(model=args.model, host=args.host, port=args.port, parallel=args.parallel,
                     ctx=args.ctx, kv_budget=args.kv_budget, max_queue=args.max_queue,
-                    prefill_chunk=args.prefill_chunk, api_key=args.api_key,
+                    prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                    api_key=args.api_key,
                     insecure=args.insecure, pid_file=args.pid_file, max_body=args.max_body,
                     threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
                     model_name=args.model_name, log_level=args.log_level)

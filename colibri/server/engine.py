@@ -55,7 +55,8 @@ class Engine:
         self.tokenizer = model.tokenizer          # built now, not on the first request
         self.scheduler = Scheduler(model, parallel=settings.parallel, ctx=settings.ctx,
                                    kv_budget=settings.kv_budget, max_queue=settings.max_queue,
-                                   prefill_chunk=settings.prefill_chunk)
+                                   prefill_chunk=settings.prefill_chunk,
+                                   prefix_cache=settings.prefix_cache)
         self.ctx = self.scheduler.ctx
 
     @property
@@ -67,9 +68,11 @@ class Engine:
         self.scheduler.start()
 
     def retire(self) -> threading.Thread:
-        """Finish the requests this engine holds, then stop it (in a background thread)."""
+        """Finish the requests this engine holds, then stop it (in a background thread) and
+        drop its prefix cache (keyed by this version: no later request could use it)."""
         def drain():
             self.scheduler.stop(drain=True)
+            self.scheduler.prefix_cache.clear()
             log.info("model version %s retired (its requests finished)", self.version)
         t = threading.Thread(target=drain, name=f"colibri-retire-{self.version}", daemon=True)
         t.start()

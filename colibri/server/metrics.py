@@ -5,7 +5,11 @@ colibri_completion_tokens_total. Read from the engine at each scrape: colibri_to
 (generated tokens over the last 10 s), colibri_queue_depth, colibri_slots_busy,
 colibri_slots_total, colibri_kv_bytes_in_use, colibri_kv_bytes_budget, colibri_rss_bytes (this
 process), colibri_model_info{version, path}, colibri_reloads_total,
-colibri_reload_failures_total. Each app has its own registry (several apps can live in one
+colibri_reload_failures_total, and the prefix cache's (colibri.prefix_cache) of the version
+serving: colibri_prefix_cache_hits_total / _misses_total (prompt tokens copied from it /
+computed), colibri_prefix_cache_lookups_total (prompts), colibri_prefix_cache_evictions_total
+(blocks), colibri_prefix_cache_bytes, colibri_prefix_cache_capacity_bytes,
+colibri_prefix_cache_blocks (a reload starts them again at 0). Each app has its own registry (several apps can live in one
 process, as in the tests and under Ray Serve).
 """
 from __future__ import annotations
@@ -82,6 +86,25 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        yield from _prefix_metrics(s["prefix_cache"])
+
+
+def _prefix_metrics(p: dict):
+    """The prefix cache's counters and gauges (PrefixCache.stats())."""
+    for key, doc in (("hits", "prompt tokens copied from the prefix cache"),
+                     ("misses", "prompt tokens looked up in the prefix cache and computed"),
+                     ("lookups", "prompts looked up in the prefix cache"),
+                     ("evictions", "prefix-cache blocks evicted (LRU)")):
+        c = CounterMetricFamily(f"colibri_prefix_cache_{key}", doc)
+        c.add_metric([], p[key])
+        yield c
+    for key, name, doc in (("bytes", "bytes", "bytes of K/V the prefix cache holds"),
+                           ("capacity_bytes", "capacity_bytes", "bytes the prefix cache may hold "
+                            "(0: off); within the KV budget the running requests leave"),
+                           ("blocks", "blocks", "blocks the prefix cache holds")):
+        g = GaugeMetricFamily(f"colibri_prefix_cache_{name}", doc)
+        g.add_metric([], p[key])
+        yield g
 
 
 class Metrics:

@@ -91,7 +91,7 @@ def deployment(settings: Settings, replicas: int = 1, autoscaling: dict | None =
 def build(args: dict[str, str]):
     """The `serve run colibri.server.ray_serve:build key=value ...` builder.
 
-    Keys: model (path on every node), replicas, parallel, ctx, kv_budget, max_queue,
+    Keys: model (path on every node), replicas, parallel, ctx, kv_budget, prefix_cache, max_queue,
     threads, activations, kv_dtype, api_key, model_name, min_replicas / max_replicas /
     target_ongoing_requests (autoscaling instead of a fixed count), num_cpus."""
     args = dict(args)
@@ -100,6 +100,9 @@ def build(args: dict[str, str]):
               if k in Settings.__dataclass_fields__}
     if "kv_budget" in fields:
         fields["kv_budget"] = parse_bytes(fields["kv_budget"])
+    if "prefix_cache" in fields:
+        v = fields["prefix_cache"]
+        fields["prefix_cache"] = 0 if v.strip().lower() in ("0", "off") else parse_bytes(v)
     autoscaling = {k: float(args[k]) if k == "target_ongoing_requests" else int(args[k])
                    for k in ("min_replicas", "max_replicas", "target_ongoing_requests")
                    if k in args}

@@ -71,6 +71,9 @@ class Settings:
     kv_dtype: the storage of the slots' KV caches, "f16" (default), "bf16" or "f32"
         (colibri.load; other spellings such as "fp16" are normalised by check()).
     max_queue: requests waiting for a slot beyond the running ones; past it 429.
+    prefix_cache: bytes of prompt prefixes' KV kept for later requests, inside kv_budget's
+        part the running requests do not hold (None: all of that part; 0: off;
+        docs/prefix-caching.md).
     api_key: bearer token for /v1/* , /metrics and /admin/*; None: no auth (loopback only,
         unless insecure).
     max_body: bytes a request body may hold (413 past it).
@@ -85,6 +88,7 @@ class Settings:
     kv_budget: int | None = None
     max_queue: int = 64
     prefill_chunk: int = 64
+    prefix_cache: int | None = None
     api_key: str | None = None
     insecure: bool = False
     pid_file: str | None = None
@@ -113,6 +117,7 @@ class Settings:
         for name, value, minimum in (("parallel", self.parallel, 1), ("max_queue", self.max_queue, 0),
                                      ("ctx", self.ctx, 2), ("kv_budget", self.kv_budget, 1),
                                      ("prefill_chunk", self.prefill_chunk, 1),
+                                     ("prefix_cache", self.prefix_cache, 0),
                                      ("max_body", self.max_body, 64), ("max_n", self.max_n, 1),
                                      ("threads", self.threads, 1), ("port", self.port, 0)):
             if value is not None and value < minimum:
