@@ -212,7 +212,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
              return_routing: bool = False, input_embeds: np.ndarray | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              parallel: int | None = None, json_schema=None, regex: str | None = None,
-             grammar: str | None = None):
+             grammar: str | None = None, draft=None, num_draft_tokens: int = 4):
     """Continue a prompt, or several.
 
     prompt_or_ids: text (str), chat messages ([{"role", "content"}, ...]) or token ids (S,);
@@ -229,6 +229,12 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
         one (colibri.constraints, llguidance): every token is drawn among those the grammar
         allows, and generation stops when it is complete; a spec llguidance rejects is a
         ConstraintError naming the problem. json_schema={"type": "object"} is any object.
+    draft: speculative decoding (colibri.speculative, docs/speculative.md): "prompt-lookup"
+        (drafts copied from n-gram matches in the prompt and output), a draft model (a
+        .colibri path or a Model with the same tokenizer) or a colibri.drafters drafter;
+        num_draft_tokens (1..32): the most drafts per verification pass. The same tokens as
+        without it at temperature 0, the same distribution when sampling; one prompt only;
+        model.last_stats is then a speculative.SpeculativeStats (acceptance, experts read).
     input_embeds: float (S, D) prompt embeddings instead of a prompt (prompt_or_ids=None); the
         result is text when the model has a tokenizer, else ids.
     Returns the generated text (for text prompts) or an int64 array of new ids (for ids),
@@ -249,6 +255,10 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     """
     _check_lengths(max_new_tokens, ctx)
     spec = compile_spec(json_schema=json_schema, regex=regex, grammar=grammar)
+    if draft is not None and (is_batch(prompt_or_ids) or return_routing
+                              or input_embeds is not None):
+        raise ValueError("draft (speculative decoding) works with one prompt of text or ids, "
+                         "without return_routing or input_embeds")
     if is_batch(prompt_or_ids):
         if return_routing or input_embeds is not None:
             raise ValueError("return_routing and input_embeds work with one prompt; for a "
@@ -283,11 +293,17 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
                                f"nothing left to generate into")
         cache = model.new_cache(ctx=ctx)
     constraint = None if spec is None else spec.start(model)
-    stats = GenerationStats()
+    if draft is not None:
+        from .speculative import speculative_steps
+        steps, stats = speculative_steps(model, draft, num_draft_tokens, ids, sampler,
+                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                         cache=cache, constraint=constraint)
+    else:
+        stats = GenerationStats()
+        steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens,
+                           stop_ids=stop_ids, cache=cache, return_routing=return_routing,
+                           stats=stats, input_embeds=input_embeds, constraint=constraint)
     model.last_stats = stats
-    steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                       cache=cache, return_routing=return_routing, stats=stats,
-                       input_embeds=input_embeds, constraint=constraint)
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
     if return_routing:
