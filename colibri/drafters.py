@@ -156,19 +156,28 @@ class DraftModel:
 
 
 class Backoff:
-    """Draft length control: up to k tokens, shortened after rejections and paused after a
-    run of fruitless verifications, so a text with nothing to look up pays next to nothing.
+    """Draft length control: up to k tokens, shortened after rejections and paused when
+    speculation does not pay, so a text with nothing to look up runs at plain speed.
 
     After a verification of d drafts with a accepted: all accepted grows the length by one
-    (up to k); some rejected sets it to a + 1; none accepted counts a miss, and after misses
-    in a row drafting pauses for 2**misses decode steps (at most max_pause)."""
+    (up to k); some rejected sets it to a + 1; none accepted is a miss. With timed=True the
+    seconds of each pass count too: a verification whose seconds per token produced are
+    above the running mean of a plain decode step's is a miss as well (on a CPU a pass of
+    k+1 tokens can cost close to k+1 steps: then acceptance alone does not make it pay).
+    After two misses in a row drafting pauses for 2**misses steps (at most max_pause), then
+    probes again. timed=False decides from acceptance only, so the same seed gives the same
+    draws run after run."""
 
-    def __init__(self, k: int, max_pause: int = 64):
+    def __init__(self, k: int, max_pause: int = 64, timed: bool = True):
         self.k = int(k)
         self.length = self.k
         self.misses = 0
         self.pause = 0
         self.max_pause = int(max_pause)
+        self.timed = bool(timed)
+        self.plain_seconds: float | None = None      # running mean of a plain step
+        self.spec_seconds: float | None = None       # of a verification, per token produced
+        self.pause = 2 if self.timed else 0          # first measure two plain steps
 
     def next_length(self) -> int:
         """Tokens to draft now (0: decode one token plainly this step)."""
@@ -177,12 +186,24 @@ class Backoff:
             return 0
         return self.length
 
-    def update(self, drafted: int, accepted: int) -> None:
+    @staticmethod
+    def _mean(old: float | None, new: float) -> float:
+        return new if old is None else 0.7 * old + 0.3 * new
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """After a pass that carried `drafted` drafts (0: a plain step) of which `accepted`
+        were accepted, taking `seconds`."""
         if drafted == 0:
+            if seconds is not None:
+                self.plain_seconds = self._mean(self.plain_seconds, seconds)
             return
-        if accepted == 0:
+        paying = True
+        if self.timed and seconds is not None:
+            self.spec_seconds = self._mean(self.spec_seconds, seconds / (accepted + 1))
+            paying = self.plain_seconds is None or self.spec_seconds <= self.plain_seconds
+        if accepted == 0 or not paying:
             self.misses += 1
-            self.length = 1
+            self.length = max(1, min(self.length, accepted + 1))
             self.pause = min(2 ** self.misses, self.max_pause) if self.misses > 1 else 0
             return
         self.misses = 0

@@ -147,7 +147,8 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
     drafter.start(prompt, cache.ctx)
     stops = set(int(s) for s in stop_ids)
     plain_experts = len(model.moe_layers) * model.config.num_experts_per_tok
-    backoff = Backoff(num_draft_tokens)
+    # timing decides only where output cannot depend on it: greedy, or sampling unseeded
+    backoff = Backoff(num_draft_tokens, timed=sampler.is_greedy or sampler.seed is None)
     model.timings.reset()
     t0 = time.perf_counter()
     logits = prefill(model, np.asarray(prompt, dtype=np.int64), cache)
@@ -192,7 +193,8 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
             else:
                 rows = decode_one(model, tok, cache)[None]
                 stats.experts_read += plain_experts
-            stats.decode_seconds += time.perf_counter() - t1
+            seconds = time.perf_counter() - t1
+            stats.decode_seconds += seconds
             stats.decode_steps += 1
             accepted, stop = 0, False
             for i, d in enumerate(drafts):
@@ -226,8 +228,8 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
             else:
                 logits = rows[len(drafts)]
             stats.accepted_tokens += accepted
+            backoff.update(len(drafts), accepted, seconds)
             if drafts:
-                backoff.update(len(drafts), accepted)
                 cache.truncate(n0 + 1 + accepted)
                 drafter.accepted(len(history))
             if stop:

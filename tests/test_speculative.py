@@ -39,7 +39,7 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
 
 
 def test_backoff_shortens_and_pauses_then_recovers():
-    b = Backoff(4)
+    b = Backoff(4, timed=False)
     assert b.next_length() == 4
     b.update(4, 1)
     assert b.next_length() == 2                          # a + 1
@@ -52,6 +52,21 @@ def test_backoff_shortens_and_pauses_then_recovers():
     for _ in range(20):
         b.update(b.next_length() or 1, 0)
     assert b.pause <= 64
+
+
+def test_timed_backoff_pauses_when_verifying_costs_more_than_it_saves():
+    b = Backoff(4)
+    assert [b.next_length() for _ in range(3)] == [0, 0, 4]   # two plain steps measured first
+    b.update(0, 0, 0.010)
+    b.update(0, 0, 0.010)
+    b.update(4, 4, 0.030)                  # 5 tokens in 30 ms: 6 ms each, pays
+    assert b.next_length() == 4 and b.misses == 0
+    for i in range(6):                     # 3 of 4 accepted in 55 ms: 13.75 ms a token
+        b.update(4, 3, 0.055)
+        if b.misses >= 2:
+            break
+    assert b.misses == 2 and 2 <= i <= 4   # the running mean crossed plain's 10 ms
+    assert [b.next_length() for _ in range(5)] == [0, 0, 0, 0, 4]   # paused, then a probe
 
 
 # ---------------------------------------------------------------------------------------------
