@@ -165,7 +165,7 @@ class Backoff:
     above the running mean of a plain decode step's is a miss as well (on a CPU a pass of
     k+1 tokens can cost close to k+1 steps: then acceptance alone does not make it pay).
     After two misses in a row drafting pauses for 2**misses steps (at most max_pause), then
-    probes again. timed=False decides from acceptance only, so the same seed gives the same
+    probes again; timed, one step in 17 is plain anyway, to follow the machine's load. timed=False decides from acceptance only, so the same seed gives the same
     draws run after run."""
 
     def __init__(self, k: int, max_pause: int = 64, timed: bool = True):
@@ -178,11 +178,17 @@ class Backoff:
         self.plain_seconds: float | None = None      # running mean of a plain step
         self.spec_seconds: float | None = None       # of a verification, per token produced
         self.pause = 2 if self.timed else 0          # first measure two plain steps
+        self.since_plain = 0
+        self.refresh = 16                            # then one plain step in every 17
 
     def next_length(self) -> int:
         """Tokens to draft now (0: decode one token plainly this step)."""
         if self.pause > 0:
             self.pause -= 1
+            return 0
+        self.since_plain += 1
+        if self.timed and self.since_plain > self.refresh:   # re-measure a plain step: the
+            self.since_plain = 0                             # machine's load drifts
             return 0
         return self.length
 
