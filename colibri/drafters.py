@@ -228,12 +228,11 @@ def make_drafter(target, draft, *, max_ngram: int = 3, min_ngram: int = 1):
     if isinstance(draft, str) and draft == PROMPT_LOOKUP:
         return PromptLookup(max_ngram, min_ngram)
     if isinstance(draft, (str, os.PathLike)):
-        from .model import Model
         if not os.path.isfile(draft):
             raise FileNotFoundError(f"draft model {os.fspath(draft)!r}: no such file (give a "
                                     f".colibri path or {PROMPT_LOOKUP!r})")
-        draft = Model(draft, threads=target.threads, activations=target.activations,
-                      kv_dtype=target.kv_dtype)
+        draft = type(target)(draft, threads=target.threads, activations=target.activations,
+                             kv_dtype=target.kv_dtype)           # a Model, as the target
     if hasattr(draft, "new_cache") and hasattr(draft, "forward"):
         return DraftModel(draft, target)
     raise TypeError(f"draft must be {PROMPT_LOOKUP!r}, a .colibri path or a colibri Model, got "

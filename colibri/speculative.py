@@ -35,7 +35,7 @@ import numpy as np
 
 from .constraints import Constraint, constrained_choice
 from .drafters import Backoff, DEFAULT_DRAFT_TOKENS
-from .generate import GenerationStats, Step, decode_one, prefill
+from .steps import GenerationStats, Step
 from .kv_cache import KVCache
 from .resources import ResourceError
 from .sampling import Sampler, greedy, sample_from_probs
@@ -151,7 +151,7 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
     backoff = Backoff(num_draft_tokens, timed=sampler.is_greedy or sampler.seed is None)
     model.timings.reset()
     t0 = time.perf_counter()
-    logits = prefill(model, np.asarray(prompt, dtype=np.int64), cache)
+    logits = model.forward(np.asarray(prompt, dtype=np.int64), cache=cache, last_only=True)[-1]
     stats.prefill_seconds = time.perf_counter() - t0
     history = list(prompt)
     forced: tuple[int, bool] | None = None      # a token drawn by the rejection rule
@@ -191,7 +191,7 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
                 stats.verify_passes += 1
                 stats.draft_tokens += len(drafts)
             else:
-                rows = decode_one(model, tok, cache)[None]
+                rows = model.forward(np.array([tok]), cache=cache, last_only=True)
                 stats.experts_read += plain_experts
             seconds = time.perf_counter() - t1
             stats.decode_seconds += seconds
