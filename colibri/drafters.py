@@ -165,7 +165,9 @@ class Backoff:
     above the running mean of a plain decode step's is a miss as well (on a CPU a pass of
     k+1 tokens can cost close to k+1 steps: then acceptance alone does not make it pay).
     After two misses in a row drafting pauses for 2**misses steps (at most max_pause), then
-    probes again; timed, one step in 17 is plain anyway, to follow the machine's load. timed=False decides from acceptance only, so the same seed gives the same
+    probes again; timed, one step in 17 is plain anyway, to follow the machine's load, and a
+    verification slower than drafted + 1 plain steps (it could not pay even if every draft
+    were accepted) pauses for max_pause steps at once. timed=False decides from acceptance only, so the same seed gives the same
     draws run after run."""
 
     def __init__(self, k: int, max_pause: int = 64, timed: bool = True):
@@ -204,9 +206,13 @@ class Backoff:
                 self.plain_seconds = self._mean(self.plain_seconds, seconds)
             return
         paying = True
-        if self.timed and seconds is not None:
+        if self.timed and seconds is not None and self.plain_seconds:
             self.spec_seconds = self._mean(self.spec_seconds, seconds / (accepted + 1))
-            paying = self.plain_seconds is None or self.spec_seconds <= self.plain_seconds
+            if seconds > (drafted + 1) * self.plain_seconds:  # not even every draft accepted
+                self.misses += 1                              # would pay: back off at once
+                self.pause = self.max_pause
+                return
+            paying = self.spec_seconds <= self.plain_seconds
         if accepted == 0 or not paying:
             self.misses += 1
             self.length = max(1, min(self.length, accepted + 1))

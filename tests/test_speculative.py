@@ -61,12 +61,14 @@ def test_timed_backoff_pauses_when_verifying_costs_more_than_it_saves():
     b.update(0, 0, 0.010)
     b.update(4, 4, 0.030)                  # 5 tokens in 30 ms: 6 ms each, pays
     assert b.next_length() == 4 and b.misses == 0
-    for i in range(6):                     # 3 of 4 accepted in 55 ms: 13.75 ms a token
-        b.update(4, 3, 0.055)
+    for i in range(10):                    # 3 of 4 accepted in 45 ms: 11.25 ms a token
+        b.update(4, 3, 0.045)
         if b.misses >= 2:
             break
-    assert b.misses == 2 and 2 <= i <= 4   # the running mean crossed plain's 10 ms
+    assert b.misses == 2 and 4 <= i <= 8   # the running mean crossed plain's 10 ms
     assert [b.next_length() for _ in range(5)] == [0, 0, 0, 0, 4]   # paused, then a probe
+    b.update(4, 4, 0.051)                  # slower than 5 plain steps: cannot ever pay
+    assert b.pause == 64
 
 
 # ---------------------------------------------------------------------------------------------
