@@ -179,7 +179,8 @@ class Backoff:
         self.timed = bool(timed)
         self.plain_seconds: float | None = None      # running mean of a plain step
         self.spec_seconds: float | None = None       # of a verification, per token produced
-        self.pause = 2 if self.timed else 0          # first measure two plain steps
+        self.pause = 3 if self.timed else 0          # first measure plain steps (the first
+        self._unmeasured = 1                         # one builds the decode state: not timed)
         self.since_plain = 0
         self.refresh = 16                            # then one plain step in every 17
 
@@ -202,7 +203,9 @@ class Backoff:
         """After a pass that carried `drafted` drafts (0: a plain step) of which `accepted`
         were accepted, taking `seconds`."""
         if drafted == 0:
-            if seconds is not None:
+            if seconds is not None and self._unmeasured:
+                self._unmeasured -= 1
+            elif seconds is not None:
                 self.plain_seconds = self._mean(self.plain_seconds, seconds)
             return
         paying = True

@@ -56,7 +56,8 @@ def test_backoff_shortens_and_pauses_then_recovers():
 
 def test_timed_backoff_pauses_when_verifying_costs_more_than_it_saves():
     b = Backoff(4)
-    assert [b.next_length() for _ in range(3)] == [0, 0, 4]   # two plain steps measured first
+    assert [b.next_length() for _ in range(4)] == [0, 0, 0, 4]   # plain steps measured first
+    b.update(0, 0, 0.500)                  # the first builds the decode state: not counted
     b.update(0, 0, 0.010)
     b.update(0, 0, 0.010)
     b.update(4, 4, 0.030)                  # 5 tokens in 30 ms: 6 ms each, pays
