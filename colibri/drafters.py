@@ -37,7 +37,8 @@ class DraftMismatchError(ColibriError, ValueError):
 class PromptLookup:
     """Drafts copied from the history: the tokens that followed the most recent earlier
     occurrence of the history's last n tokens, n from max_ngram down to min_ngram (the
-    longest suffix that matches wins)."""
+    longest suffix that matches wins); a match that runs into the suffix (a loop) is
+    continued periodically."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
@@ -68,7 +69,10 @@ class PromptLookup:
                 starts = starts[h[starts + j] == suffix[j]]
             if starts.size:
                 s = int(starts[-1]) + n                           # the most recent one
-                return [int(t) for t in h[s:s + k]], None
+                # a match that runs into the suffix is a loop of period n_all - s: the
+                # copy continues it (a repeated token drafts k repeats, not one)
+                idx = s + np.arange(k) % (n_all - s)
+                return [int(t) for t in h[idx]], None
         return [], None
 
     def accepted(self, length: int) -> None:

@@ -32,7 +32,8 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     # 2-gram 6 7 (no earlier 3-gram 9 6 7): the latest earlier occurrence, at 5
     assert pl.propose([5, 6, 7, 8, 1, 6, 7, 9, 3, 6, 7], 2)[0] == [9, 3]
     assert pl.propose([1, 2, 3, 4], 4) == ([], None)                 # nothing to look up
-    assert pl.propose([4, 4], 3)[0] == [4]                           # runs into the suffix
+    assert pl.propose([4, 4], 3)[0] == [4, 4, 4]                     # a loop: continued
+    assert pl.propose([1, 7, 8, 7, 8], 5)[0] == [7, 8, 7, 8, 7]      # period 2
     assert PromptLookup(max_ngram=2, min_ngram=2).propose([1, 2, 3, 1, 9, 1], 2) == ([], None)
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(max_ngram=1, min_ngram=2)
