@@ -20,6 +20,14 @@ scipy_stats = pytest.importorskip("scipy.stats")
 from routing_models import converted  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def untimed_backoff(monkeypatch):
+    """Back off on acceptance only: on these tiny models a verification costs several plain
+    steps, and the timed backoff would (rightly) stop speculating after a probe or two,
+    leaving the paths under test unexercised."""
+    import colibri.speculative as where
+    monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
+
 # ---------------------------------------------------------------------------------------------
 # drafters
 # ---------------------------------------------------------------------------------------------

@@ -9,10 +9,19 @@ import pytest
 import colibri
 import colibri.api as api
 from colibri.batching import SamplingParams, Scheduler
+from colibri.drafters import Backoff
 from colibri.speculative_batch import Speculation, SpeculativeScheduler
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 2
 
+
+@pytest.fixture(autouse=True)
+def untimed_backoff(monkeypatch):
+    """Back off on acceptance only: on these tiny models a verification costs several plain
+    steps, and the timed backoff would (rightly) stop speculating after a probe or two,
+    leaving the paths under test unexercised."""
+    import colibri.speculative_batch as where
+    monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
 
 @pytest.fixture(scope="module")
 def shipped():
