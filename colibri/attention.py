@@ -116,6 +116,10 @@ class Segment:
     positions int64 (S,): their RoPE positions; cos/sin: float32 (Dr/2,) of the one position
     when decode (S = 1 and no padding in the cache: the compiled attention call), else
     Rope.cos_sin's (1, 1, S, Dr/2); masks: build_mask per sliding window, made on first use.
+    row_tables: for a short segment over a cache with no padding (speculative decoding's
+    verification, a short prompt chunk), [(cos, sin) (Dr/2,)] per row: Attention runs its
+    rows one after another through the decode step's compiled attention (the same bits as
+    feeding them one by one), None otherwise.
     """
     cache: object
     start: int
@@ -125,6 +129,7 @@ class Segment:
     cos: np.ndarray
     sin: np.ndarray
     masks: dict = field(default_factory=dict)
+    row_tables: list | None = None
 
     def mask(self, window: int | None) -> np.ndarray:
         """bool (1, S, L) for the cache's slots plus the S new ones."""
@@ -253,6 +258,17 @@ class Attention:
                 start = slot + 1 - self.window if self.window and slot >= self.window else 0
                 self._attend_one(qk[:H], cache, layer, qk[H:], vh, slot, start,
                                  o[a].reshape(H, Dh))
+                continue
+            if seg.row_tables is not None:       # row by row, each as a decode step
+                for j, (cos, sin) in enumerate(seg.row_tables):
+                    r = a + j
+                    qk = np.concatenate([q[0, :, r], k[0, :, r]])             # (H + Hkv, Dh)
+                    _rope_rows(qk, cos, sin)
+                    slot = cache.length + j
+                    start = slot + 1 - self.window if self.window and slot >= self.window else 0
+                    self._attend_one(qk[:H], cache, layer, qk[H:],
+                                     np.ascontiguousarray(v[0, :, r]), slot, start,
+                                     o[r].reshape(H, Dh))
                 continue
             qs = apply_rope(q[:, :, a:b], seg.cos, seg.sin)
             ks = apply_rope(k[:, :, a:b], seg.cos, seg.sin)

@@ -512,12 +512,15 @@ class Scheduler:
                 self._end(r, ev)
                 return
             self._emit(r, ev)
-        p = r.params
-        if p.max_tokens == 0:                      # scoring only: nothing to generate
+        if r.params.max_tokens == 0:               # scoring only: nothing to generate
             self._end(r, TokenEvent(-1, "", finish_reason="length"))
             return
         x = r.sampler.penalise(logits, r.history, r.generated)
-        tok, x, ended = constrained_choice(r.sampler, x, r.constraint)
+        self._take(r, *constrained_choice(r.sampler, x, r.constraint))
+
+    def _take(self, r: _Request, tok: int, x: np.ndarray, ended: bool) -> None:
+        """r's next token, drawn from x (V,) (ended: it closed the grammar): stop or emit."""
+        p = r.params
         if ended or tok in r.stop_ids:
             self._end(r, TokenEvent(-1, r.text_tail(), finish_reason="stop"))
             return

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from .batching import SamplingParams, Scheduler, TokenEvent
@@ -25,48 +23,12 @@ from .kv_cache import KVCache
 from .prefix_cache import PrefixCache
 from .resources import ResourceError
 from .sampling import Sampler
+from .steps import GenerationStats, Step
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
 
 __all__ = ["prefill", "decode_one", "iter_steps", "generate", "stream", "Step",
            "GenerationStats", "prompt_ids", "is_batch", "default_stop_ids"]
-
-
-@dataclass
-class Step:
-    """One generated token: id, its text piece ('' while a character is incomplete or with no
-    tokenizer), and, when asked for, the routing of the forward pass that consumed it."""
-    index: int
-    token: int
-    text: str = ""
-    routing: object | None = None
-
-
-@dataclass
-class GenerationStats:
-    """Counts and seconds of the last generation (model.last_stats)."""
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    finish_reason: str = ""                 # "stop" | "length" | "ctx"
-    cached_tokens: int = 0                  # prompt tokens copied from the prefix cache
-    timings: dict = field(default_factory=dict)   # seconds per stage (router, experts, ...)
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
-
-    def summary(self) -> str:
-        return (f"prompt: {self.prompt_tokens} tokens in {self.prefill_seconds * 1e3:.1f} ms "
-                f"({self.prompt_tps:.1f} tok/s); generation: {self.generated_tokens} tokens, "
-                f"{self.decode_steps} decode steps in {self.decode_seconds * 1e3:.1f} ms "
-                f"({self.generation_tps:.1f} tok/s); finish: {self.finish_reason}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +185,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
              return_routing: bool = False, input_embeds: np.ndarray | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              parallel: int | None = None, json_schema=None, regex: str | None = None,
-             grammar: str | None = None):
+             grammar: str | None = None, draft=None, num_draft_tokens: int = 4):
     """Continue a prompt, or several.
 
     prompt_or_ids: text (str), chat messages ([{"role", "content"}, ...]) or token ids (S,);
@@ -240,6 +202,12 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
         one (colibri.constraints, llguidance): every token is drawn among those the grammar
         allows, and generation stops when it is complete; a spec llguidance rejects is a
         ConstraintError naming the problem. json_schema={"type": "object"} is any object.
+    draft: speculative decoding (colibri.speculative, docs/speculative.md): "prompt-lookup"
+        (drafts copied from n-gram matches in the prompt and output), a draft model (a
+        .colibri path or a Model with the same tokenizer) or a colibri.drafters drafter;
+        num_draft_tokens (1..32): the most drafts per verification pass. The same tokens as
+        without it at temperature 0, the same distribution when sampling; one prompt only;
+        model.last_stats is then a speculative.SpeculativeStats (acceptance, experts read).
     input_embeds: float (S, D) prompt embeddings instead of a prompt (prompt_or_ids=None); the
         result is text when the model has a tokenizer, else ids.
     Returns the generated text (for text prompts) or an int64 array of new ids (for ids),
@@ -260,6 +228,10 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     """
     _check_lengths(max_new_tokens, ctx)
     spec = compile_spec(json_schema=json_schema, regex=regex, grammar=grammar)
+    if draft is not None and (is_batch(prompt_or_ids) or return_routing
+                              or input_embeds is not None):
+        raise ValueError("draft (speculative decoding) works with one prompt of text or ids, "
+                         "without return_routing or input_embeds")
     if is_batch(prompt_or_ids):
         if return_routing or input_embeds is not None:
             raise ValueError("return_routing and input_embeds work with one prompt; for a "
@@ -294,12 +266,18 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
                                f"nothing left to generate into")
         cache = model.new_cache(ctx=ctx)
     constraint = None if spec is None else spec.start(model)
-    stats = GenerationStats()
+    if draft is not None:
+        from .speculative import speculative_steps
+        steps, stats = speculative_steps(model, draft, num_draft_tokens, ids, sampler,
+                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                         cache=cache, constraint=constraint)
+    else:
+        stats = GenerationStats()
+        steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens,
+                           stop_ids=stop_ids, cache=cache, return_routing=return_routing,
+                           stats=stats, input_embeds=input_embeds, constraint=constraint,
+                           prefix_cache=model.prefix_cache)
     model.last_stats = stats
-    steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                       cache=cache, return_routing=return_routing, stats=stats,
-                       input_embeds=input_embeds, constraint=constraint,
-                       prefix_cache=model.prefix_cache)
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
     if return_routing:

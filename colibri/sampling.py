@@ -36,6 +36,7 @@ __all__ = [
     "min_p_filter",
     "greedy",
     "sample_from_logits",
+    "sample_from_probs",
     "softmax",
     "log_softmax",
     "top_logprobs",
@@ -210,7 +211,11 @@ def greedy(logits: np.ndarray) -> int:
 
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token from softmax(logits) with `rng` (inverse CDF on float64 probabilities)."""
-    probs = softmax(_check_row(logits))
+    return sample_from_probs(softmax(_check_row(logits)), rng)
+
+
+def sample_from_probs(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from probabilities float64 (V,) (any positive total) with `rng`."""
     cdf = np.cumsum(probs)
     u = rng.random() * cdf[-1]
     i = int(np.searchsorted(cdf, u, side="right"))
@@ -295,6 +300,20 @@ class Sampler:
         x = top_p_filter(x, self.top_p)
         x = min_p_filter(x, self.min_p)
         return sample_from_logits(x, self.rng)
+
+    def distribution(self, x: np.ndarray) -> np.ndarray:
+        """float64 probabilities (V,) that `choose` draws from for penalised logits x (V,):
+        temperature, top-k, top-p and min-p applied (greedy: all mass on greedy(x)).
+        Speculative decoding (colibri.speculative) compares these for target and draft."""
+        if self.is_greedy:
+            p = np.zeros(np.shape(x)[-1], dtype=np.float64)
+            p[greedy(x)] = 1.0
+            return p
+        x = apply_temperature(x, self.temperature)
+        x = top_k_filter(x, self.top_k)
+        x = top_p_filter(x, self.top_p)
+        x = min_p_filter(x, self.min_p)
+        return softmax(x)
 
     def __repr__(self) -> str:
         return (f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "

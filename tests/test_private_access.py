@@ -31,13 +31,21 @@ def _model_private_names() -> set[str]:
     return names
 
 
+def _is_super(node: ast.AST) -> bool:
+    """`super()`: a subclass reaching its own base's method (a Scheduler subclass calling
+    super()._plan() reads no Model attribute that happens to share the name)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "super")
+
+
 def _reads(path: Path, names: set[str]) -> list[str]:
-    """`x._name` (x not self / cls) for each private name of Model, and the same name given
+    """`x._name` (x not self / cls / super()) for each private name of Model, and the same name given
     to getattr / setattr as a string."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if (isinstance(node, ast.Attribute) and node.attr in names
-                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and not _is_super(node.value)):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1

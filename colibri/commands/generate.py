@@ -2,7 +2,9 @@
 
 --verbose adds, on stderr, the experts each generated token chose in every MoE layer with
 their weights and how many of them were in memory (bytes read, page faults), then prompt and
-generation speed, where the time went and the memory totals (colibri.telemetry).
+generation speed, where the time went and the memory totals (colibri.telemetry). With
+--draft (speculative decoding) it prints the totals only, with the acceptance rate, the
+verification passes and the experts read per generated token.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import sys
 
 import numpy as np
 
+from ..drafters import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP, PromptLookup
 from ..errors import ColibriError
+from ..speculative import MAX_DRAFT_TOKENS
 from ..telemetry import ExpertTelemetry, TokenTelemetry
 from ..tools.trace import Trace, format_route
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
@@ -58,7 +62,36 @@ def register(subparsers, parents=()) -> None:
                    help="structured output: the text follows this Lark grammar (llguidance's)")
     p.add_argument("--regex", metavar="REGEX",
                    help="structured output: the text matches this regular expression")
+    p.add_argument("--draft", metavar="MODEL|prompt-lookup",
+                   help="speculative decoding: draft tokens from n-gram matches in the prompt "
+                        "and output (prompt-lookup) or from a smaller .colibri model with the "
+                        "same tokenizer, verified k at a time in one pass of this model; the "
+                        "same text at --temp 0, the same distribution when sampling")
+    p.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, metavar="K",
+                   help=f"the most draft tokens per verification, 1..{MAX_DRAFT_TOKENS} "
+                        f"(default: %(default)s)")
+    p.add_argument("--draft-ngram", type=int, default=3, metavar="N",
+                   help="prompt lookup: the longest n-gram matched (down to 1; default: "
+                        "%(default)s)")
     p.set_defaults(func=run)
+
+
+def _draft_kwargs(args) -> dict:
+    """draft= / num_draft_tokens= for generate from --draft, --draft-tokens, --draft-ngram."""
+    if args.draft is None:
+        return {}
+    if args.embeddings is not None:
+        raise ColibriError("--draft needs a text prompt, not --embeddings")
+    if not 1 <= args.draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ColibriError(f"--draft-tokens {args.draft_tokens} is out of range "
+                           f"(1..{MAX_DRAFT_TOKENS})")
+    if args.draft_ngram < 1:
+        raise ColibriError(f"--draft-ngram {args.draft_ngram} is out of range (>= 1)")
+    draft = PromptLookup(max_ngram=args.draft_ngram) if args.draft == PROMPT_LOOKUP else args.draft
+    if not isinstance(draft, PromptLookup) and not os.path.isfile(draft):
+        raise ColibriError(f"--draft {draft}: no such file (give a .colibri model or "
+                           f"{PROMPT_LOOKUP})")
+    return dict(draft=draft, num_draft_tokens=args.draft_tokens)
 
 
 def _constraint_kwargs(args) -> dict:
@@ -179,17 +212,18 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temp, top_k=args.top_k,
                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
                   seed=args.seed, chat=args.chat, ctx=args.ctx, stream=True,
-                  return_routing=args.verbose, input_embeds=embeds,
-                  **_constraint_kwargs(args))
+                  return_routing=args.verbose and args.draft is None, input_embeds=embeds,
+                  **_constraint_kwargs(args), **_draft_kwargs(args))
+    per_token = args.verbose and args.draft is None     # speculation: the totals only
     out = sys.stdout
     text_out = model.tokenizer is not None
     # On one terminal the routing lines (stderr) would cut the streamed text (stdout) apart:
     # there, --verbose shows the per-token lines and prints the text once at the end.
-    held = [] if args.verbose and _same_terminal() else None
-    recorder = ExpertTelemetry(model) if args.verbose else None
+    held = [] if per_token and _same_terminal() else None
+    recorder = ExpertTelemetry(model) if per_token else None
     decoded: list[TokenTelemetry] = []          # one row per decode step
     for item in model.generate(args.prompt, **kwargs):
-        if args.verbose:
+        if per_token:
             piece = item.text or (f"{item.token} " if not text_out and item.token >= 0 else "")
             if held is not None:
                 held.append(piece)
@@ -219,5 +253,6 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         if model.expert_cache is not None:
             print("expert cache: " + _cache_line(model.expert_cache.stats()), file=sys.stderr)
-        recorder.close()
+        if recorder is not None:
+            recorder.close()
     return 0

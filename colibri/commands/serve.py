@@ -72,6 +72,12 @@ def register(subparsers, parents=()) -> None:
     add_threads_arg(p)
     add_activations_arg(p, help=f"{ACTIVATIONS_HELP} (default: %(default)s)")
     add_kv_dtype_arg(p)
+    p.add_argument("--draft", metavar="MODEL|prompt-lookup", default=None,
+                   help="speculative decoding in every slot: drafts from n-gram matches in "
+                        "the prompt and output (prompt-lookup) or from a smaller .colibri model "
+                        "with the same tokenizer, verified in the batched pass")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="the most draft tokens per verification, 1..32 (default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of the server (default: %(default)s)")
@@ -98,7 +104,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     api_key=args.api_key,
                     insecure=args.insecure, pid_file=args.pid_file, max_body=args.max_body,
                     threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
-                    model_name=args.model_name, log_level=args.log_level)
+                    model_name=args.model_name, log_level=args.log_level,
+                    draft=args.draft, draft_tokens=args.draft_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

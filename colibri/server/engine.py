@@ -53,10 +53,16 @@ class Engine:
         self.path = model.file.path
         self.loaded_at = time.time()
         self.tokenizer = model.tokenizer          # built now, not on the first request
-        self.scheduler = Scheduler(model, parallel=settings.parallel, ctx=settings.ctx,
-                                   kv_budget=settings.kv_budget, max_queue=settings.max_queue,
-                                   prefill_chunk=settings.prefill_chunk,
-                                   prefix_cache=settings.prefix_cache)
+        sizes = dict(parallel=settings.parallel, ctx=settings.ctx,
+                     kv_budget=settings.kv_budget, max_queue=settings.max_queue,
+                     prefill_chunk=settings.prefill_chunk,
+                     prefix_cache=settings.prefix_cache)
+        if settings.draft is None:
+            self.scheduler = Scheduler(model, **sizes)
+        else:                                     # speculation in every slot
+            from ..speculative_batch import Speculation, SpeculativeScheduler
+            self.scheduler = SpeculativeScheduler(
+                model, Speculation(model, settings.draft, settings.draft_tokens), **sizes)
         self.ctx = self.scheduler.ctx
 
     @property

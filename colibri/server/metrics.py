@@ -5,11 +5,13 @@ colibri_completion_tokens_total. Read from the engine at each scrape: colibri_to
 (generated tokens over the last 10 s), colibri_queue_depth, colibri_slots_busy,
 colibri_slots_total, colibri_kv_bytes_in_use, colibri_kv_bytes_budget, colibri_rss_bytes (this
 process), colibri_model_info{version, path}, colibri_reloads_total,
-colibri_reload_failures_total, and the prefix cache's (colibri.prefix_cache) of the version
+colibri_reload_failures_total, the prefix cache's (colibri.prefix_cache) of the version
 serving: colibri_prefix_cache_hits_total / _misses_total (prompt tokens copied from it /
 computed), colibri_prefix_cache_lookups_total (prompts), colibri_prefix_cache_evictions_total
 (blocks), colibri_prefix_cache_bytes, colibri_prefix_cache_capacity_bytes,
-colibri_prefix_cache_blocks (a reload starts them again at 0). Each app has its own registry (several apps can live in one
+colibri_prefix_cache_blocks (a reload starts them again at 0); with serve --draft
+colibri_draft_tokens_total and colibri_draft_accepted_tokens_total. Each app has its own
+registry (several apps can live in one
 process, as in the tests and under Ray Serve).
 """
 from __future__ import annotations
@@ -80,9 +82,14 @@ class _EngineCollector:
                                  labels=["version", "path"])
         info.add_metric([engine.version, engine.path], 1)
         yield info
-        for name, doc, value in (("colibri_reloads", "model reloads done", self.holder.reloads),
-                                 ("colibri_reload_failures", "reloads refused",
-                                  self.holder.failed_reloads)):
+        counted = [("colibri_reloads", "model reloads done", self.holder.reloads),
+                   ("colibri_reload_failures", "reloads refused", self.holder.failed_reloads)]
+        if "draft_tokens" in s:                       # serve --draft: speculative decoding
+            counted += [("colibri_draft_tokens", "draft tokens verified (this model version)",
+                         s["draft_tokens"]),
+                        ("colibri_draft_accepted_tokens", "draft tokens accepted (this model "
+                         "version)", s["accepted_tokens"])]
+        for name, doc, value in counted:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c

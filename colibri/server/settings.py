@@ -79,6 +79,9 @@ class Settings:
     max_body: bytes a request body may hold (413 past it).
     max_n: choices per request at most (n x prompts).
     model_name: the id /v1/models lists and responses carry (None: the file's stem).
+    draft: speculative decoding in every slot (colibri.speculative_batch): "prompt-lookup" or
+        a draft .colibri file with the model's tokenizer; None: off. draft_tokens: the most
+        drafts per verification (1..32).
     """
     model: str | None = None
     host: str = "127.0.0.1"
@@ -101,6 +104,8 @@ class Settings:
     kv_dtype: str = DEFAULT_KV_DTYPE
     model_name: str | None = None
     log_level: str = "info"
+    draft: str | None = None
+    draft_tokens: int = 4
 
     def model_path(self) -> Path:
         """The file to open (and to reopen on reload): `model`, or the shipped model."""
@@ -119,9 +124,16 @@ class Settings:
                                      ("prefill_chunk", self.prefill_chunk, 1),
                                      ("prefix_cache", self.prefix_cache, 0),
                                      ("max_body", self.max_body, 64), ("max_n", self.max_n, 1),
-                                     ("threads", self.threads, 1), ("port", self.port, 0)):
+                                     ("threads", self.threads, 1), ("port", self.port, 0),
+                                     ("draft_tokens", self.draft_tokens, 1)):
             if value is not None and value < minimum:
                 raise ColibriError(f"{name} {value} is out of range (must be >= {minimum})")
+        if self.draft_tokens > 32:
+            raise ColibriError(f"draft_tokens {self.draft_tokens} is out of range (1..32)")
+        if self.draft is not None and self.draft != "prompt-lookup" and not Path(
+                self.draft).is_file():
+            raise ColibriError(f"draft {self.draft}: no such file (give a .colibri model or "
+                               f"prompt-lookup)")
         if not 0 <= self.port <= 65535:
             raise ColibriError(f"port {self.port} is out of range [0, 65535]")
         if self.activations not in ACTIVATIONS:

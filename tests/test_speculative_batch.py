@@ -1,0 +1,87 @@
+"""Speculation inside continuous batching (colibri.speculative_batch) and `serve --draft`:
+every request gets, token for token, what the plain Scheduler gives it at temperature 0,
+through the real server and the official openai client too."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import colibri
+import colibri.api as api
+from colibri.batching import SamplingParams, Scheduler
+from colibri.drafters import Backoff
+from colibri.speculative_batch import Speculation, SpeculativeScheduler
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 2
+
+
+@pytest.fixture(autouse=True)
+def untimed_backoff(monkeypatch):
+    """Back off on acceptance only: on these tiny models a verification costs several plain
+    steps, and the timed backoff would (rightly) stop speculating after a probe or two,
+    leaving the paths under test unexercised."""
+    import colibri.speculative_batch as where
+    monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
+
+@pytest.fixture(scope="module")
+def shipped():
+    return api.load(colibri.default_model_path())
+
+
+def _run(sched, prompts, params):
+    handles = [sched.submit(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    while sched.step():
+        pass
+    return [[(e.token, e.text, e.finish_reason) for e in h] for h in handles]
+
+
+def test_batched_speculation_is_the_plain_scheduler(shipped):
+    tok = shipped.tokenizer
+    prompts = [tok.encode(CODE), tok.encode("Once upon a time"), tok.encode(CODE[:60]),
+               tok.encode("def f(x):"), tok.encode(CODE + CODE)]
+    params = [SamplingParams(max_tokens=40, stop_ids=[]),
+              SamplingParams(max_tokens=25, stop=["return"]),
+              SamplingParams(max_tokens=30, repetition_penalty=1.2),
+              SamplingParams(max_tokens=20, logprobs=2)]          # this one decodes plainly
+    want = _run(Scheduler(shipped, parallel=3), prompts, params)
+    spec = SpeculativeScheduler(shipped, Speculation(shipped, "prompt-lookup", 4), parallel=3)
+    got = _run(spec, prompts, params)
+    assert [[t for t, _, _ in g] for g in got] == [[t for t, _, _ in w] for w in want]
+    assert got == want
+    st = spec.stats()
+    assert 0 < st["accepted_tokens"] <= st["draft_tokens"]
+
+
+def test_batched_draft_model_and_its_errors(shipped):
+    tok = shipped.tokenizer
+    prompts = [tok.encode(CODE), tok.encode("Hello there")]
+    params = [SamplingParams(max_tokens=24, stop_ids=[])]
+    want = _run(Scheduler(shipped, parallel=2), prompts, params)
+    spec = SpeculativeScheduler(shipped, Speculation(shipped, shipped, 3), parallel=2)
+    assert _run(spec, prompts, params) == want
+    assert spec.stats()["accepted_tokens"] == spec.stats()["draft_tokens"] > 0   # itself
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        Speculation(shipped, "prompt-lookup", 33)
+
+
+def test_serve_with_draft_through_the_openai_client():
+    pytest.importorskip("fastapi")
+    from colibri.server.settings import Settings
+    from server_helpers import client, running_server
+    import urllib.request
+    texts = []
+    for draft in (None, "prompt-lookup"):
+        with running_server(Settings(parallel=2, draft=draft, draft_tokens=4)) as (url, _):
+            c = client(url)
+            r = c.completions.create(model="tiny-moe", prompt=[CODE, CODE[:70]], max_tokens=40,
+                                     temperature=0)
+            chunks = c.completions.create(model="tiny-moe", prompt=CODE, max_tokens=40,
+                                          temperature=0, stream=True)
+            streamed = "".join(ch.choices[0].text for ch in chunks)
+            texts.append(([ch.text for ch in r.choices], streamed))
+            metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+            assert ("colibri_draft_tokens_total" in metrics) == (draft is not None)
+    assert texts[1] == texts[0] and texts[0][1] == texts[0][0][0]
+    from colibri.errors import ColibriError
+    with pytest.raises(ColibriError, match="no such file"):
+        Settings(draft="/nonexistent.colibri").check()
