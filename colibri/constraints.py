@@ -111,27 +111,34 @@ def compile_spec(json_schema=None, regex: str | None = None, grammar: str | None
                                   f"{type(json_schema).__name__}")
         try:
             text = M.grammar_from_json_schema(json.dumps(json_schema), JSON_OPTIONS)
-        except (ValueError, TypeError) as e:
+        except Exception as e:                      # noqa: BLE001 - whatever the library says
             raise ConstraintError(f"json_schema: {e}") from None
     elif regex is not None:
         kind = "regex"
         if not isinstance(regex, str):
             raise ConstraintError(f"regex must be a string, got {type(regex).__name__}")
         _check_length("regex", regex)
-        text = M.grammar_from_regex(regex)
+        text = _convert(M.grammar_from_regex, regex, "regex")
     else:
         kind = "lark"
         if not isinstance(grammar, str):
             raise ConstraintError(f"grammar must be a string (Lark), got "
                                   f"{type(grammar).__name__}")
         _check_length("grammar", grammar)
-        text = M.grammar_from_lark(grammar)
+        text = _convert(M.grammar_from_lark, grammar, "grammar")
     is_error, messages = M.validate_grammar_with_warnings(text)
     if is_error:
         what = {"json_object": "json_object", "lark": "the grammar"}.get(kind, f"the {kind}")
         raise ConstraintError(f"{what} is not accepted by llguidance: "
                               f"{' '.join(messages[0].split())[:500]}")
     return ConstraintSpec(kind, text)
+
+
+def _convert(how, source: str, name: str) -> str:
+    try:
+        return how(source)
+    except Exception as e:                          # noqa: BLE001 - whatever the library says
+        raise ConstraintError(f"{name}: {e}") from None
 
 
 def _check_length(name: str, text) -> None:
