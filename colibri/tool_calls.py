@@ -200,10 +200,10 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Iterable[str] | None = N
         if m:                                         # name[ARGS]{...}, repeated
             for part in body.split(fmt.open):
                 m = _V11.match(part)
-                got = m and _calls_of(part[m.end():], None)
-                if not got or not isinstance(json.loads(got[0].arguments), dict):
+                args = _values(part[m.end():]) if m else None
+                if not args or len(args) != 1 or not isinstance(args[0], dict):
                     return text, []
-                calls.append(ToolCall(m.group(1), got[0].arguments))
+                calls.append(ToolCall(m.group(1), json.dumps(args[0], ensure_ascii=False)))
         else:
             calls = _calls_of(body, None) or []
     else:
@@ -266,7 +266,7 @@ class ToolStreamParser:
                 block = self.pending[:end + len(fmt.close)]
                 self.pending = self.pending[end + len(fmt.close):].lstrip()
                 _, calls = parse_tool_calls(block, fmt)
-                out.extend(calls)
+                out.extend(calls or [block])          # not a call after all: content
                 self.calls.extend(calls)
         return out
 
