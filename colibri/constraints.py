@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,33 @@ def compile_spec(json_schema=None, regex: str | None = None, grammar: str | None
         return None
     if len(given) > 1:
         raise ValueError(f"give one constraint, not {' and '.join(given)}")
+    # the same schema again (a server's clients send the same few): compiled once
+    try:
+        key = (given[0], json.dumps(json_schema, sort_keys=True)
+               if isinstance(json_schema, (dict, bool)) else (json_schema or regex or grammar))
+        hash(key)
+    except (TypeError, ValueError):
+        key = None
+    with _specs_lock:
+        spec = _specs.get(key) if key is not None else None
+        if spec is not None:
+            _specs.move_to_end(key)
+            return spec
+    spec = _compile(json_schema, regex, grammar, json_object)
+    if key is not None:
+        with _specs_lock:
+            _specs[key] = spec
+            while len(_specs) > _MAX_SPECS:
+                _specs.popitem(last=False)
+    return spec
+
+
+_specs: "OrderedDict[tuple, ConstraintSpec]" = OrderedDict()     # LRU of compiled specs
+_specs_lock = threading.Lock()
+_MAX_SPECS = 64
+
+
+def _compile(json_schema, regex, grammar, json_object) -> ConstraintSpec:
     ll = _llguidance()
     M = ll.LLMatcher
     if json_object:
