@@ -223,38 +223,23 @@ class Constraint:
         self._matcher = ll.LLMatcher(table, spec.grammar, log_level=0)
         self._raise_if_error("starting")
         self._words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
-        self._next = None               # the Future of the next mask, computed meanwhile
 
     def _raise_if_error(self, doing: str) -> None:
         if self._matcher.is_error():
             raise ConstraintError(f"the {self.spec.kind} constraint failed while {doing}: "
                                   f"{' '.join(self._matcher.get_error().split())[:500]}")
 
-    def _settle(self) -> None:
-        """Wait for the mask being computed in the background: the matcher is not to be
-        touched by two threads at once."""
-        if self._next is not None:
-            future, self._next = self._next, None
-            future.result()
-
     @property
     def done(self) -> bool:
         """True when the grammar is complete and can take no further token."""
-        self._settle()
         return self._matcher.is_stopped()
 
-    def _compute(self) -> None:
-        w = self._words
-        self._matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)   # drops the GIL
-
     def allowed(self) -> np.ndarray:
-        """bool (V,): the tokens the grammar allows next. The mask is computed in a worker
-        thread as soon as the previous token is accepted, so it overlaps the forward pass
-        that makes the logits it applies to (llguidance releases the GIL meanwhile)."""
-        if self._next is not None:
-            self._settle()
-        else:
-            self._compute()
+        """bool (V,): the tokens the grammar allows next (computed here, on the calling
+        thread: a worker thread overlapping the forward pass measured slower on 2 busy
+        cores, the hand-off costing more than the mask; docs/structured-output.md)."""
+        w = self._words
+        self._matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
         self._raise_if_error("computing the token mask")
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little",
                              count=self.vocab_size)
@@ -275,32 +260,14 @@ class Constraint:
         """Advance over `token`; True when it ended the grammar (an EOS the grammar allowed
         at its end), which the caller treats as a stop."""
         token = int(token)
-        self._settle()                      # a mask nobody asked for: wait before moving on
         end = token in self.eos_ids and self._matcher.is_accepting()
         if not self._matcher.consume_token(token):
             self._raise_if_error(f"taking token {token}")
             raise ConstraintError(f"the {self.spec.kind} constraint refused token {token}")
-        if not end and not self._matcher.is_stopped() and not self._matcher.is_error():
-            self._next = _executor().submit(self._compute)
         return end
 
     def __repr__(self) -> str:
         return f"Constraint({self.spec.kind}, done={self.done})"
-
-
-_pool = None                        # (pid, ThreadPoolExecutor): made again after a fork
-_pool_lock = threading.Lock()
-
-
-def _executor():
-    global _pool
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=2,
-                                                     thread_name_prefix="colibri-mask"))
-        return _pool[1]
 
 
 def constrained_choice(sampler, x: np.ndarray, constraint: Constraint | None
