@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from .constraints import JSON_OPTIONS, ConstraintSpec, compile_spec
 
-__all__ = ["ToolFormat", "ToolCall", "FORMATS", "detect_format", "call_constraint",
+__all__ = ["ToolFormat", "ToolCall", "CallStart", "ArgsPiece", "FORMATS", "detect_format", "call_constraint",
            "parse_tool_calls", "ToolStreamParser"]
 
 
@@ -53,9 +53,23 @@ _PYTHON_TAG = "<|python_tag|>"
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call: the function's name and its arguments as JSON text (the API's shape)."""
+    """One call: the function's name and its arguments as JSON text (the API's shape).
+    streamed: its name and arguments went out before (CallStart, ArgsPiece)."""
     name: str
     arguments: str
+    streamed: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call's name is known; its arguments follow as ArgsPieces, then its ToolCall."""
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgsPiece:
+    """The next piece of the arguments text of the call last started."""
+    text: str
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
@@ -127,6 +141,8 @@ def call_constraint(tools: list[dict], fmt: ToolFormat, tokenizer=None, only: st
 # ---------------------------------------------------------------------------------------------
 
 _DECODER = json.JSONDecoder()
+# the head of a call whose arguments are an object: they stream from here
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _V11 = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
 
 
@@ -217,15 +233,20 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Iterable[str] | None = N
 
 
 class ToolStreamParser:
-    """Streamed text in, content pieces and completed calls out, in order. Text that may be
-    the start of a marker is held back until it is known not to be one; a markerless format
-    holds everything back when the output starts like JSON, and decides at the end."""
+    """Streamed text in, content pieces (str) and calls out, in order. Text that may be the
+    start of a marker is held back until it is known not to be one. In a format with both
+    markers (hermes) a call written {"name": ..., "arguments": {...}} streams: CallStart once
+    the name is read, ArgsPieces as the arguments come (the model's own text, holding back
+    the last character that may be the call object's closing brace), then its ToolCall
+    (streamed=True, the arguments the pieces make). Other calls come whole, as ToolCalls; a
+    markerless format holds everything back when the output starts like JSON and decides at
+    the end."""
 
     def __init__(self, fmt: ToolFormat, names: Iterable[str] | None = None):
         self.fmt, self.names = fmt, None if names is None else set(names)
         self.pending = ""               # text not yet given out
         self.in_calls = False           # a marker (or a JSON start) was seen
-        self.sent_calls = 0
+        self.current: list | None = None  # the streaming call: [name, args start, sent]
         self.calls: list[ToolCall] = []
 
     def feed(self, piece: str) -> list:
@@ -264,14 +285,54 @@ class ToolStreamParser:
                 if end < 0:
                     break
                 block = self.pending[:end + len(fmt.close)]
+                if self.current is not None:
+                    out.extend(self._end_streamed(self.pending[:end]))
+                else:
+                    content, calls = parse_tool_calls(block, fmt)
+                    out.extend(([content] if content else []) + calls if calls else [block])
+                    self.calls.extend(calls)
                 self.pending = self.pending[end + len(fmt.close):].lstrip()
-                _, calls = parse_tool_calls(block, fmt)
-                out.extend(calls or [block])          # not a call after all: content
-                self.calls.extend(calls)
+            if self.pending.startswith(fmt.open):
+                out.extend(self._stream_args())
         return out
+
+    def _stream_args(self) -> list:
+        out: list = []
+        if self.current is None:
+            m = _HEAD.match(self.pending, len(self.fmt.open))
+            if not m:
+                return out
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                return out
+            self.current = [name, m.end(), 0]
+            out.append(CallStart(name))
+        _, start, sent = self.current
+        raw = self.pending[start:]
+        raw = raw[:len(raw) - _partial_suffix(raw, self.fmt.close)].rstrip()[:-1].rstrip()
+        if len(raw) > sent:
+            out.append(ArgsPiece(raw[sent:]))
+            self.current[2] = len(raw)
+        return out
+
+    def _end_streamed(self, block: str) -> list:
+        """The rest of the streaming call's arguments and its ToolCall; block: the call's
+        text up to its closing marker (or the end)."""
+        name, start, sent = self.current
+        self.current = None
+        raw = block[start:].rstrip()
+        raw = (raw[:-1] if raw.endswith("}") else raw).rstrip()
+        call = ToolCall(name, raw, streamed=True)
+        self.calls.append(call)
+        return ([ArgsPiece(raw[sent:])] if len(raw) > sent else []) + [call]
 
     def finish(self) -> list:
         """What is left at the end: the last calls, or the held-back text as content."""
+        if self.current is not None:                 # cut short inside a streaming call
+            out = self._end_streamed(self.pending)
+            self.pending = ""
+            return out
         text, self.pending = self.pending, ""
         if not text:
             return []

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from colibri.batching import TokenEvent
-from colibri.tool_calls import (FORMATS, ToolCall, ToolStreamParser, call_grammar,
+from colibri.tool_calls import (FORMATS, ArgsPiece, CallStart, ToolCall, ToolStreamParser, call_grammar,
                                 detect_format, parse_tool_calls)
 
 HERMES, MISTRAL, LLAMA, JSONF = (FORMATS[k] for k in ("hermes", "mistral", "llama3_json", "json"))
@@ -55,6 +55,14 @@ def test_streamed_in_pieces_gives_the_same(fmt, text, content, calls, step):
     got_calls = [x for x in items if isinstance(x, ToolCall)]
     got_text = "".join(x for x in items if isinstance(x, str))
     assert got_calls == calls
+    # a streamed call's pieces make its arguments, after a CallStart naming it
+    for k, item in enumerate(items):
+        if isinstance(item, ToolCall) and item.streamed:
+            back = items[:k][::-1]
+            start = next(i for i, x in enumerate(back) if isinstance(x, CallStart))
+            assert back[start].name == item.name
+            assert all(isinstance(x, ArgsPiece) for x in back[:start])
+            assert "".join(x.text for x in back[:start][::-1]) == item.arguments
     assert got_text.strip() == content.strip() or (not calls and got_text == text)
 
 
@@ -137,11 +145,14 @@ def test_tool_choice_state_streams_calls_as_openai_does():
         s.add(TokenEvent(i, ch))
         deltas += s.chat_deltas(TokenEvent(i, ch))
     s.add(TokenEvent(-1, "", finish_reason="stop"))
-    assert "".join(d.get("content", "") for d in deltas[:-2]) == "Hi."
-    head, args = deltas[-2]["tool_calls"][0], deltas[-1]["tool_calls"][0]
+    assert "".join(d.get("content", "") for d in deltas) == "Hi."
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    head, pieces = calls[0], calls[1:]
     assert head["index"] == 0 and head["id"].startswith("call_") and head["type"] == "function"
     assert head["function"] == {"name": "get_weather", "arguments": ""}
-    assert args == {"index": 0, "function": {"arguments": '{"city": "Paris"}'}}
+    assert len(pieces) > 5                          # the arguments stream as they come
+    assert all(p["index"] == 0 and set(p) == {"index", "function"} for p in pieces)
+    assert "".join(p["function"]["arguments"] for p in pieces) == '{"city": "Paris"}'
     assert s.chat_finish() == "tool_calls"
     msg = s.chat_message()
     assert msg["content"] == "Hi." and msg["tool_calls"][0]["id"] == head["id"]

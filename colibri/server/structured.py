@@ -13,10 +13,12 @@ matcher). tool_choice "auto" leaves the output free and parses calls out of it i
 model's own format (colibri/tool_calls.py); "required" and a named function constrain it to
 that format's call syntax with the functions' parameter schemas (one call for a named
 function, one or more for required unless parallel_tool_calls is false); "none" leaves the
-tools out of the prompt and the output is text. A choice that made calls has finish_reason "tool_calls", its
-message `tool_calls` [{id, type: "function", function: {name, arguments}}] and the content
-before them (null when empty); streamed, each completed call is two deltas as OpenAI sends
-them: {index, id, type, function: {name, arguments: ""}}, then {index, function: {arguments}}.
+tools out of the prompt and the output is text. A choice that made calls has finish_reason
+"tool_calls", its message `tool_calls` [{id, type: "function", function: {name,
+arguments}}] and the content before them (null when empty); streamed, as OpenAI sends them:
+{index, id, type: "function", function: {name, arguments: ""}} once the name is read, then
+{index, function: {arguments}} pieces as the model writes them (hermes), or in one piece
+when the call is complete (the other formats).
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ import uuid
 
 from ..batching import TokenEvent
 from ..constraints import ConstraintError, ConstraintSpec, MissingExtraError, compile_spec
-from ..tool_calls import _PYTHON_TAG, ToolCall, ToolFormat, ToolStreamParser, call_constraint, \
-    detect_format
+from ..tool_calls import (_PYTHON_TAG, ArgsPiece, CallStart, ToolCall, ToolFormat,
+                          ToolStreamParser, call_constraint, detect_format)
 from .errors import APIError
 from .responses import ChoiceState
 
@@ -102,51 +104,54 @@ class ToolChoiceState(ChoiceState):
         super().__init__(index, token_text, logprobs, routing, token_ids)
         self.plan = plan
         self.parser = ToolStreamParser(plan.format, plan.names)
-        self.items: list = []           # content pieces (str) and ToolCalls, in order
-        self.new: list = []             # those the last event brought
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
         self.call_ids: list[str] = []
+        self.deltas: list[dict] = []    # what the last event brought, as stream deltas
+
+    def _start(self, name: str) -> dict:
+        self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        k = len(self.call_ids) - 1
+        return {"tool_calls": [{"index": k, "id": self.call_ids[k], "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _args(self, text: str) -> dict:
+        return {"tool_calls": [{"index": len(self.call_ids) - 1,
+                                "function": {"arguments": text}}]}
 
     def add(self, ev: TokenEvent) -> None:
         super().add(ev)
         text = ev.text + self.plan.markers.get(ev.token, "")
-        new = self.parser.feed(text) if text else []
+        items = self.parser.feed(text) if text else []
         if ev.finish_reason is not None:
-            new += self.parser.finish()
-        for item in new:
-            if isinstance(item, ToolCall):
-                self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
-        self.new = new
-        self.items.extend(new)
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return [x for x in self.items if isinstance(x, ToolCall)]
+            items += self.parser.finish()
+        self.deltas = []
+        for item in items:
+            if isinstance(item, str):
+                if item:
+                    self.content.append(item)
+                    self.deltas.append({"content": item})
+            elif isinstance(item, CallStart):
+                self.deltas.append(self._start(item.name))
+            elif isinstance(item, ArgsPiece):
+                self.deltas.append(self._args(item.text))
+            else:
+                self.calls.append(item)
+                if not item.streamed:
+                    self.deltas += [self._start(item.name), self._args(item.arguments)]
 
     def chat_message(self) -> dict:
-        calls = self.calls
-        content = "".join(x for x in self.items if isinstance(x, str))
-        if not calls:
+        content = "".join(self.content)
+        if not self.calls:
             return {"role": "assistant", "content": content}
         return {"role": "assistant", "content": content.strip() or None,
                 "tool_calls": [{"id": i, "type": "function",
                                 "function": {"name": c.name, "arguments": c.arguments}}
-                               for i, c in zip(self.call_ids, calls)]}
+                               for i, c in zip(self.call_ids, self.calls)]}
 
     def chat_finish(self) -> str | None:
         reason = super().chat_finish()
         return "tool_calls" if reason == "stop" and self.calls else reason
 
     def chat_deltas(self, ev: TokenEvent) -> list[dict]:
-        out = []
-        first = len(self.calls) - sum(isinstance(x, ToolCall) for x in self.new)
-        k = first
-        for item in self.new:
-            if isinstance(item, str):
-                if item:
-                    out.append({"content": item})
-                continue
-            out.append({"tool_calls": [{"index": k, "id": self.call_ids[k], "type": "function",
-                                        "function": {"name": item.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": k, "function": {"arguments": item.arguments}}]})
-            k += 1
-        return out
+        return self.deltas
