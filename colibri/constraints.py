@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,33 @@ def compile_spec(json_schema=None, regex: str | None = None, grammar: str | None
         return None
     if len(given) > 1:
         raise ValueError(f"give one constraint, not {' and '.join(given)}")
+    # the same schema again (a server's clients send the same few): compiled once
+    try:
+        key = (given[0], json.dumps(json_schema, sort_keys=True)
+               if isinstance(json_schema, (dict, bool)) else (json_schema or regex or grammar))
+        hash(key)
+    except (TypeError, ValueError):
+        key = None
+    with _specs_lock:
+        spec = _specs.get(key) if key is not None else None
+        if spec is not None:
+            _specs.move_to_end(key)
+            return spec
+    spec = _compile(json_schema, regex, grammar, json_object)
+    if key is not None:
+        with _specs_lock:
+            _specs[key] = spec
+            while len(_specs) > _MAX_SPECS:
+                _specs.popitem(last=False)
+    return spec
+
+
+_specs: "OrderedDict[tuple, ConstraintSpec]" = OrderedDict()     # LRU of compiled specs
+_specs_lock = threading.Lock()
+_MAX_SPECS = 64
+
+
+def _compile(json_schema, regex, grammar, json_object) -> ConstraintSpec:
     ll = _llguidance()
     M = ll.LLMatcher
     if json_object:
@@ -111,27 +139,34 @@ def compile_spec(json_schema=None, regex: str | None = None, grammar: str | None
                                   f"{type(json_schema).__name__}")
         try:
             text = M.grammar_from_json_schema(json.dumps(json_schema), JSON_OPTIONS)
-        except (ValueError, TypeError) as e:
+        except Exception as e:                      # noqa: BLE001 - whatever the library says
             raise ConstraintError(f"json_schema: {e}") from None
     elif regex is not None:
         kind = "regex"
         if not isinstance(regex, str):
             raise ConstraintError(f"regex must be a string, got {type(regex).__name__}")
         _check_length("regex", regex)
-        text = M.grammar_from_regex(regex)
+        text = _convert(M.grammar_from_regex, regex, "regex")
     else:
         kind = "lark"
         if not isinstance(grammar, str):
             raise ConstraintError(f"grammar must be a string (Lark), got "
                                   f"{type(grammar).__name__}")
         _check_length("grammar", grammar)
-        text = M.grammar_from_lark(grammar)
+        text = _convert(M.grammar_from_lark, grammar, "grammar")
     is_error, messages = M.validate_grammar_with_warnings(text)
     if is_error:
         what = {"json_object": "json_object", "lark": "the grammar"}.get(kind, f"the {kind}")
         raise ConstraintError(f"{what} is not accepted by llguidance: "
                               f"{' '.join(messages[0].split())[:500]}")
     return ConstraintSpec(kind, text)
+
+
+def _convert(how, source: str, name: str) -> str:
+    try:
+        return how(source)
+    except Exception as e:                          # noqa: BLE001 - whatever the library says
+        raise ConstraintError(f"{name}: {e}") from None
 
 
 def _check_length(name: str, text) -> None:
@@ -188,7 +223,6 @@ class Constraint:
         self._matcher = ll.LLMatcher(table, spec.grammar, log_level=0)
         self._raise_if_error("starting")
         self._words = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
-        self._allowed = np.ones(self.vocab_size, dtype=bool)
 
     def _raise_if_error(self, doing: str) -> None:
         if self._matcher.is_error():
@@ -201,13 +235,15 @@ class Constraint:
         return self._matcher.is_stopped()
 
     def allowed(self) -> np.ndarray:
-        """bool (V,): the tokens the grammar allows next (a view, overwritten by the next call)."""
+        """bool (V,): the tokens the grammar allows next (computed here, on the calling
+        thread: a worker thread overlapping the forward pass measured slower on 2 busy
+        cores, the hand-off costing more than the mask; docs/structured-output.md)."""
         w = self._words
         self._matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
         self._raise_if_error("computing the token mask")
-        bits = np.unpackbits(w.view(np.uint8), bitorder="little", count=self.vocab_size)
-        np.not_equal(bits, 0, out=self._allowed)
-        return self._allowed
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little",
+                             count=self.vocab_size)
+        return bits.view(bool)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """logits (V,) with every token the grammar forbids set to -inf (a new float32 array;

@@ -220,20 +220,24 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: str | list[dict],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
-        A plain string is taken as one user message.
+        A plain string is taken as one user message. tools: OpenAI / transformers tool dicts
+        ({"type": "function", "function": {"name", "description", "parameters"}}) the
+        template shows the model, as transformers' `tools=`.
         """
         if not self.has_chat_template:
             raise ColibriError("this model's tokenizer has no chat template; generate without "
                                "chat mode")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.encode(self.render_chat(messages, add_generation_prompt),
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools),
                            add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         """The text of a conversation rendered with the chat template (colibri.chat_template:
         sandboxed and bounded), as transformers renders it: the special tokens visible."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -244,6 +248,8 @@ class Tokenizer:
                 if isinstance(value, str):
                     _check_text(value, f"message {i} {key!r}", MAX_TEXT_CHARS)
         special = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        if tools is not None:
+            special["tools"] = tools
         try:
             return render_chat_template(self.hf.chat_template, messages,
                                         add_generation_prompt, **special)

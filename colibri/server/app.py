@@ -30,10 +30,11 @@ from .errors import (APIError, context_length_error, error_body, install_error_h
 from .auth import KeyGuard
 from .limits import BodyLimit
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
-from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, completion_body,
-                        completion_chunk, sse, usage_body, usage_chunk)
+from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, chat_chunks,
+                        completion_body, completion_chunk, sse, usage_body, usage_chunk)
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from .settings import Settings
+from .structured import response_constraint, tool_plan
 from .openapi import install_openapi
 from .tokenize_routes import register_tokenize_routes
 
@@ -101,14 +102,14 @@ class _Route:
 
     @staticmethod
     def params(body, max_tokens: int, logprobs: int | None, choice: int,
-               prompt_logprobs: int | None = None) -> SamplingParams:
+               prompt_logprobs: int | None = None, constraint=None) -> SamplingParams:
         seed = None if body.seed is None else (body.seed + choice) % _MAX_SEED
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=seed, stop=body.stop_list(), logprobs=logprobs, return_routing=body.routing,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, constraint=constraint)
 
     def submit(self, engine: Engine, jobs) -> Generation:
         try:
@@ -121,11 +122,13 @@ class _Route:
         except ValueError as e:                    # what the scheduler's own checks refuse
             raise APIError(400, str(e), code="invalid_value") from None
 
-    def states(self, engine: Engine, n: int, logprobs: int | None, body) -> list[ChoiceState]:
+    def states(self, engine: Engine, n: int, logprobs: int | None, body,
+               plan=None) -> list[ChoiceState]:
         tok = engine.tokenizer
         text = tok.token_text if tok is not None else (lambda t: f"token_id:{t}")
         ext = body.colibri
-        return [ChoiceState(i, text, logprobs, body.routing, bool(ext and ext.token_ids))
+        make = plan.state if plan is not None else ChoiceState
+        return [make(i, text, logprobs, body.routing, bool(ext and ext.token_ids))
                 for i in range(n)]
 
     def envelope(self, kind: str, engine: Engine, body) -> Envelope:
@@ -188,8 +191,10 @@ class _Route:
                         self.metrics.rate.add()
                     elif not ev.text and ev.finish_reason is None:
                         continue
-                    out.append(sse(chat_chunk(env, c, ev, include_usage) if chat else
-                                   completion_chunk(env, c, ev, offset, include_usage)))
+                    if chat:
+                        out.extend(sse(x) for x in chat_chunks(env, c, ev, include_usage))
+                    else:
+                        out.append(sse(completion_chunk(env, c, ev, offset, include_usage)))
                 if out:
                     yield b"".join(out)
                 if failed:
@@ -264,7 +269,9 @@ class _Route:
         k = body.candidates                           # best_of: k candidates, n answered
         logprobs = body.logprobs if body.logprobs is not None or k == body.n else 0
         scored = body.logprobs if body.echo else None  # the prompt's logprobs, once a prompt
-        jobs = [(ids, self.params(body, max_tokens, logprobs, j, scored if j == 0 else None))
+        spec = response_constraint(body)
+        jobs = [(ids, self.params(body, max_tokens, logprobs, j, scored if j == 0 else None,
+                                  spec))
                 for ids in prompts for j in range(k)]
         gen = self.submit(engine, jobs)
         states = self.states(engine, len(jobs), body.logprobs, body)
@@ -282,8 +289,10 @@ class _Route:
             raise APIError(400, f"The model {self.name!r} has no chat template in its file; "
                                 f"use /v1/completions with a text prompt.",
                            code="no_chat_template", param="messages")
+        plan = tool_plan(body, tok)                   # tools: structured.py
         try:
-            ids = tok.apply_chat_template(body.message_dicts())
+            ids = tok.apply_chat_template(body.message_dicts(),
+                                          tools=plan.template_tools if plan else None)
         except Exception as e:                        # noqa: BLE001 - the template's own error
             raise APIError(400, f"The model's chat template cannot render these messages: "
                                 f"{e}", code="chat_template_error", param="messages") from None
@@ -294,9 +303,11 @@ class _Route:
         max_tokens = limit if limit is not None else max(1, engine.ctx - len(ids))
         self.fits(engine, len(ids), max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = [(ids, self.params(body, max_tokens, logprobs, j)) for j in range(body.n)]
+        spec = plan.constraint if plan else response_constraint(body)
+        jobs = [(ids, self.params(body, max_tokens, logprobs, j, constraint=spec))
+                for j in range(body.n)]
         gen = self.submit(engine, jobs)
-        states = self.states(engine, body.n, logprobs, body)
+        states = self.states(engine, body.n, logprobs, body, plan)
         env = self.envelope("chat", engine, body)
         return await self.answer(gen, states, env, body, request, len(ids), chat=True)
 

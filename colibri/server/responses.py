@@ -21,7 +21,7 @@ import uuid
 from ..batching import TokenEvent
 
 __all__ = ["ChoiceState", "Envelope", "completion_body", "chat_body", "completion_chunk",
-           "chat_chunk", "usage_body", "sse", "SSE_DONE"]
+           "chat_chunk", "chat_chunks", "usage_body", "sse", "SSE_DONE"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -71,6 +71,17 @@ class ChoiceState:
         self.chars += len(ev.text)
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
+
+    # -- the chat message (a ToolChoiceState, colibri/server/structured.py, adds tool calls) --
+    def chat_message(self) -> dict:
+        return {"role": "assistant", "content": "".join(self.text)}
+
+    def chat_finish(self) -> str | None:
+        return _finish(self.finish_reason)
+
+    def chat_deltas(self, ev: TokenEvent) -> list[dict]:
+        """The deltas of the event just added, one chunk each (none: nothing to send)."""
+        return [{"content": ev.text} if ev.text or ev.finish_reason is None else {}]
 
     # -- logprobs, in the two shapes ----------------------------------------------------------
     def completion_logprobs(self, events: list[TokenEvent], offsets: list[int]) -> dict | None:
@@ -132,9 +143,9 @@ def completion_body(env: Envelope, choices: list[ChoiceState], usage: dict) -> d
 def chat_body(env: Envelope, choices: list[ChoiceState], usage: dict) -> dict:
     body = env.head("chat.completion")
     body["choices"] = [_with_ext({"index": c.index,
-                                  "message": {"role": "assistant", "content": "".join(c.text)},
+                                  "message": c.chat_message(),
                                   "logprobs": c.chat_logprobs(c.events),
-                                  "finish_reason": _finish(c.finish_reason)},
+                                  "finish_reason": c.chat_finish()},
                                  c.extension(c.events)) for c in choices]
     body["usage"] = usage
     return body
@@ -154,22 +165,40 @@ def completion_chunk(env: Envelope, c: ChoiceState, ev: TokenEvent, offset: int,
     return body
 
 
-def chat_chunk(env: Envelope, c: ChoiceState, ev: TokenEvent | None, with_usage: bool) -> dict:
-    """The chunk of one event of choice c; ev None: the opening chunk (the role)."""
-    body = env.head("chat.completion.chunk")
+def chat_chunk(env: Envelope, c: ChoiceState, ev: TokenEvent | None,
+               with_usage: bool) -> dict:
+    """The opening chunk of choice c (the role; ev None), or the first of chat_chunks(ev)."""
     if ev is None:
-        choice = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
-    else:
-        events = [ev] if ev.token >= 0 else []
-        delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-        choice = _with_ext({"index": c.index, "delta": delta,
-                            "logprobs": c.chat_logprobs(events) if events else None,
-                            "finish_reason": _finish(ev.finish_reason)}, c.extension(events))
-    body["choices"] = [choice]
-    if with_usage:
-        body["usage"] = None
-    return body
+        body = env.head("chat.completion.chunk")
+        body["choices"] = [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]
+        if with_usage:
+            body["usage"] = None
+        return body
+    return chat_chunks(env, c, ev, with_usage)[0]
+
+
+def chat_chunks(env: Envelope, c: ChoiceState, ev: TokenEvent, with_usage: bool) -> list[dict]:
+    """The chunks of one event of choice c (already added to c): usually one; none when a
+    tool-call parser holds its text back, several when it completes a tool call. The
+    event's logprobs and extension go on the first, its finish reason on the last."""
+    deltas = c.chat_deltas(ev)
+    if not deltas and ev.finish_reason is not None:
+        deltas = [{}]
+    events = [ev] if ev.token >= 0 else []
+    out = []
+    for k, delta in enumerate(deltas):
+        body = env.head("chat.completion.chunk")
+        first, last = k == 0, k == len(deltas) - 1
+        body["choices"] = [_with_ext(
+            {"index": c.index, "delta": delta,
+             "logprobs": c.chat_logprobs(events) if events and first else None,
+             "finish_reason": c.chat_finish() if last and ev.finish_reason is not None
+             else None}, c.extension(events) if first else None)]
+        if with_usage:
+            body["usage"] = None
+        out.append(body)
+    return out
 
 
 def usage_chunk(env: Envelope, obj: str, usage: dict) -> dict:

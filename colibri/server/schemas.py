@@ -4,8 +4,9 @@ Field names and meanings are the OpenAI API's (completions, chat completions); c
 top_k, min_p and repetition_penalty (as vLLM and llama-server do) and the extension object
 `colibri` ({"routing": true}: the experts each generated token was routed to, per MoE
 layer; {"token_ids": true}: the generated ids). Unknown fields are refused (422 naming them) rather than silently ignored, and
-fields of the API colibri does not implement (tools, logit_bias, suffix, non-text response
-formats) are refused with a message that says so. /v1/completions takes `echo` (the prompt
+fields of the API colibri does not implement (logit_bias, suffix) are refused with a
+message that says so. response_format (json_object, json_schema) and tools / tool_choice are
+checked here for shape; what they mean is colibri/server/structured.py's. /v1/completions takes `echo` (the prompt
 echoed, and with `logprobs` its tokens scored: colibri/server/echo.py) and `best_of`.
 
 Bounds: temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
@@ -21,6 +22,7 @@ the context.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -54,6 +56,52 @@ class ColibriOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Strict):
+    """The json_schema of a response_format; strict or not, colibri enforces the schema."""
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat,
+                           Field(discriminator="type")]
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None       # a JSON schema (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class _Sampling(_Strict):
@@ -109,6 +157,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    response_format: ResponseFormat | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         # echo with stream is refused (below); saying it here keeps the document truthful
@@ -167,21 +216,34 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str                  # JSON text, as the API sends it
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant message (sent back with the tool's answer)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """One message; content is text or a list of text parts (joined)."""
-    model_config = ConfigDict(extra="ignore", strict=True)   # names, ids, refusals: unused
+    """One message; content is text or a list of text parts (joined). An assistant message
+    may carry the tool_calls it made, a "tool" message the tool_call_id it answers."""
+    model_config = ConfigDict(extra="ignore", strict=True)   # refusals, audio: unused
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -191,14 +253,26 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_only(self):
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by colibri")
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) \
+                and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function "
+                             f"{self.tool_choice.function.name!r}, which is not among the "
+                             f"tools ({', '.join(names)})")
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same function name")
+        if self.tools_active and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format json_object / json_schema cannot be combined "
+                             "with tools (send tool_choice: none to get structured text)")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.max_completion_tokens is not None and self.max_tokens is not None \
@@ -211,8 +285,36 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    @property
+    def tools_active(self) -> bool:
+        """Tools the model may call: given, and tool_choice is not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages as chat templates take them (transformers' shape: a tool call's
+        arguments a dict when they are a JSON object, as templates apply tojson to them)."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name,
+                                                 "arguments": _arguments(c.function.arguments)}}
+                                   for c in m.tool_calls]
+            out.append(d)
+        return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ErrorDetail(BaseModel):
