@@ -18,7 +18,7 @@ Shape alphabet, used in every docstring and comment of the package:
     Q quantization group size    NT tokens per kernel pass
 docs/architecture.md draws the layers and the path of one token through them.
 """
-__version__ = "0.1.0"   # before the imports: submodules read it
+from .version import __version__
 
 from .errors import ColibriError, ColibriFormatError
 from .resources import check_import_headroom

@@ -66,6 +66,7 @@ Sections, in colibri/pyx/, included in this order:
   prepared.pxi         PreparedLinear, PreparedRoute, PreparedExperts
   mla.pxi              PreparedMLA: the absorbed latent-attention decode step (csrc/mla.h)
   biased_experts.pxi   PreparedBiasedExperts: one token's biased / swigluoai experts (GPT-OSS)
+  biased_grouped.pxi   PreparedBiasedGrouped: T token rows of them grouped by expert
   decode_families.pxi  the compiled decode step's MLA attention and biased experts (nogil)
   decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
   decode_step.pxi      that call's sequence of kernels, layer by layer
@@ -93,6 +94,7 @@ include "pyx/rowops.pxi"
 include "pyx/prepared.pxi"
 include "pyx/mla.pxi"
 include "pyx/biased_experts.pxi"
+include "pyx/biased_grouped.pxi"
 include "pyx/decode_families.pxi"
 include "pyx/decode_layer.pxi"
 include "pyx/decode_step.pxi"

@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constraints import ConstraintSpec, constrained_choice
 from .errors import ColibriError
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
+from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import Sampler, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
@@ -89,7 +91,13 @@ class SamplingParams:
     stop: text stop sequences (matched across token boundaries, not part of the output);
     stop_ids: stop token ids (None: the model's end-of-sequence ids; [] none);
     logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
-    return_routing: each TokenEvent carries the experts its token was routed to.
+    prompt_logprobs: the same for the prompt's own tokens (colibri.prompt_logprobs: the
+    handle's prompt_logprobs, complete at the first event);
+    return_routing: each TokenEvent carries the experts its token was routed to;
+    constraint: a colibri.constraints.ConstraintSpec (JSON schema, regex, grammar) the output
+    must follow: masked before each draw, the request stops when the grammar is complete.
+    max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
+    ends with finish_reason "length".
     """
     max_tokens: int = 64
     temperature: float = 0.0
@@ -104,6 +112,8 @@ class SamplingParams:
     stop_ids: list[int] | None = None
     logprobs: int | None = None
     return_routing: bool = False
+    prompt_logprobs: int | None = None
+    constraint: ConstraintSpec | None = None
 
     def check(self) -> None:
         """ValueError naming the field, the value and the allowed range."""
@@ -116,8 +126,8 @@ class SamplingParams:
                     or (v <= lo if lo_open else v < lo)):
                 bad(name, rng or f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
 
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= 2**31 - 1:
-            bad("max_tokens", "an integer in [1, 2**31 - 1]")
+        if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= 2**31 - 1:
+            bad("max_tokens", "an integer in [0, 2**31 - 1]")
         number("temperature", 0.0, 2.0)
         if not _is_int(self.top_k) or not 0 <= self.top_k <= 2**31 - 1:
             bad("top_k", "an integer in [0, 2**31 - 1] (0 = off)")
@@ -136,11 +146,14 @@ class SamplingParams:
         if self.stop_ids is not None and (not isinstance(self.stop_ids, (list, tuple))
                                           or any(not _is_int(i) or i < 0 for i in self.stop_ids)):
             bad("stop_ids", "None or a list of non-negative token ids")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.return_routing, (bool, np.bool_)):
             bad("return_routing", "a bool")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            bad("constraint", "None or a colibri.constraints.ConstraintSpec (compile_spec)")
 
     def sampler(self) -> Sampler:
         return Sampler(self.temperature, self.top_k, self.top_p, self.min_p,
@@ -171,7 +184,9 @@ class RequestHandle:
     """What Scheduler.submit returns: iterate it for the TokenEvents (blocking), cancel() it.
 
     id, prompt_tokens, completion_tokens (updated as tokens come), finish_reason (None until
-    the last event), error (the exception when finish_reason is "error").
+    the last event), error (the exception when finish_reason is "error"), prompt_logprobs
+    (with SamplingParams.prompt_logprobs: [None, (logprob, top or None), ...] per prompt
+    token, complete when the first event comes; colibri.prompt_logprobs).
     """
 
     def __init__(self, request_id: str, prompt_tokens: int, scheduler: "Scheduler"):
@@ -180,6 +195,7 @@ class RequestHandle:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self.prompt_logprobs: list | None = None
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._scheduler = scheduler
         self._cancel = False
@@ -211,10 +227,12 @@ class _Request:
     its KV cache."""
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
-                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int):
+                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int):
         self.handle, self.prompt, self.params, self.on_event = handle, prompt, params, on_event
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
+        self.constraint = (None if params.constraint is None
+                           else params.constraint.start(tokenizer, vocab_size))
         self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
         self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
@@ -317,6 +335,9 @@ class Scheduler:
                 f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
                 f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
         stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
+        handle = RequestHandle("", len(prompt), self)
+        request = _Request(handle, prompt, params, stop_ids, self._tokenizer, on_event,
+                           kv_bytes, V)               # a bad constraint raises here
         with self._lock:
             if self._closed:
                 raise ColibriError("the scheduler is stopped; make a new one")
@@ -324,9 +345,8 @@ class Scheduler:
             if len(self._queue) >= self.max_queue + self.parallel - len(self._running):
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting "
                                      f"for a slot)", self._retry_after())
-            handle = RequestHandle(f"req-{next(self._ids)}", len(prompt), self)
-            self._queue.append(_Request(handle, prompt, params, stop_ids, self._tokenizer,
-                                        on_event, kv_bytes))
+            handle.id = f"req-{next(self._ids)}"
+            self._queue.append(request)
             self._wake.notify_all()
         return handle
 
@@ -434,9 +454,14 @@ class Scheduler:
     def _forward(self, segments, want_routing: bool):
         """logits float32 (N, V) of the last row of each segment [, routing per segment:
         int32 (M, S_i, K)]."""
+        rows = logits_rows(segments)        # every prompt row of those asking prompt_logprobs
+        extra = {} if rows is None else {"logits_rows": rows}
         out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
-                                        return_routing=want_routing)
-        return out if want_routing else (out, None)
+                                        return_routing=want_routing, **extra)
+        logits, routing = out if want_routing else (out, None)
+        if rows is not None:
+            logits = take_prompt_logprobs(segments, rows, logits)
+        return logits, routing
 
     def _plan(self) -> list[tuple[_Request, list[int]]]:
         """The segments of this step: every decoding slot's token, then prompt chunks of
@@ -488,9 +513,12 @@ class Scheduler:
                 return
             self._emit(r, ev)
         p = r.params
+        if p.max_tokens == 0:                      # scoring only: nothing to generate
+            self._end(r, TokenEvent(-1, "", finish_reason="length"))
+            return
         x = r.sampler.penalise(logits, r.history, r.generated)
-        tok = r.sampler.choose(x)
-        if tok in r.stop_ids:
+        tok, x, ended = constrained_choice(r.sampler, x, r.constraint)
+        if ended or tok in r.stop_ids:
             self._end(r, TokenEvent(-1, r.text_tail(), finish_reason="stop"))
             return
         lp = top = None
@@ -505,6 +533,9 @@ class Scheduler:
         text = r.guard.feed(r.decoder.push(tok)) if r.decoder is not None else ""
         finish = None
         if r.guard.done:
+            finish = "stop"
+        elif r.constraint is not None and r.constraint.done:     # the grammar is complete
+            text += r.text_tail()
             finish = "stop"
         elif len(r.generated) >= p.max_tokens:
             text += r.text_tail()

@@ -18,8 +18,8 @@ import sys
 import warnings
 from typing import Sequence
 
-from . import __version__
 from .errors import ColibriError
+from .version import __version__
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
 COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "serve",

@@ -52,7 +52,7 @@ def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cach
     (1, D) at the position of cos / sin (Rope.cos_sin_one, (Dr/2,)) through every layer,
     its key and value to slot cache.length; its routing appended to trace when given."""
     tm, eps, h, xa, xf = model.timings, state.eps, state.h, state.xa, state.xf
-    norm, rm = model._norm_rows_into, model._residual_mult
+    norm, rm = model.norm_rows_into, model.residual_mult
     t0 = time.perf_counter()
     for i, layer in enumerate(model.layers):
         norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
@@ -165,7 +165,7 @@ class CompiledLayers:
     def __init__(self, model):
         c = model.config
         self._moes = [layer.ffn for layer in model.layers if isinstance(layer.ffn, MoE)]
-        rm = model._residual_mult
+        rm = model.residual_mult
         a0, mla = model.layers[0].attn, None
         if c.is_mla:                # its geometry; q_rank 0: a plain q projection
             mla = (a0.nope_dim, a0.rope_dim, a0.v_dim, a0.kv_rank,
@@ -181,9 +181,9 @@ class CompiledLayers:
 
     def _binding(self, state: RunState, cache) -> _kernels.DecodeBinding:
         """The cache's binding to these layers and its RunState (made on first use)."""
-        b = cache.scratch.get("decode_layers")
+        b = cache.decode_binding
         if b is None or b.layers is not self.layers or b.state is not state:
-            b = cache.scratch["decode_layers"] = _kernels.DecodeBinding(
+            b = cache.decode_binding = _kernels.DecodeBinding(
                 self.layers, state, cache.k, cache.v)
         return b
 

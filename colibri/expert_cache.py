@@ -252,7 +252,7 @@ class ExpertCache:
         """madvise mode: drop the expert blocks' pages from the page cache, so that what
         stays is what the cache takes in. (The arena leaves them: a block the page cache
         holds is copied from there, then dropped.)"""
-        buf = self.model._buf
+        buf = self.model.buffer
         for blocks in self._blocks:
             off = blocks[0][0]
             size = blocks[-1][0] + blocks[-1][1] - off
@@ -316,7 +316,7 @@ class ExpertCache:
         if self.mode == "arena":
             start = slot * self.plan.slot_bytes
             view = memoryview(self._arena)[start: start + self.plan.slot_bytes]
-            buf = self.model._buf
+            buf = self.model.buffer
             cached = self.mapped and residency.resident_pages(buf, off, size)[0] == \
                 -(-size // residency.PAGE)
             try:
@@ -331,14 +331,14 @@ class ExpertCache:
         else:
             if evicted >= 0:
                 self._forget(evicted)
-            residency.advise(self.model._buf, off, size, residency.WILLNEED)
+            residency.advise(self.model.buffer, off, size, residency.WILLNEED)
         return size
 
     def _forget(self, block: int) -> None:
         """madvise mode: the pages of an evicted block leave the mapping and the page cache."""
         j, e = divmod(block, self.plan.n_experts)
         off, size = self._blocks[j][e]
-        residency.advise(self.model._buf, off, size, residency.DONTNEED)
+        residency.advise(self.model.buffer, off, size, residency.DONTNEED)
         residency.drop_file_range(self._reader.fd, off, size)
 
     # -- reports ---------------------------------------------------------------------------------
@@ -387,7 +387,7 @@ def hold_weights(model, plan: MemoryPlan | None, *, mlock: bool, mapped: bool,
                  prefetch: str | None = None) -> ExpertCache | None:
     """After the model is built: lock what must stay (mlock), bring the dense part in, and
     with a plan start the expert cache. Returns the cache, or None without a plan."""
-    buf = model._buf
+    buf = model.buffer
     if plan is None:
         if mlock:
             model.memory_locked = residency.lock(buf, 0, len(buf))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .batching import SamplingParams, Scheduler, TokenEvent
+from .constraints import Constraint, compile_spec, constrained_choice
 from .errors import ColibriError
 from .kv_cache import KVCache
 from .resources import ResourceError
@@ -93,13 +94,16 @@ def decode_one(model, token, cache: KVCache, *, return_routing: bool = False):
 def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens: int,
                stop_ids: Sequence[int] = (), cache: KVCache | None = None,
                return_routing: bool = False, stats: GenerationStats | None = None,
-               input_embeds: np.ndarray | None = None) -> Iterator[Step]:
+               input_embeds: np.ndarray | None = None,
+               constraint: Constraint | None = None) -> Iterator[Step]:
     """Yield one Step per generated token of one sequence (text pieces left empty).
 
     Without return_routing a token is yielded as soon as it is sampled (the forward pass that
     consumes it runs when the caller asks for the next one); with it, after that pass, so the
     Step carries the token's own routing. The stop token itself is not yielded.
     input_embeds float (S, D): a prompt given as embeddings instead of ids (prompt = []).
+    constraint: a colibri.constraints.Constraint masking each draw; the sequence stops
+    ("stop") when its grammar is complete.
     """
     prompt = [int(t) for t in prompt]
     n_prompt = len(prompt) if input_embeds is None else int(np.shape(input_embeds)[0])
@@ -131,19 +135,24 @@ def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens
             if cache.remaining == 0:                    # prompt + generated fill the context
                 stats.finish_reason = "ctx"
                 break
-            tok = sampler(logits, history, history[n_prompt_ids:])
-            if tok in stops:
+            x = sampler.penalise(logits, history, history[n_prompt_ids:])
+            tok, _, ended = constrained_choice(sampler, x, constraint)
+            if ended or tok in stops:
                 stats.finish_reason = "stop"
                 break
             history.append(tok)
             stats.generated_tokens += 1
             last = i == max_new_tokens - 1
+            if constraint is not None and constraint.done:
+                stats.finish_reason, last = "stop", True
             if return_routing:
                 t1 = time.perf_counter()
                 logits, trace = decode_one(model, tok, cache, return_routing=True)
                 stats.decode_seconds += time.perf_counter() - t1
                 stats.decode_steps += 1
                 yield Step(i, tok, routing=trace)
+                if constraint is not None and constraint.done:
+                    break
                 continue
             yield Step(i, tok)
             if last:
@@ -202,7 +211,8 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
              stream: bool = False, chat: bool = False, ctx: int | None = None,
              return_routing: bool = False, input_embeds: np.ndarray | None = None,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             parallel: int | None = None):
+             parallel: int | None = None, json_schema=None, regex: str | None = None,
+             grammar: str | None = None):
     """Continue a prompt, or several.
 
     prompt_or_ids: text (str), chat messages ([{"role", "content"}, ...]) or token ids (S,);
@@ -215,6 +225,10 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     chat: render a text prompt with the model's chat template (as one user message).
     ctx: KV cache size (default: prompt + max_new_tokens); generation ends when prompt plus
         generated tokens reach it.
+    json_schema (a dict or its JSON text) / regex / grammar (Lark): structured output, at most
+        one (colibri.constraints, llguidance): every token is drawn among those the grammar
+        allows, and generation stops when it is complete; a spec llguidance rejects is a
+        ConstraintError naming the problem. json_schema={"type": "object"} is any object.
     input_embeds: float (S, D) prompt embeddings instead of a prompt (prompt_or_ids=None); the
         result is text when the model has a tokenizer, else ids.
     Returns the generated text (for text prompts) or an int64 array of new ids (for ids),
@@ -234,6 +248,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     gives a batch's routing).
     """
     _check_lengths(max_new_tokens, ctx)
+    spec = compile_spec(json_schema=json_schema, regex=regex, grammar=grammar)
     if is_batch(prompt_or_ids):
         if return_routing or input_embeds is not None:
             raise ValueError("return_routing and input_embeds work with one prompt; for a "
@@ -241,7 +256,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
                              "SamplingParams(return_routing=True)")
         params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                      frequency_penalty=frequency_penalty, seed=seed)
+                      frequency_penalty=frequency_penalty, seed=seed, constraint=spec)
         return _generate_batch(model, list(prompt_or_ids), max_new_tokens, params, stop,
                                stream, chat, ctx, parallel)
     if input_embeds is not None:
@@ -267,11 +282,12 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
             raise ColibriError(f"the prompt has {n} tokens but ctx is {ctx}: "
                                f"nothing left to generate into")
         cache = model.new_cache(ctx=ctx)
+    constraint = None if spec is None else spec.start(model)
     stats = GenerationStats()
     model.last_stats = stats
     steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                        cache=cache, return_routing=return_routing, stats=stats,
-                       input_embeds=input_embeds)
+                       input_embeds=input_embeds, constraint=constraint)
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
     if return_routing:

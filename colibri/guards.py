@@ -63,9 +63,9 @@ def check_positions(positions, B: int, S: int) -> np.ndarray:
 def warn_past_context(model, last: int, what: str) -> None:
     """Warn once per model when position `last` (0-based) is past max_position_embeddings."""
     limit = model.config.max_position_embeddings
-    if last < limit or getattr(model, "_warned_context", False):
+    if last < limit or model.warned_past_context:
         return
-    model._warned_context = True
+    model.warned_past_context = True
     warnings.warn(f"{what} reaches position {last}, past this model's "
                   f"max_position_embeddings {limit}: its output may degrade there",
                   stacklevel=3)

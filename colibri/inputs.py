@@ -1,6 +1,6 @@
 """The argument checks of Model.forward's general entry: every input named with what was
 expected and what was found, before anything runs (the plain decode step skips them:
-Model._decode_call decides in a few comparisons that a call is one). Shapes as in the
+Model.decode_call decides in a few comparisons that a call is one). Shapes as in the
 package docstring.
 """
 from __future__ import annotations
@@ -60,12 +60,12 @@ def check_inputs(model, input_ids, input_embeds, cache, positions, attention_mas
         if cache.batch != B:
             raise ValueError(f"cache batch {cache.batch} does not match input batch {B}")
         dims = (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
-        if dims != model._cache_dims:
+        if dims != model.cache_dims:
             raise ValueError(f"cache made for (layers, kv heads, head dim, value dim) = "
-                             f"{dims}, model has {model._cache_dims}")
+                             f"{dims}, model has {model.cache_dims}")
         if cache.owner is None:
-            cache.owner = model._identity
-        elif cache.owner != model._identity:
+            cache.owner = model.identity
+        elif cache.owner != model.identity:
             raise ForeignCacheError(f"this KV cache holds keys and values of another model "
                                     f"file (identity {cache.owner}), not of "
                                     f"{model.file.path}; make one with model.new_cache()")

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import _kernels
+from .kernel_args import expert_ids, f32_array, out_array, rows_f32, weight_refs
 from .runtime import resolve_threads
 from .weights import WeightRef
 
@@ -56,49 +57,6 @@ __all__ = [
 ROUTING_RULES: tuple[str, ...] = ("softmax_topk", "topk_softmax", "sparsemixer",
                                   "softmax_group_topk", "sigmoid_group_topk")
 ACTIVATIONS: tuple[str, ...] = _kernels.ACTIVATIONS   # the compiled module checks them
-
-
-# ---------------------------------------------------------------------------------------------
-# argument preparation
-
-
-def _f32(name: str, a: np.ndarray, ndim: tuple[int, ...]) -> np.ndarray:
-    """a as a C-contiguous float32 array (a copy only if a is not contiguous)."""
-    a = np.asarray(a)
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, found {a.dtype}")
-    if a.ndim not in ndim:
-        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, found "
-                         f"shape {a.shape}")
-    return np.ascontiguousarray(a)
-
-
-def _ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
-    """Expert ids (T, K) of any integer dtype -> int32. The range is checked once, by the
-    compiled kernel (ValueError naming the first bad id and its position), before any
-    memory is touched. Values that do not fit int32 are rejected here."""
-    ids = np.asarray(ids)
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"ids must be integers, found {ids.dtype}")
-    if ids.ndim != 2:
-        raise ValueError(f"ids must be (T, K), found shape {ids.shape}")
-    if ids.dtype == np.int32:
-        return np.ascontiguousarray(ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
-        raise ValueError(f"expert ids must be in 0..{n_experts - 1}, found values in "
-                         f"{ids.min()}..{ids.max()}")
-    return np.ascontiguousarray(ids, dtype=np.int32)
-
-
-def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
-    if out is None:
-        return np.empty(shape, dtype=np.float32)
-    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != shape
-            or not out.flags.c_contiguous or not out.flags.writeable):
-        raise ValueError(f"out must be a writable C-contiguous float32 array of shape {shape}, "
-                         f"found {getattr(out, 'dtype', type(out).__name__)} "
-                         f"{getattr(out, 'shape', '')}")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,11 +100,11 @@ def linear(x: np.ndarray, w: WeightRef, bias: np.ndarray | None = None, *,
     exact block sums, one fused multiply-add per block in block order. Every path gives the
     same bits for any thread count.
     """
-    x = _f32("x", x, (1, 2))
+    x = f32_array("x", x, (1, 2))
     one = x.ndim == 1
     x2 = x.reshape(1, -1) if one else x
-    b = None if bias is None else _f32("bias", bias, (1,))
-    y = _out(out, (w.rows,) if one else (x2.shape[0], w.rows))
+    b = None if bias is None else f32_array("bias", bias, (1,))
+    y = out_array(out, (w.rows,) if one else (x2.shape[0], w.rows))
     _kernels.linear(x2, w, b, y.reshape(x2.shape[0], w.rows), int(expert),
                     resolve_threads(threads), activations)
     return y
@@ -198,7 +156,7 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
         selection (one pass over E), not a sort. All -inf logits give uniform weights; +inf
         logits share the mass equally; never NaN.
     """
-    logits = _f32("logits", logits, (2,))
+    logits = f32_array("logits", logits, (2,))
     if rule not in ROUTING_RULES:
         raise ValueError(f"unknown routing rule {rule!r}; expected one of "
                          f"{', '.join(ROUTING_RULES)}")
@@ -207,7 +165,7 @@ def route_topk(logits: np.ndarray, k: int, *, rule: str = "softmax_topk",
     if noise_seed is not None and (isinstance(noise_seed, bool)
                                    or not isinstance(noise_seed, (int, np.integer))):
         raise ValueError(f"noise_seed must be an int or None, found {noise_seed!r}")
-    b = None if bias is None else _f32("bias", bias, (1,))
+    b = None if bias is None else f32_array("bias", bias, (1,))
     return _kernels.route_topk(logits, int(k), rule, bool(norm_topk_prob),
                                None if noise_seed is None else int(noise_seed),
                                resolve_threads(threads), b, int(n_group), int(topk_group),
@@ -228,7 +186,7 @@ def group_by_expert(ids: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.nda
     slots : int32 (T*K,)
         The flat slots t*K + k of expert e are slots[offsets[e]:offsets[e+1]], ascending.
     """
-    return _kernels.group_by_expert(_ids(ids, int(n_experts)), int(n_experts))
+    return _kernels.group_by_expert(expert_ids(ids, int(n_experts)), int(n_experts))
 
 
 def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: WeightRef,
@@ -264,10 +222,10 @@ def expert_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w_gate: Weig
     even their pages). The sum over k runs in k order per token after all experts ran, so
     the result is identical for any thread count.
     """
-    x = _f32("x", x, (2,))
-    ids = _ids(ids, w_gate.n_experts)
-    weights = _f32("weights", weights, (2,))
-    y = _out(out, x.shape)
+    x = f32_array("x", x, (2,))
+    ids = expert_ids(ids, w_gate.n_experts)
+    weights = f32_array("weights", weights, (2,))
+    y = out_array(out, x.shape)
     _kernels.expert_ffn(x, ids, weights, w_gate, w_up, w_down, y, resolve_threads(threads),
                         activations)
     return y
@@ -289,7 +247,7 @@ def swiglu(x: np.ndarray, w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef,
     -------
     y : float32 (T, D), W_down @ (silu(W_gate @ x[t]) * (W_up @ x[t])) per token
     """
-    x = _f32("x", x, (2,))
+    x = f32_array("x", x, (2,))
     y = np.empty(x.shape, dtype=np.float32)
     _kernels.swiglu(x, w_gate, w_up, w_down, y, resolve_threads(threads), activations)
     return y
@@ -315,7 +273,7 @@ def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.n
         for 8 bits) gets d = 0 and q = 0. Bit-identical on every ISA path;
         _reference.quantize_activations_ref is its twin.
     """
-    x = _f32("x", x, (2,))
+    x = f32_array("x", x, (2,))
     return _kernels.quantize_activations(x, bits)
 
 
@@ -350,7 +308,7 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
     ~1e-6 relative (the SIMD exp is a polynomial); each gives the same bits for any thread
     count, and a 16-bit k / v gives the bits of the same call on its float32 widening.
     """
-    q = _f32("q", q, (2,))
+    q = f32_array("q", q, (2,))
     k = np.asarray(k)
     v = np.asarray(v)
     for name, a in (("k", k), ("v", v)):
@@ -361,7 +319,7 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *,
         raise ValueError(f"k and v must have the same dtype, found {k.dtype} and {v.dtype}")
     if k.strides[2] != k.itemsize or v.strides != k.strides:     # rows must be contiguous
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-    y = _out(out, q.shape)
+    y = out_array(out, q.shape)
     _kernels.attend_decode(q, k, v, float(scale), y, resolve_threads(threads))
     return y
 
@@ -405,28 +363,6 @@ def read_bandwidth(nbytes: int, threads: int | None = None, *, repeats: int = 3)
 # the decode step's small row operations, and prepared kernel calls
 
 
-def _weight_refs(**refs) -> None:
-    """ValueError naming the first argument (name=value) that is not a WeightRef."""
-    for name, ref in refs.items():
-        if not isinstance(ref, WeightRef):
-            raise ValueError(f"{name} must be a WeightRef, found {type(ref).__name__}")
-
-
-def _rows_f32(name: str, a, ndim: tuple[int, ...], writable: bool = False) -> np.ndarray:
-    """a as it is, if a C-contiguous float32 array of one of `ndim` dimensions (writable if
-    asked); else ValueError naming what was expected and what was found."""
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim not in ndim \
-            or not a.flags.c_contiguous or (writable and not a.flags.writeable):
-        want = " or ".join(f"{n}-D" for n in ndim)
-        raise ValueError(f"{name} must be a {'writable ' if writable else ''}C-contiguous "
-                         f"float32 {want} array, found "
-                         f"{getattr(a, 'dtype', type(a).__name__)} with shape "
-                         f"{getattr(a, 'shape', None)}"
-                         + ("" if not isinstance(a, np.ndarray) or a.flags.c_contiguous
-                            else " (not contiguous)"))
-    return a
-
-
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float, *,
                   out: np.ndarray | None = None) -> np.ndarray:
     """RMSNorm of each row, in one compiled call (csrc/rowops.h).
@@ -444,9 +380,9 @@ def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float, *,
         float32 with NumPy's operations and summation order (the same bits as
         attention.rms_norm on this NumPy); _reference.rms_norm_rows_ref is its twin.
     """
-    x = _rows_f32("x", x, (1, 2))
-    weight = _rows_f32("weight", weight, (1,))
-    out = np.empty_like(x) if out is None else _rows_f32("out", out, (x.ndim,), writable=True)
+    x = rows_f32("x", x, (1, 2))
+    weight = rows_f32("weight", weight, (1,))
+    out = np.empty_like(x) if out is None else rows_f32("out", out, (x.ndim,), writable=True)
     if out.shape != x.shape:
         raise ValueError(f"out has shape {out.shape}, expected x's {x.shape}")
     C = x.shape[-1]
@@ -467,8 +403,8 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     x, with x[:, :h], x[:, h:2h] = x1 cos - x2 sin, x2 cos + x1 sin (float32 products and
     sums as attention.apply_rope computes them); columns past 2h unchanged.
     """
-    x = _rows_f32("x", x, (2,), writable=True)
-    _kernels.rope_rows(x, _rows_f32("cos", cos, (1,)), _rows_f32("sin", sin, (1,)))
+    x = rows_f32("x", x, (2,), writable=True)
+    _kernels.rope_rows(x, rows_f32("cos", cos, (1,)), rows_f32("sin", sin, (1,)))
     return x
 
 
@@ -503,8 +439,8 @@ def prepare_linear(w: WeightRef, bias: np.ndarray | None = None, *, threads: int
     per-call checks of the weight (~3 us a call less). ValueError for bad arguments, here
     or at the call.
     """
-    _weight_refs(w=w)
-    b = None if bias is None else _rows_f32("bias", bias, (1,))
+    weight_refs(w=w)
+    b = None if bias is None else rows_f32("bias", bias, (1,))
     return _kernels.PreparedLinear(w, b, resolve_threads(threads), activations)
 
 
@@ -521,7 +457,7 @@ def prepare_route(k: int, *, rule: str = "softmax_topk", norm_topk_prob: bool = 
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise ValueError(f"k must be an int, found {k!r}")
-    b = None if bias is None else _rows_f32("bias", bias, (1,))
+    b = None if bias is None else rows_f32("bias", bias, (1,))
     return _kernels.PreparedRoute(int(k), rule, bool(norm_topk_prob), resolve_threads(threads),
                                   b, int(n_group), int(topk_group), float(jitter_eps))
 
@@ -535,7 +471,7 @@ def prepare_expert_ffn(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef, *,
     float32 (T, K), out float32 (T, D) (may be x), all C-contiguous: the same work and bits
     as expert_ffn(x, ids, weights, w_gate, w_up, w_down, out=out, ...).
     """
-    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedExperts(w_gate, w_up, w_down, resolve_threads(threads), activations)
 
 
@@ -552,7 +488,7 @@ def prepare_mla_absorbed(kv_b: WeightRef, n_heads: int, nope_dim: int, v_dim: in
     slots 0..slot of scale * (q_nope W_kb[h] . c_j + q_rope . kr_j)) c_j: _reference's
     mla_absorbed on kv_b decoded to float32, up to summation order (~1e-6 relative).
     """
-    _weight_refs(kv_b=kv_b)
+    weight_refs(kv_b=kv_b)
     return _kernels.PreparedMLA(kv_b, int(n_heads), int(nope_dim), int(v_dim),
                                 resolve_threads(threads))
 
@@ -578,7 +514,7 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
     with E = n_experts, and p(x, ids, weights, out, slots) reads expert ids[k] from stack
     row slots[k] (int32 (1, K)).
     """
-    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedBiasedExperts(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)
@@ -592,7 +528,7 @@ def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
     """True when moe.BiasedExperts runs matrix w for an expert of n tokens on f32
     activations (the f32 GEMM) instead of `activations`: MXFP4 on int16, from 8 tokens,
     below the integer GEMM's crossover on the current ISA path."""
-    _weight_refs(w=w)
+    weight_refs(w=w)
     return _kernels.mxfp4_f32_activations(w, activations, int(n))
 
 
@@ -612,7 +548,7 @@ def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: W
     ascending expert order). RuntimeError if NumPy's float32 exp loop was not found
     (EXP_LOOP False).
     """
-    _weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    weight_refs(w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _kernels.PreparedBiasedGrouped(w_gate, w_up, w_down, b_gate, b_up, b_down,
                                           activation, float(alpha), float(limit),
                                           resolve_threads(threads), activations, n_experts)

@@ -37,6 +37,7 @@ from .kernels import kv_widen_into as _widen
 from .guards import CacheBusyError
 from .quant import bf16_to_f32, f32_to_bf16
 from .resources import check_allocation
+from .run_state import RunState
 
 __all__ = ["KVCache", "CacheOverflowError", "DEFAULT_MAX_CTX", "KV_DTYPES", "DEFAULT_KV_DTYPE",
            "kv_dtype_name"]
@@ -121,8 +122,13 @@ class KVCache:
     (B, Hkv, P, Dh) and (B, Hkv, P, Dv) arrays of the storage dtype, float32 / float16 /
     uint16 bf16 bits, Dv = value_dim, head_dim unless given); valid (B, P) bool;
     pos (B, P) int64 (RoPE position of each slot); length (slots in use, shared by the batch);
-    scratch (a dict in which the model keeps the decode step's RunState, see Model.forward);
     owner (the identity of the model file that first used it, None before; colibri.guards).
+
+    The run state of the decode step lives here too, so two caches decoding in two threads
+    never share a buffer: run_state (the RunState a model made for this cache, None before
+    its first decode step; colibri.run_state) and decode_binding (the compiled layers bound
+    to it and to these planes, a _kernels.DecodeBinding, None before; colibri.decode_layer).
+    Neither is copied by `copy`. The lock of `claim` keeps one forward pass per cache.
     The arrays are sized before they are made: a cache that cannot fit the memory available
     is a ResourceError stating the bytes (colibri.resources).
     """
@@ -151,7 +157,8 @@ class KVCache:
         self.valid = np.zeros((self.batch, self.ctx), dtype=bool)         # (B, P)
         self.pos = np.zeros((self.batch, self.ctx), dtype=np.int64)       # (B, P)
         self.length = 0
-        self.scratch: dict = {}     # work buffers a model reuses across steps (not copied)
+        self.run_state: RunState | None = None        # the decode step's buffers (not copied)
+        self.decode_binding = None      # _kernels.DecodeBinding over run_state (not copied)
 
     # -- sizes ------------------------------------------------------------------------------
     @property
@@ -272,9 +279,35 @@ class KVCache:
         new.valid = self.valid.copy()
         new.pos = self.pos.copy()
         new.length = self.length
-        new.scratch = {}
+        new.run_state = new.decode_binding = None
         new.owner = self.owner
         new._lock = threading.Lock()
+        return new
+
+    def prefix_copy(self, n: int | None = None, ctx: int | None = None) -> "KVCache":
+        """A new cache of `ctx` slots (default: this one's) holding a copy of this cache's
+        first n slots (default: all it holds): keys, values, padding and positions, so the
+        copy continues from slot n exactly as this cache would have. Several continuations
+        of one scored context each run on their own prefix copy (colibri.scoring), the
+        context computed once. Only the n slots are copied; ValueError unless
+        0 <= n <= length and n <= ctx."""
+        n = self.length if n is None else n
+        ctx = self.ctx if ctx is None else ctx
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self.length:
+            raise ValueError(f"prefix_copy: n must be an integer in [0, {self.length}] (the "
+                             f"current length), got {n!r}")
+        if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < max(n, 1):
+            raise ValueError(f"prefix_copy: ctx must be an integer >= max(n, 1) = {max(n, 1)}, "
+                             f"got {ctx!r}")
+        n = int(n)
+        new = KVCache(self.n_layers, self.batch, self.n_kv_heads, int(ctx), self.head_dim,
+                      value_dim=self.value_dim, dtype=self.dtype)
+        for dst, src in zip(new.k + new.v, self.k + self.v):
+            dst[:, :, :n] = src[:, :, :n]
+        new.valid[:, :n] = self.valid[:, :n]
+        new.pos[:, :n] = self.pos[:, :n]
+        new.length = n
+        new.owner = self.owner
         return new
 
     def claim(self) -> "_Held":

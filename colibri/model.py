@@ -157,8 +157,9 @@ class Model:
         self.eps = c.rms_norm_eps
         self.moe_layers = list(c.moe_layer_ids)
         self.timings = Timings()
-        self._identity = self.file.identity        # what a KVCache is tagged with (guards)
+        self.identity = self.file.identity        # what a KVCache is tagged with (guards)
         self.last_stats = None          # GenerationStats of the last generate() call
+        self.warned_past_context = False     # guards.warn_past_context warns once per model
         self._tokenizer = None
         self._tokenizer_loaded = False
         # a memory budget (colibri.expert_cache): checked before anything is read
@@ -173,14 +174,14 @@ class Model:
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
         f, c, t = self.file, self.config, self.threads
-        self._buf = weights_buffer(f, self._plan, self._mapped)  # the mapping (or a copy), 1-D
+        self.buffer = weights_buffer(f, self._plan, self._mapped)  # the mapping (or a copy), 1-D
         self.rope = Rope.from_config(c)
-        self._cache_dims = self._cache_geometry()       # (layers, kv heads, Dh, Dv)
+        self.cache_dims = self._cache_geometry()       # (layers, kv heads, Dh, Dv)
         self._state_key = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, c.rms_norm_eps)       # the geometry of a RunState
         self.embedding = f.tensor("tok_embeddings")                                  # (V, D)
         head = "tok_embeddings" if c.tie_word_embeddings or "lm_head" not in f else "lm_head"
-        self.head = weight_ref(f, self._buf, head)                                   # (V, D)
+        self.head = weight_ref(f, self.buffer, head)                                   # (V, D)
         self.head_bias = vector(f, "lm_head_bias") if c.lm_head_bias else None       # (V,)
         self._head = kernels.prepare_linear(self.head, self.head_bias, threads=t,
                                             activations=self.activations)
@@ -189,12 +190,12 @@ class Model:
         # the rules some families add (each None / False when the model does not use it)
         self._layer_norm = c.norm == "layer_norm"
         f32 = np.float32
-        self._embedding_mult = (f32(c.embedding_multiplier) if c.embedding_multiplier != 1
+        self.embedding_mult = (f32(c.embedding_multiplier) if c.embedding_multiplier != 1
                                 else None)
-        self._residual_mult = f32(c.residual_multiplier) if c.residual_multiplier != 1 else None
+        self.residual_mult = f32(c.residual_multiplier) if c.residual_multiplier != 1 else None
         self._logits_div = f32(c.logits_scaling) if c.logits_scaling != 1 else None
         self.layers = [self._layer(i) for i in range(c.num_hidden_layers)]
-        self._compiled = compile_layers(self)    # the decode step's layers in one call, or None
+        self.compiled_step = compile_layers(self)    # the decode step's layers in one call, or None
 
     def _cache_geometry(self) -> tuple[int, int, int, int]:
         """(layers, kv heads, key width, value width) of this model's KV cache; MLA caches
@@ -215,13 +216,13 @@ class Model:
             wq_b=proj("attn.wq_b", "attn.bq_b") if lora else None,
             wkv_a=proj("attn.wkv_a", "attn.bkv_a"), kv_a_norm=vector(f, p + "attn.kv_a_norm"),
             wkv_b=proj("attn.wkv_b", "attn.bkv_b"), wo=proj("attn.wo", "attn.bo"),
-            kv_b=weight_ref(f, self._buf, p + "attn.wkv_b"), n_heads=c.num_attention_heads,
+            kv_b=weight_ref(f, self.buffer, p + "attn.wkv_b"), n_heads=c.num_attention_heads,
             nope_dim=c.qk_nope_head_dim, rope_dim=c.head_dim, v_dim=c.v_head_dim,
             kv_rank=c.kv_lora_rank, scale=softmax_scale(c), threads=self.threads)
 
     def _layer(self, i: int) -> _Layer:
         """Layer i's weights (views and WeightRefs into the mapping) and settings."""
-        f, c, buf, t, act = self.file, self.config, self._buf, self.threads, self.activations
+        f, c, buf, t, act = self.file, self.config, self.buffer, self.threads, self.activations
         p = f"layers.{i}."
 
         def proj(name: str, bias: str) -> _Linear:
@@ -270,7 +271,7 @@ class Model:
             return layer_norm(x, weight, bias, eps)
         return rms_norm(x, weight, eps)
 
-    def _norm_rows_into(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+    def norm_rows_into(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
                         eps: np.float32, out: np.ndarray) -> None:
         """The model's norm of rows x float32 (N, D) into out (N, D), compiled for RMSNorm:
         what the decode step and the ragged step use."""
@@ -278,6 +279,12 @@ class Model:
             layer_norm(x, weight, bias, eps, out=out)
         else:
             _norm_rows(x, weight, eps, out)
+
+    def head_into(self, x: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """The head of normed rows x float32 (N, D) into logits float32 (N, V), scaled as
+        the family asks (what the decode step and the ragged step use)."""
+        self._head(x, logits)
+        return self._scale_logits(logits)
 
     def _scale_logits(self, logits: np.ndarray) -> np.ndarray:
         """logits / logits_scaling in place (Granite's muP), when the model has one."""
@@ -326,10 +333,10 @@ class Model:
         for name, val in (("ctx", ctx), ("batch", batch)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"new_cache: {name} must be a positive integer, got {val!r}")
-        n_layers, heads, k_dim, v_dim = self._cache_dims
+        n_layers, heads, k_dim, v_dim = self.cache_dims
         cache = KVCache(n_layers, batch, heads, ctx, k_dim, value_dim=v_dim,
                         dtype=self.kv_dtype if dtype is None else kv_dtype_name(dtype, "dtype"))
-        cache.owner = self._identity
+        cache.owner = self.identity
         warn_past_context(self, int(ctx) - 1, f"a KV cache of ctx {ctx}")
         return cache
 
@@ -346,7 +353,7 @@ class Model:
             rows = e[flat].astype(np.float32)
         return rows.reshape(*ids.shape, self.config.hidden_size)
 
-    def _embed_row(self, token: int, out: np.ndarray) -> np.ndarray:
+    def embed_row(self, token: int, out: np.ndarray) -> np.ndarray:
         """The embedding row of one token into out float32 (1, D), as embed decodes it."""
         e = self.embedding
         if isinstance(e, np.ndarray) and e.dtype == np.uint16:                 # bf16 bits
@@ -360,9 +367,9 @@ class Model:
     def _run_state(self, cache: KVCache) -> RunState:
         """The cache's RunState for this model (made on first use, remade for another
         geometry)."""
-        state = cache.scratch.get("decode")
+        state = cache.run_state
         if state is None or state.key != self._state_key:
-            state = cache.scratch["decode"] = RunState(*self._state_key)
+            state = cache.run_state = RunState(*self._state_key)
         return state
 
     # -- forward ----------------------------------------------------------------------------------
@@ -378,7 +385,7 @@ class Model:
         if type(cache) is KVCache:
             with cache.claim():                 # one forward pass per cache at a time
                 if input_embeds is None and attention_mask is None:
-                    out = self._decode_call(input_ids, cache, positions, return_routing)
+                    out = self.decode_call(input_ids, cache, positions, return_routing)
                     if out is not None:
                         return out
                 with blas_on_one_thread():
@@ -388,7 +395,7 @@ class Model:
             return self._forward(input_ids, cache, positions, return_routing, input_embeds,
                                  attention_mask, last_only)
 
-    def _decode_call(self, input_ids, cache: KVCache, positions, return_routing: bool):
+    def decode_call(self, input_ids, cache: KVCache, positions, return_routing: bool):
         """forward's result for a plain decode step, or None when this call is not one (the
         general entry then checks, raises or runs it).
 
@@ -401,9 +408,9 @@ class Model:
         ids = input_ids
         if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
                 or ids.dtype.kind not in "iu" or cache.batch != 1 or cache.length >= cache.ctx
-                or cache.owner is not self._identity
+                or cache.owner is not self.identity
                 or (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
-                != self._cache_dims):
+                != self.cache_dims):
             return None
         token, n = int(ids.reshape(-1)[0]), cache.length
         if not 0 <= token < self.config.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:
@@ -416,7 +423,7 @@ class Model:
                 return None
         t0 = time.perf_counter()
         state = self._run_state(cache)
-        self._embed_row(token, state.h)
+        self.embed_row(token, state.h)
         trace = RoutingTrace([], [], []) if return_routing else None
         logits = self._step(state, position, cache, trace, t0)
         if ids.ndim == 2:
@@ -432,18 +439,17 @@ class Model:
         cache's next slot, which is committed. Logits float32 (1, V), a new array; the
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
         tm, eps, h, xa = self.timings, state.eps, state.h, state.xa          # eps: float32
-        if self._embedding_mult is not None:
-            np.multiply(h, self._embedding_mult, out=h)
+        if self.embedding_mult is not None:
+            np.multiply(h, self.embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
         t0 = tm.add("embed", t0)
-        fast = self._compiled       # (colibri.decode_layer; _step_layers: its specification)
+        fast = self.compiled_step       # (colibri.decode_layer; _step_layers: its specification)
         if fast is None or trace is not None or not fast.run(state, cache, cos, sin, tm):
             self._step_layers(state, cos, sin, cache, trace)
         t0 = time.perf_counter()
         logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        self._norm_rows_into(h, self.final_norm, self.final_norm_bias, eps, xa)
-        self._head(xa, logits)
-        self._scale_logits(logits)
+        self.norm_rows_into(h, self.final_norm, self.final_norm_bias, eps, xa)
+        self.head_into(xa, logits)
         check_logits(logits, self.n_layers, h, xa)
         tm.add("head", t0)
         cache.commit_one(position)
@@ -466,7 +472,7 @@ class Model:
             t0 = time.perf_counter()
             state = self._run_state(cache)
             if data.dtype == np.int64:
-                self._embed_row(int(data[0, 0]), state.h)
+                self.embed_row(int(data[0, 0]), state.h)
             else:
                 state.h[...] = data[0]
             logits = self._step(state, int(pos[0, 0]), cache, trace, t0)[None]   # (1, 1, V)
@@ -488,9 +494,9 @@ class Model:
         B, S = valid.shape
         D, eps = self.config.hidden_size, self.config.rms_norm_eps
         h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
-        if self._embedding_mult is not None:
-            h *= self._embedding_mult
-        rm = self._residual_mult
+        if self.embedding_mult is not None:
+            h *= self.embedding_mult
+        rm = self.residual_mult
         # keys visible to the new tokens: the cache's slots, then the new ones
         all_valid = valid if cache is None else np.concatenate(
             [cache.valid[:, :cache.length], valid], axis=1)                  # (B, L)
@@ -529,7 +535,7 @@ class Model:
             cache.commit(valid, pos)
         return logits
 
-    def forward_ragged(self, segments, return_routing: bool = False):
+    def forward_ragged(self, segments, return_routing: bool = False, logits_rows=None):
         """Several sequences of different lengths in one step, each through its own cache
         (colibri.ragged; the step of continuous batching, colibri.batching).
 
@@ -537,7 +543,10 @@ class Model:
         for its S_i new ids (int, 1-D, S_i >= 1), each cache in one segment only. Returns
         logits float32 (N, V) of the last new token of each segment [, routing: per segment
         int32 (M, S_i, K), the experts each token chose in every MoE layer]; every cache
-        advances by its S_i tokens. Each row gets the values of its own forward through its
+        advances by its S_i tokens. logits_rows: per segment, the indices (int, within its S_i
+        new tokens) of the rows whose logits to return instead of the last one, concatenated
+        segment after segment: (sum R_i, V) (what scoring a prompt needs; the head then runs
+        on those rows only). Each row gets the values of its own forward through its
         cache (up to the projections' summation order: kernels.linear's GEMM path).
         """
         with ExitStack() as held:                 # every cache claimed, as forward does
@@ -547,7 +556,7 @@ class Model:
                         and type(seg[0]) is KVCache and id(seg[0]) not in claimed:
                     claimed.add(id(seg[0]))
                     held.enter_context(seg[0].claim())
-            return forward_ragged(self, segments, return_routing)
+            return forward_ragged(self, segments, return_routing, logits_rows)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):

@@ -6,7 +6,8 @@ segment is one token, a prefill chunk S_i tokens). What does not mix positions r
 T rows in one call each: the embedding, the norms, the q/k/v and output projections, the MoE
 (its experts grouped over all rows: an expert's weights are read once per step for every
 sequence that chose it, which is what batching wins on a CPU) and the head (the last row of
-each segment only). What does mix positions runs per segment against that sequence's cache
+each segment, or the rows a caller asks for: scoring a prompt needs every position's
+logits, generating only the last). What does mix positions runs per segment against that sequence's cache
 (Attention.forward_segments, or the same method of another attention class): RoPE, the
 cache write, the attention. Every cache then commits its S_i slots.
 
@@ -32,7 +33,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
     """[(cache, ids int64 (S,))] after checking each segment; ValueError naming the bad one."""
     if not isinstance(segments, (list, tuple)) or not segments:
         raise ValueError("segments must be a non-empty list of (cache, ids) pairs")
-    V, dims = model.config.vocab_size, model._cache_dims
+    V, dims = model.config.vocab_size, model.cache_dims
     out, seen = [], set()
     for j, seg in enumerate(segments):
         if not isinstance(seg, (list, tuple)) or len(seg) != 2:
@@ -48,7 +49,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         if found != dims:
             raise ValueError(f"segment {j}: cache made for (layers, kv heads, head dim, value "
                              f"dim) = {found}, model has {dims}")
-        if cache.owner is not None and cache.owner != model._identity:
+        if cache.owner is not None and cache.owner != model.identity:
             raise ForeignCacheError(f"segment {j}: its cache holds keys and values of another "
                                     f"model file, not of {model.file.path}")
         if id(cache) in seen:
@@ -64,7 +65,7 @@ def check_segments(model, segments: Sequence) -> list[tuple[KVCache, np.ndarray]
         cache.check_room(a.size)
         out.append((cache, a.astype(np.int64, copy=False)))
     for cache, _ in out:
-        cache.owner = model._identity
+        cache.owner = model.identity
     return out
 
 
@@ -86,13 +87,46 @@ def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]
     return segs
 
 
-def forward_ragged(model, segments: Sequence, return_routing: bool = False):
-    """Model.forward_ragged: logits float32 (N, V) of the last row of each segment [, routing
-    per segment int32 (M, S_i, K)]; each segment's cache advances by its S_i tokens."""
+def check_logits_rows(logits_rows, checked) -> list[np.ndarray] | None:
+    """logits_rows as int64 arrays, one per segment, each in [0, S_i); ValueError naming the
+    segment otherwise (None stays None: the last row of each segment)."""
+    if logits_rows is None:
+        return None
+    if not isinstance(logits_rows, (list, tuple)) or len(logits_rows) != len(checked):
+        raise ValueError(f"logits_rows must be a list of one array of row indices per segment "
+                         f"({len(checked)}), got {type(logits_rows).__name__}"
+                         + (f" of {len(logits_rows)}" if isinstance(logits_rows, (list, tuple))
+                            else ""))
+    out = []
+    for j, (rows, (_, ids)) in enumerate(zip(logits_rows, checked)):
+        r = np.asarray(rows)
+        if r.size == 0:
+            out.append(np.zeros(0, np.int64))
+            continue
+        if r.dtype.kind not in "iu" or r.ndim != 1:
+            raise ValueError(f"logits_rows[{j}] must be a 1-D array of integers, got dtype "
+                             f"{r.dtype} shape {r.shape}")
+        if int(r.min()) < 0 or int(r.max()) >= ids.size:
+            raise ValueError(f"logits_rows[{j}] out of the segment's rows [0, {ids.size}): min "
+                             f"{int(r.min())}, max {int(r.max())}")
+        out.append(r.astype(np.int64, copy=False))
+    return out
+
+
+def forward_ragged(model, segments: Sequence, return_routing: bool = False,
+                   logits_rows: Sequence | None = None):
+    """Model.forward_ragged: logits float32 (N, V) of the last row of each segment, or with
+    logits_rows (per segment, row indices int (R_i,) within its S_i new tokens) the logits of
+    those rows, segment after segment: (sum R_i, V) [, routing per segment int32 (M, S_i, K)];
+    each segment's cache advances by its S_i tokens."""
     checked = check_segments(model, segments)
-    if len(checked) == 1 and checked[0][1].size == 1:     # one token of one sequence: the
+    rows = check_logits_rows(logits_rows, checked)
+    if rows is not None and all(r.size == 1 and r[0] == ids.size - 1
+                                for r, (_, ids) in zip(rows, checked)):
+        rows = None                                       # the last rows: the usual step
+    if rows is None and len(checked) == 1 and checked[0][1].size == 1:  # one token of one sequence: the
         cache, ids = checked[0]                           # decode step (the same bits, fewer
-        out = model._decode_call(ids, cache, None, return_routing)   # allocations)
+        out = model.decode_call(ids, cache, None, return_routing)   # allocations)
         if out is not None:
             if not return_routing:
                 return out
@@ -102,10 +136,10 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False):
                 (0, 1, model.config.num_experts_per_tok), np.int32)
             return logits, [routing]
     with blas_on_one_thread():
-        return _run(model, checked, return_routing)
+        return _run(model, checked, return_routing, rows)
 
 
-def _run(model, checked, return_routing: bool):
+def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None):
     tm, c = model.timings, model.config
     t0 = time.perf_counter()
     segs = _segments(model, checked)
@@ -113,18 +147,18 @@ def _run(model, checked, return_routing: bool):
     T, D = ids.size, c.hidden_size
     eps = np.float32(c.rms_norm_eps)
     h = np.ascontiguousarray(model.embed(ids[None])[0], dtype=np.float32)        # (T, D)
-    if model._embedding_mult is not None:                                    # Granite's muP
-        h *= model._embedding_mult
-    rm = model._residual_mult
+    if model.embedding_mult is not None:                                    # Granite's muP
+        h *= model.embedding_mult
+    rm = model.residual_mult
     xa = np.empty((T, D), dtype=np.float32)
     xf = np.empty((T, D), dtype=np.float32)
     routing = []                                              # per MoE layer: ids (T, K)
     t0 = tm.add("embed", t0)
     for i, layer in enumerate(model.layers):
-        model._norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
+        model.norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
         o = layer.attn.forward_segments(xa, segs, i)
         h += o if rm is None else o * rm
-        model._norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
+        model.norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
         t0 = tm.add("attention", t0)
         if isinstance(layer.ffn, MoE):
             y, chosen, _, _ = layer.ffn(xf, tm)
@@ -134,12 +168,15 @@ def _run(model, checked, return_routing: bool):
             y = layer.ffn(xf, tm)
         h += y if rm is None else y * rm
         t0 = time.perf_counter()
-    last = np.array([s.start + s.n - 1 for s in segs])                             # (N,)
+    if logits_rows is None:
+        last = np.array([s.start + s.n - 1 for s in segs])                         # (N,)
+    else:
+        last = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
     hl = np.ascontiguousarray(h[last])                                            # (N, D)
-    model._norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
-    logits = np.empty((len(segs), c.vocab_size), dtype=np.float32)
-    model._head(hl, logits)
-    model._scale_logits(logits)
+    model.norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
+    logits = np.empty((last.size, c.vocab_size), dtype=np.float32)
+    if last.size:
+        model.head_into(hl, logits)
     tm.add("head", t0)
     for s in segs:
         if s.decode:

@@ -4,7 +4,7 @@ A decode step (one new token of one sequence, a cache without padding) writes ev
 per-layer vector into these buffers instead of allocating: the residual stream, the normed
 inputs of attention and FFN, q | k | v of the token side by side (one fused projection
 writes them), the attention heads' output. One RunState per KV cache (kept in
-KVCache.scratch), so two caches decoding in two threads never share a buffer. The logits
+KVCache.run_state), so two caches decoding in two threads never share a buffer. The logits
 are not here: each step returns its own array.
 
 Shapes as in the package docstring; N = H*Dh + 2*Hkv*Dh.

@@ -76,8 +76,9 @@ def get_isa() -> str:
 
 
 def set_isa(name: str | None) -> None:
-    """Force a path ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni"), or None for the
-    widest supported one.
+    """Force a path ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni", "amx", or the tile
+    emulation "amx-emu", a test path never chosen by default), or None for the widest
+    supported one.
 
     Raises ValueError for an unknown name or a path this CPU/OS cannot run.
     """

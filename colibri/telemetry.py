@@ -117,7 +117,7 @@ class ExpertTelemetry:
 
     # -- the sources --------------------------------------------------------------------------
     def _watch_mapping(self) -> None:
-        f, buf = self.model.file, self.model._buf
+        f, buf = self.model.file, self.model.buffer
         vec = np.empty(1, np.uint8)
         for layer in self.layers:
             moe = self.model.layers[layer].ffn

@@ -70,7 +70,7 @@ PATHS = ("compiled", "python")
 def bench(path: str, threads: int, args) -> None:
     model = colibri.load(path, threads=threads, activations=args.activations,
                          mlock=args.mlock)
-    compiled = model._compiled
+    compiled = model.compiled_step
     name = os.path.basename(path)
     if compiled is None:
         print(f"{name}: no compiled layers ({uncovered(model)})")
@@ -96,7 +96,7 @@ def bench(path: str, threads: int, args) -> None:
         for t in tokens:
             out = {}
             for path_name in PATHS:
-                model._compiled = compiled if path_name == "compiled" else None
+                model.compiled_step = compiled if path_name == "compiled" else None
                 before, w0 = model.timings.copy(), _kernels.pool_worker_items()
                 t0 = time.perf_counter()
                 out[path_name] = colibri.forward(model, np.array([t]), cache=caches[path_name])
@@ -106,7 +106,7 @@ def bench(path: str, threads: int, args) -> None:
                     items[path_name] += _kernels.pool_worker_items() - w0
                     for k, v in model.timings.copy().items():
                         stages[path_name][k] += v - before[k]
-            model._compiled = compiled
+            model.compiled_step = compiled
             differ = max(differ, float(np.abs(out["compiled"] - out["python"]).max()))
     c, p = statistics.median(times["compiled"]), statistics.median(times["python"])
     n = rounds * args.steps
@@ -125,7 +125,7 @@ def one_path(path: str, path_name: str, threads: int, steps: int) -> None:
     """--one-path: a prefill of 8 tokens, then `steps` decode steps on one path."""
     model = colibri.load(path, threads=threads)
     if path_name == "python":
-        model._compiled = None
+        model.compiled_step = None
     rng = np.random.default_rng(0)
     cache = model.new_cache(ctx=8 + steps)
     colibri.forward(model, rng.integers(3, model.vocab_size, size=8), cache=cache)

@@ -51,7 +51,7 @@ from colibri import dtypes
 from colibri.convert import Plan, quant_role
 from colibri.families import canonical_tensors, get_family
 from colibri.format.writer import ColibriWriter, TensorSpec
-from colibri.gguf_import import gguf_tensor_name
+from colibri.convert.gguf_import import gguf_tensor_name
 from colibri.quant import f32_to_bf16
 
 MIXTRAL_8X7B = dict(
@@ -175,7 +175,7 @@ def gguf_plan(cfg, specs: list[TensorSpec]) -> tuple[list[GGUFTensor], dict[str,
 def gguf_q4_blocks(raw: np.ndarray, cols: int) -> np.ndarray:
     """colibri q4 rows (R * (C/2 + C/32*2) bytes: the nibble bytes, then the f16 scales) ->
     GGUF Q4_0 rows (R, C/32*18: per block its f16 scale, then its 16 nibble bytes). The
-    inverse of colibri.gguf_import.gguf_q4_rows: the same bytes re-laid."""
+    inverse of colibri.convert.gguf_import.gguf_q4_rows: the same bytes re-laid."""
     rows = raw.reshape(-1, cols // 2 + cols // 16)
     nib = rows[:, :cols // 2].reshape(len(rows), cols // 32, 16)
     scales = rows[:, cols // 2:].reshape(len(rows), cols // 32, 2)

@@ -122,7 +122,10 @@ def _actions(command: str) -> dict:
 @pytest.mark.parametrize("command", ["generate", "bench", "perplexity", "routes"])
 def test_commands_share_model_and_threads(command):
     a = _actions(command)
-    assert a["model"].nargs == "?" and a["model"].help == common.MODEL_HELP
+    positional = [x for x in build_parser().commands[command]._actions
+                  if x.dest == "model" and not x.option_strings]
+    assert positional[0].nargs == "?" and positional[0].help == common.MODEL_HELP
+    assert a["model"].option_strings == ["-m", "--model"]       # llama.cpp's spelling too
     assert a["threads"].default is None and "physical cores" in a["threads"].help
     args = build_parser().parse_args([command] + (["-p", "x"] if command == "routes" else
                                                   ["-f", "x"] if command == "perplexity" else []))

@@ -88,7 +88,7 @@ def test_step_matches_a_prefill_of_the_same_tokens(model, monkeypatch):
     tokens = np.random.default_rng(0).integers(3, m.vocab_size, size=PROMPT + STEPS)
     taken = count_calls(m, "_step", monkeypatch)
     stepped, traces, cache = _decode(m, tokens, routing=True)
-    assert len(taken) == STEPS and "decode" in cache.scratch
+    assert len(taken) == STEPS and cache.run_state is not None
     full, full_trace = api.forward(m, tokens, return_routing=True)     # general path, no cache
     assert len(taken) == STEPS
     assert _rel(stepped, full) <= STEP_TOL
@@ -122,7 +122,7 @@ def test_step_matches_a_batch_and_a_padded_sequence(model, monkeypatch):
         assert _rel(got, stepped[j]) <= STEP_TOL
         got = api.forward(m, np.array([t]), cache=padded)[0]
         assert _rel(got, stepped[j]) <= STEP_TOL
-    assert not taken and "decode" not in batch.scratch and "decode" not in padded.scratch
+    assert not taken and batch.run_state is None and padded.run_state is None
     api.forward(m, tokens[:1])                                          # no cache: general
     assert not taken
 
@@ -193,13 +193,13 @@ def test_run_state_is_reused_and_results_not_aliased(model):
     cache = m.new_cache(ctx=8)
     api.forward(m, tokens[:2], cache=cache)
     a = api.forward(m, tokens[2:3], cache=cache)
-    state = cache.scratch["decode"]
+    state = cache.run_state
     a_copy = a.copy()
     b = api.forward(m, tokens[3:4], cache=cache)
-    assert cache.scratch["decode"] is state
+    assert cache.run_state is state
     np.testing.assert_array_equal(a, a_copy)            # the logits of a step are its own
     assert not np.shares_memory(a, b)
-    assert "decode" not in cache.copy().scratch         # the buffers belong to the cache
+    assert cache.copy().run_state is None        # the buffers belong to the cache
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
@@ -214,7 +214,7 @@ def test_embed_row_equals_embed(model, monkeypatch, dtype):
     monkeypatch.setattr(m, "embedding", table)
     out = np.empty((1, m.hidden_size), np.float32)
     for token in (0, 7, m.vocab_size - 1):
-        np.testing.assert_array_equal(m._embed_row(token, out), m.embed(np.array([[token]]))[0])
+        np.testing.assert_array_equal(m.embed_row(token, out), m.embed(np.array([[token]]))[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,19 +113,19 @@ def converted(tmp_path_factory):
 def _lockstep(m, steps: int = STEPS, prompt: int = PROMPT, seed: int = 0):
     """Decode the same tokens through two caches, one step on the compiled layers and one on
     the Python ones; assert logits and caches equal bit for bit at every step."""
-    assert m._compiled is not None, uncovered(m)
+    assert m.compiled_step is not None, uncovered(m)
     tokens = np.random.default_rng(seed).integers(3, m.vocab_size, size=prompt + steps)
     fast, slow = m.new_cache(ctx=prompt + steps), m.new_cache(ctx=prompt + steps)
     for c in (fast, slow):
         api.forward(m, tokens[:prompt], cache=c)
-    compiled = m._compiled
+    compiled = m.compiled_step
     for t in tokens[prompt:]:
         a = api.forward(m, np.array([t]), cache=fast)
-        m._compiled = None
+        m.compiled_step = None
         try:
             b = api.forward(m, np.array([t]), cache=slow)
         finally:
-            m._compiled = compiled
+            m.compiled_step = compiled
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     for x, y in zip(fast.k + fast.v, slow.k + slow.v):
         np.testing.assert_array_equal(x, y)
@@ -201,16 +201,16 @@ def test_a_copied_or_rewound_cache(converted):
             api.forward(m, np.array([t]), cache=c)
         c.truncate(5)
         twin = c.copy()
-        compiled = m._compiled
+        compiled = m.compiled_step
         for t in tokens[5:]:
             a = api.forward(m, np.array([t]), cache=c)
             b = api.forward(m, np.array([t]), cache=twin)
             np.testing.assert_array_equal(a, b)
-        assert c.scratch["decode_layers"] is not twin.scratch.get("decode_layers")
-        m._compiled = None
+        assert c.decode_binding is not twin.decode_binding
+        m.compiled_step = None
         c.truncate(5)
         want = [api.forward(m, np.array([t]), cache=c) for t in tokens[5:]]
-        m._compiled = compiled
+        m.compiled_step = compiled
         c.truncate(5)
         got = [api.forward(m, np.array([t]), cache=c) for t in tokens[5:]]
         np.testing.assert_array_equal(np.stack(got), np.stack(want))
@@ -346,8 +346,8 @@ def test_a_model_the_compiled_step_does_not_cover_takes_the_python_step(converte
     try:
         m.layers[1].attn.wqkv = None
         assert uncovered(m) == "layer 1: q, k and v are not one fused projection"
-        m._compiled = compile_layers(m)
-        assert m._compiled is None
+        m.compiled_step = compile_layers(m)
+        assert m.compiled_step is None
         taken = _python_steps(m, monkeypatch)
         c = m.new_cache(ctx=8)
         api.forward(m, np.array([5, 6]), cache=c)
@@ -378,12 +378,12 @@ def test_nan_router_logits_name_the_layer_as_the_python_step(converted):
     m = api.load(converted("mixtral", "f32"), threads=1, mmap=False)
     try:
         router = m.layers[1].ffn.router
-        assert m._buf.flags.writeable and router.dtype == "f32"
-        m._buf[router.offset:router.offset + 4] = np.frombuffer(
+        assert m.buffer.flags.writeable and router.dtype == "f32"
+        m.buffer[router.offset:router.offset + 4] = np.frombuffer(
             np.float32(np.nan).tobytes(), np.uint8)
         messages = []
-        for compiled in (m._compiled, None):
-            m._compiled = compiled
+        for compiled in (m.compiled_step, None):
+            m.compiled_step = compiled
             c = m.new_cache(ctx=8)
             with pytest.raises(NonFiniteError) as e:
                 api.forward(m, np.array([7]), cache=c)
@@ -411,17 +411,17 @@ from colibri import runtime
 assert runtime.get_isa() == sys.argv[1], runtime.get_isa()
 for path in sys.argv[2:]:
     m = api.load(path, threads=2, activations="int16")
-    assert m._compiled is not None
+    assert m.compiled_step is not None
     tokens = np.arange(3, 15)
     fast, slow = m.new_cache(ctx=12), m.new_cache(ctx=12)
     for c in (fast, slow):
         api.forward(m, tokens[:3], cache=c)
-    compiled = m._compiled
+    compiled = m.compiled_step
     for t in tokens[3:]:
         a = api.forward(m, np.array([t]), cache=fast)
-        m._compiled = None
+        m.compiled_step = None
         b = api.forward(m, np.array([t]), cache=slow)
-        m._compiled = compiled
+        m.compiled_step = compiled
         assert np.array_equal(a, b), path
 print("same")
 """

@@ -93,7 +93,7 @@ def test_logits_identical_in_every_mode(mode, prefetch, plan, reference):
 
 def test_no_mmap_and_mlock(plan, reference):
     m = colibri.load(threads=1, mmap=False)
-    assert same(run(m), reference) and m._buf.flags.writeable      # a copy, not the mapping
+    assert same(run(m), reference) and m.buffer.flags.writeable      # a copy, not the mapping
     m.close()
     m = colibri.load(threads=1, memory_budget=plan.minimum, mmap=False, mlock=True)
     assert same(run(m), reference)
@@ -184,7 +184,7 @@ def test_blocks_from_the_disk_and_from_the_page_cache(tmp_path, plan, reference)
     budget = plan.minimum + 40 * plan.slot_bytes          # every block fits
     m = colibri.load(path, threads=1, memory_budget=budget)
     # the dense part's faults read ahead into the experts: drop those pages
-    buf = m._buf
+    buf = m.buffer
     residency.advise(buf, 0, len(buf), mmap.MADV_RANDOM)
     first = m.file.expert_block(0, 0)[0]
     residency.advise(buf, first, len(buf) - first, residency.DONTNEED)

@@ -29,7 +29,7 @@ def cold_model(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)                                 # clean pages: the kernel may drop them
     model = colibri.load(path, threads=1)
-    buf = model._buf
+    buf = model.buffer
     residency.advise(buf, 0, len(buf), mmap.MADV_RANDOM)
     residency.advise(buf, 0, len(buf), residency.DONTNEED)
     residency.drop_file_range(fd, 0, 0)

@@ -1,4 +1,4 @@
-"""GGUF import (colibri/gguf_import.py, gguf_config.py) against transformers.
+"""GGUF import (colibri/convert/gguf_import.py, gguf_config.py) against transformers.
 
 Each tiny checkpoint of hf_factory is written as a GGUF in llama.cpp's layout
 (tests/gguf_factory.py), converted with colibri.convert and run; the oracle is transformers
@@ -26,7 +26,7 @@ import colibri.api as api
 from colibri.convert import ConversionWarning
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
-from colibri.gguf_import import gguf_mxfp4_rows, unpermute_rows
+from colibri.convert.gguf_import import gguf_mxfp4_rows, unpermute_rows
 from colibri.mxfp4 import dequantize as mxfp4_dequantize
 from cli_helpers import run
 from gguf_factory import GGUF_OVERRIDES, permute, write_gguf

@@ -87,7 +87,7 @@ def test_decode_step_matches_the_general_path_over_the_same_cache(family):
             two.v[layer][:] = one.v[layer][0]
         two.valid[:], two.pos[:], two.length = one.valid[0], one.pos[0], one.length
         step = m.forward(seq[-1:], cache=one)                                  # (1, V)
-        assert "decode" in one.scratch and "decode" not in two.scratch
+        assert one.run_state is not None and two.run_state is None
         general = m.forward(np.stack([seq[-1:]] * 2), cache=two)               # (2, 1, V)
         for b in range(2):
             assert _rel(step[0], general[b, 0]) <= 2e-5, dtype

@@ -105,10 +105,14 @@ def test_write_one_is_write_for_one_token():
     assert not b.k[0].any()
 
 
-def test_scratch_is_per_cache():
+def test_run_state_is_per_cache():
+    from colibri.run_state import RunState
     c = KVCache(1, 1, 1, 4, 2)
-    c.scratch["x"] = np.zeros(3)
-    assert c.copy().scratch == {} and "x" in c.scratch
+    assert c.run_state is None and c.decode_binding is None
+    c.run_state = RunState(4, 1, 1, 2, 1e-5)
+    twin = c.copy()
+    assert twin.run_state is None and twin.decode_binding is None and c.run_state is not None
+    assert not hasattr(c, "scratch")
 
 
 def test_value_planes_of_another_width():

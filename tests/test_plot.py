@@ -2,7 +2,7 @@
 PNG; a missing matplotlib gives the install hint."""
 from __future__ import annotations
 
-import builtins
+import sys
 
 import numpy as np
 import pytest
@@ -93,15 +93,9 @@ def test_coactivation(st, tmp_path):
 
 
 def test_missing_matplotlib_says_how_to_install(st, monkeypatch):
-    real = builtins.__import__
-
-    def fake(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(f"No module named {name!r}")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake)
-    with pytest.raises(ImportError, match="pip install matplotlib"):
+    for name in ("matplotlib", "matplotlib.colors", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)        # as if not installed
+    with pytest.raises(ImportError, match=r"plot extra .*pip install 'colibri\[plot\]'"):
         plot.expert_heatmap(st)
 
 

@@ -44,7 +44,7 @@ CASES = {
                           ["not valid UTF-8"]),
     "missing file": (["generate", "/nonexistent/m.colibri", "-p", "hi"], ["No such file"]),
     "directory as model": (["inspect", os.path.dirname(MODEL)], ["directory"]),
-    "n negative": (["generate", MODEL, "-p", "hi", "-n", "-1"], ["-n"]),
+    "n negative": (["generate", MODEL, "-p", "hi", "-n", "-2"], ["-n"]),
     "n not a number": (["generate", MODEL, "-p", "hi", "-n", "2.5"], ["-n"]),
     "temp nan": (["generate", MODEL, "-p", "hi", "--temp", "nan"], ["nan"]),
     "ctx huge": (["generate", MODEL, "-p", "hi", "--ctx", str(10**12)], ["bytes"]),

@@ -46,12 +46,13 @@ def text_of(evs) -> str:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2**40), ("max_tokens", 1.5),
+    ("max_tokens", -1), ("max_tokens", -3), ("max_tokens", 2**40), ("max_tokens", 1.5),
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", 1e9),
     ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.2),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", float("inf")),
     ("seed", -1), ("seed", 2**64), ("stop", ["ok", ""]), ("stop", "abc"), ("stop", ["x"] * 17),
     ("stop_ids", [-1]), ("logprobs", -1), ("logprobs", 21), ("return_routing", "yes"),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21),
 ])
 def test_check_names_the_field_value_and_range(field, value):
     p = SamplingParams(**{field: value})

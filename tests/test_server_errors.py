@@ -70,11 +70,12 @@ def test_context_overflow_is_one_stable_400_with_both_numbers(small):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 1.5), ("top_k", -1),
-    ("top_k", 10**30), ("min_p", 2), ("max_tokens", 0), ("max_tokens", -5),
+    ("top_k", 10**30), ("min_p", 2), ("max_tokens", -1), ("max_tokens", -5),
     ("max_tokens", 10**40), ("presence_penalty", 3), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0), ("seed", -1), ("n", 0), ("n", 1000), ("logprobs", 21),
     ("stop", ""), ("stop", ["x"] * 17), ("temperature", "hot"), ("stream", "maybe"),
-    ("logit_bias", {"1": 5}), ("echo", True), ("no_such_field", 1)])
+    ("logit_bias", {"1": 5}), ("echo", "yes"), ("best_of", 0), ("best_of", 17),
+    ("no_such_field", 1)])
 def test_out_of_range_fields_are_422_naming_the_field(small, field, value):
     url, _ = small
     status, _, body = request(url, "POST", "/v1/completions",
@@ -202,9 +203,20 @@ def test_text_that_cannot_be_encoded_is_a_400_not_a_500(small):
         error_of(payload)
 
 
-def test_more_choices_than_slots_and_queue_is_a_400(small):
+def test_more_choices_than_slots_and_queue_are_served_in_turn(small):
+    """4 choices on 1 slot + a queue of 1: the request is served in turn, not refused."""
     url, _ = small
     status, _, body = request(url, "POST", "/v1/completions",
-                              {"prompt": ["a", "b"], "n": 2, "max_tokens": 1}, auth())
-    assert status == 400 and error_of(body)["code"] == "too_many_choices"
-    assert "4 choices" in body["error"]["message"]
+                              {"prompt": ["a", "b"], "n": 2, "max_tokens": 1,
+                               "temperature": 0}, auth())
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_too_many_prompts_is_a_422(small):
+    from colibri.server.schemas import MAX_PROMPTS
+    url, _ = small
+    status, _, body = request(url, "POST", "/v1/completions",
+                              {"prompt": [[1]] * (MAX_PROMPTS + 1), "max_tokens": 1}, auth())
+    assert status == 422 and "prompt" in error_of(body)["message"], body

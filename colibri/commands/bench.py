@@ -30,7 +30,7 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("-n", "--n-gen", type=int_list(0), default=[64], metavar="N",
                    help="decode steps of the tg test, a list allowed; 0 = no tg test "
                         "(default: 64)")
-    add_threads_arg(p, "-t", "--threads", lists=True,
+    add_threads_arg(p, lists=True,
                     help="kernel threads, a list allowed (1,2) (default: physical cores)")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="R",
                    help="timed repetitions of each test (default: %(default)s)")

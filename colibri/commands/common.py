@@ -78,15 +78,33 @@ def activation_list(text: str) -> list[str]:
 
 # --- the arguments ----------------------------------------------------------------------------
 
+class _ModelArg(argparse.Action):
+    """Stores the model file given as the positional MODEL or as -m/--model (llama.cpp's
+    spelling) into one dest; both given and different is a usage error. argparse may match an
+    absent optional positional (as None) before or after -m, so None never overwrites."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:
+            return
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            raise argparse.ArgumentError(self, f"two different models: {given!r} and "
+                                               f"{values!r} (give MODEL or -m MODEL, not both)")
+        setattr(namespace, self.dest, values)
+
+
 def add_model_arg(p: argparse.ArgumentParser, dest: str = "model", metavar: str = "MODEL") -> None:
-    """The optional positional .colibri file; model_path() gives the shipped model without it."""
-    p.add_argument(dest, nargs="?", metavar=metavar, help=MODEL_HELP)
+    """The optional positional .colibri file, or the same as -m/--model FILE (llama.cpp's
+    flag); model_path() gives the shipped model without either."""
+    p.add_argument(dest, nargs="?", metavar=metavar, action=_ModelArg, help=MODEL_HELP)
+    p.add_argument("-m", "--model", dest=dest, metavar=metavar, action=_ModelArg,
+                   default=None, help=f"the {metavar} argument, as llama.cpp spells it")
 
 
 def add_threads_arg(p: argparse.ArgumentParser, *flags: str, lists: bool = False,
                     help: str = THREADS_HELP) -> None:
-    """--threads N (None: physical cores); lists: '1,2' runs each count (bench)."""
-    p.add_argument(*(flags or ("--threads",)), dest="threads", default=None,
+    """-t/--threads N (None: physical cores); lists: '1,2' runs each count (bench)."""
+    p.add_argument(*(flags or ("-t", "--threads")), dest="threads", default=None,
                    type=int_list(1, MAX_THREADS) if lists else thread_count,
                    metavar="T" if lists else "N", help=help)
 
@@ -128,14 +146,16 @@ def add_kv_dtype_arg(p: argparse.ArgumentParser, help: str = KV_DTYPE_HELP,
 
 
 def add_ctx_arg(p: argparse.ArgumentParser, *flags: str, help: str) -> None:
-    """--ctx N, tokens (None: the command's default, said in `help`)."""
-    p.add_argument(*(flags or ("--ctx",)), dest="ctx", type=int, default=None, metavar="N",
+    """-c/--ctx N (llama.cpp's -c/--ctx-size), tokens (None: the command's default, said in
+    `help`)."""
+    p.add_argument(*(flags or ("-c", "--ctx", "--ctx-size")), dest="ctx", type=int, default=None, metavar="N",
                    help=help)
 
 
 def add_seed_arg(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
-    """--seed S (default: the command's: bench draws its ids from 0, generate from a fresh one)."""
-    p.add_argument("--seed", type=int, default=default, metavar="S", help=help)
+    """-s/--seed S, llama.cpp's flag (default: the command's: bench draws its ids from 0,
+    generate from a fresh one)."""
+    p.add_argument("-s", "--seed", type=int, default=default, metavar="S", help=help)
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", re.IGNORECASE)

@@ -27,8 +27,9 @@ def register(subparsers, parents=()) -> None:
                     f"{SHIPPED_MODEL}")
     add_model_arg(p)
     p.add_argument("-p", "--prompt", help="the prompt text")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("-n", "--max-new-tokens", "--n-predict", type=int, default=128, metavar="N",
+                   help="tokens to generate at most; -1: until the end of text or the "
+                        "context is full, as in llama.cpp (default: %(default)s)")
     p.add_argument("--temp", type=float, default=0.8, metavar="T",
                    help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, metavar="K",
@@ -51,7 +52,33 @@ def register(subparsers, parents=()) -> None:
                    help="show the experts of every token and the timing breakdown on stderr")
     p.add_argument("--embeddings", metavar="FILE.npy",
                    help="feed this (S, hidden) float array as the prompt instead of -p")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="structured output: the text follows this JSON schema (a .json file)")
+    p.add_argument("--grammar", metavar="FILE",
+                   help="structured output: the text follows this Lark grammar (llguidance's)")
+    p.add_argument("--regex", metavar="REGEX",
+                   help="structured output: the text matches this regular expression")
     p.set_defaults(func=run)
+
+
+def _constraint_kwargs(args) -> dict:
+    """json_schema= / grammar= / regex= for generate from --json-schema FILE, --grammar
+    FILE, --regex; a file that cannot be read is a ColibriError naming it."""
+    out = {}
+    for flag, key, path in (("--json-schema", "json_schema", args.json_schema),
+                            ("--grammar", "grammar", args.grammar)):
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                out[key] = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(f"{flag} {path}: cannot read it ({e})") from None
+    if args.regex is not None:
+        out["regex"] = args.regex
+    if len(out) > 1:
+        raise ColibriError("give one of --json-schema, --grammar and --regex, not several")
+    return out
 
 
 def _check(args) -> None:
@@ -63,7 +90,7 @@ def _check(args) -> None:
         raise ColibriError(f"the prompt is empty ({args.prompt!r}): give some text with -p")
     if args.embeddings is not None and args.chat:
         raise ColibriError("--chat needs a text prompt, not --embeddings")
-    for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= 0),
+    for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= -1),  # -1: no cap
                             ("--temp", args.temp, args.temp >= 0),
                             ("--top-k", args.top_k, args.top_k >= 0),
                             ("--top-p", args.top_p, 0 < args.top_p <= 1),
@@ -146,10 +173,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None and model.tokenizer is None:
         raise ColibriError(f"{model.file.path} has no tokenizer, so a text prompt cannot be "
                            f"encoded; use --embeddings FILE.npy")
+    if args.max_new_tokens == -1:      # llama.cpp's "infinity": the context's end stops it
+        args.ctx = args.ctx or model.max_context
+        args.max_new_tokens = args.ctx
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temp, top_k=args.top_k,
                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
                   seed=args.seed, chat=args.chat, ctx=args.ctx, stream=True,
-                  return_routing=args.verbose, input_embeds=embeds)
+                  return_routing=args.verbose, input_embeds=embeds,
+                  **_constraint_kwargs(args))
     out = sys.stdout
     text_out = model.tokenizer is not None
     # On one terminal the routing lines (stderr) would cut the streamed text (stdout) apart:

@@ -32,7 +32,7 @@ def register(subparsers, parents=()) -> None:
     add_model_arg(p)
     p.add_argument("-f", "--file", required=True, metavar="FILE",
                    help="UTF-8 text file, or a .npy array of token ids")
-    add_ctx_arg(p, "-c", "--ctx", help="window length in tokens (default: 512, or the model's "
+    add_ctx_arg(p, help="window length in tokens (default: 512, or the model's "
                                        "context if shorter)")
     p.add_argument("--stride", type=int, default=None, metavar="S",
                    help="sliding windows every S tokens (1 <= S < ctx), each scoring the "
@@ -47,7 +47,7 @@ def register(subparsers, parents=()) -> None:
                         "when the tokenizer puts one first and --stride is not given")
     p.add_argument("-b", "--batch", type=int, default=1, metavar="B",
                    help="windows per forward pass (default: %(default)s)")
-    add_threads_arg(p, "-t", "--threads")
+    add_threads_arg(p)
     add_memory_args(p)
     add_activations_arg(p, "-a", "--activations",
                         help="activations of MODEL's q4/q8 matmuls: int16 (within ~1e-4 of "

@@ -9,6 +9,7 @@ import argparse
 
 from ..errors import ColibriError
 from ..server.settings import Settings, parse_bytes
+from ..extras import require_extra
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
                      add_kv_dtype_arg, add_model_arg, add_threads_arg)
 
@@ -93,20 +94,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     settings.check()                     # before importing uvicorn: a bad flag fails fast
-    try:
-        from ..server.run import serve   # the optional server extra
-    except ImportError as e:
-        raise ColibriError(f"colibri serve needs the server extra ({e.name} is missing): "
-                           f"pip install 'colibri[server]'") from None
+    for module in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):  # the server extra
+        require_extra(module, "server", "colibri serve")
+    from ..server.run import serve
     if args.workers < 1 or args.replicas < 1:
         raise ColibriError(f"--workers {args.workers} / --replicas {args.replicas}: must be "
                            f">= 1")
     if args.ray:
-        try:
-            from ..server.ray_serve import run as run_on_ray   # the optional ray extra
-        except ImportError as e:
-            raise ColibriError(f"colibri serve --ray needs the ray extra ({e.name} is "
-                               f"missing): pip install 'colibri[ray]'") from None
+        require_extra("ray.serve", "ray", "colibri serve --ray")
+        from ..server.ray_serve import run as run_on_ray
         return run_on_ray(settings, replicas=args.replicas, address=args.ray_address)
     if args.workers > 1:
         from ..server.workers import run_workers

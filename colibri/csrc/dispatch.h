@@ -12,6 +12,7 @@
 #include "avx512_int.h"
 #include "vnni.h"
 #include "mxfp4.h"
+#include "amx.h"
 
 /* ------------------------------------------------------------------------------------------
  * Run-time choice of the path.
@@ -40,18 +41,23 @@ static int colibri_isa_supported(int isa)
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    (isa == COLIBRI_ISA_AVX512 || __builtin_cpu_supports("avx512vnni"));
+#if COLIBRI_VNNI
+        if (isa == COLIBRI_ISA_AMX_EMU || isa == COLIBRI_ISA_AMX)   /* amx.h: CPU, OS, self-check */
+            return colibri_amx_usable(isa, colibri_isa_supported(COLIBRI_ISA_AVX512VNNI));
+#endif
     }
 #endif
     return 0;
 }
 
 /* The widest supported path: the highest code (types.h orders them by preference; a CPU
- * with AVX-VNNI and AVX-512 but not AVX-512 VNNI, if one existed, would get avxvnni). */
+ * with AVX-VNNI and AVX-512 but not AVX-512 VNNI, if one existed, would get avxvnni), never
+ * amx-emu (the emulation is a test path: it is only chosen by name). */
 static int colibri_isa_best(void)
 {
     int isa;
     for (isa = COLIBRI_N_ISA - 1; isa > 0; isa--)
-        if (colibri_isa_supported(isa)) return isa;
+        if (isa != COLIBRI_ISA_AMX_EMU && colibri_isa_supported(isa)) return isa;
     return COLIBRI_ISA_SCALAR;
 }
 
@@ -197,6 +203,7 @@ static inline void colibri_silu_mul(int isa, float *h, const float *u, ptrdiff_t
  * needs, has no 512-bit form). */
 static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 {
+    isa = colibri_isa_int_base(isa);                   /* the AMX paths: avx512vnni's rows */
     if (fmt == COLIBRI_MXFP4) return colibri_idot_mxfp4_for(isa, wide);
     if (fmt != COLIBRI_Q8 && fmt != COLIBRI_Q4) return NULL;
     if (isa == COLIBRI_ISA_SCALAR) {

@@ -145,7 +145,8 @@ COLIBRI_DEF_IGEMM_SCALAR(colibri_igemm16_mx_scalar, COLIBRI_MXFP4, 1)
 /* What the panel holds (the micro-kernel's operand). */
 enum { COLIBRI_IPANEL_U8 = 0,     /* int8: q4 nibble, q8 byte + 128, mxfp4 code2 + 12 (VNNI) */
        COLIBRI_IPANEL_S8 = 1,     /* int8: q4 nibble, q8 signed byte, mxfp4 code2 + 12 (AVX2) */
-       COLIBRI_IPANEL_S16 = 2 };  /* int16: signed codes (q4 nibble - 8, mxfp4 code2) */
+       COLIBRI_IPANEL_S16 = 2,    /* int16: signed codes (q4 nibble - 8, mxfp4 code2) */
+       COLIBRI_IPANEL_I8 = 3 };   /* int8: signed codes (q4 nibble - 8, q8, mxfp4 code2; AMX) */
 
 static inline int32_t colibri_ld_i32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -231,7 +232,7 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
     const __m256i eight = _mm256_set1_epi8(8);
     const ptrdiff_t soff = fmt == COLIBRI_Q8 ? cols : cols / 2, bpb = fmt == COLIBRI_Q8 ? 32 : 16;
     /* mxfp4: nibble -> code2 + 12 (the int8 panels) or code2 (int16), in both lanes */
-    const __m256i mxlut = KIND == COLIBRI_IPANEL_S16
+    const __m256i mxlut = KIND == COLIBRI_IPANEL_S16 || KIND == COLIBRI_IPANEL_I8
         ? _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
         : _mm256_setr_epi8(COLIBRI_MX_LUT16, COLIBRI_MX_LUT16);
@@ -303,7 +304,9 @@ COLIBRI_AVX2_INLINE void colibri_ipanel_avx2(const int fmt, const int KIND, cons
                 __m256i sum16 = _mm256_setzero_si256();       /* |.| <= 8 * 2 * 255 */
                 for (k = 0; k < 8; k++) {
                     __m256i v = KIND == COLIBRI_IPANEL_U8 && fmt == COLIBRI_Q8
-                                    ? _mm256_xor_si256(st[k], m80) : st[k];
+                                    ? _mm256_xor_si256(st[k], m80)
+                                    : KIND == COLIBRI_IPANEL_I8 && fmt == COLIBRI_Q4
+                                    ? _mm256_sub_epi8(st[k], eight) : st[k];
                     _mm256_store_si256((__m256i *)(void *)(o + k * 4 * COLIBRI_IGEMM_NR), v);
                     if (ns) sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(v, ones8));
                 }
@@ -500,6 +503,8 @@ COLIBRI_DEF_IGEMM_AVXVNNI(colibri_igemm16_mx_avxvnni, COLIBRI_MXFP4, 1)
 
 /* AVX-512 VNNI: csrc/igemm_avx512.h (the 48-row micro-kernel, the split int16 scheme). */
 #include "igemm_avx512.h"
+/* AMX (amx, amx-emu): csrc/igemm_amx.h (tiles from colibri_amx_min_tokens tokens per pass). */
+#include "igemm_amx.h"
 #endif /* COLIBRI_VNNI */
 
 /* The integer GEMM of (isa, fmt, wide: int16 codes, else int8); NULL unless fmt is q8, q4
@@ -513,7 +518,11 @@ static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
                 : (fmt == COLIBRI_Q8 ? colibri_igemm_q8_##SFX                               \
                    : fmt == COLIBRI_Q4 ? colibri_igemm_q4_##SFX : colibri_igemm_mx_##SFX);
     if (isa == COLIBRI_ISA_SCALAR) { COLIBRI_IGEMM_PICK(scalar) }
+#if COLIBRI_AMX
+    if (isa == COLIBRI_ISA_AMX) { COLIBRI_IGEMM_PICK(amx) }
+#endif
 #if COLIBRI_VNNI
+    if (isa == COLIBRI_ISA_AMX_EMU) { COLIBRI_IGEMM_PICK(amxemu) }
     if (isa == COLIBRI_ISA_AVX512VNNI) { COLIBRI_IGEMM_PICK(avx512vnni) }
     if (isa == COLIBRI_ISA_AVXVNNI) { COLIBRI_IGEMM_PICK(avxvnni) }
 #endif
@@ -533,6 +542,7 @@ static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
  * runtime.igemm_min_tokens forces one number for every path. */
 static ptrdiff_t colibri_igemm_crossover(int isa, int wide)
 {
+    isa = colibri_isa_int_base(isa);      /* the AMX bodies run avx512vnni's below their own */
     if (isa == COLIBRI_ISA_AVX512VNNI) return 4;
     if (isa == COLIBRI_ISA_AVXVNNI) return wide ? 0 : 6;
     return 0;

@@ -459,6 +459,7 @@ COLIBRI_DEF_MX_IDOT(colibri_idot16_mxfp4_avxvnni, 1, COLIBRI_AVXVNNI_FN,
  * NULL for a path not compiled in). */
 static colibri_idot_fn colibri_idot_mxfp4_for(int isa, int wide)
 {
+    isa = colibri_isa_int_base(isa);
     if (isa == COLIBRI_ISA_SCALAR) return wide ? colibri_idot16_mxfp4_scalar : colibri_idot_mxfp4_scalar;
 #if COLIBRI_VNNI
     if (isa == COLIBRI_ISA_AVX512VNNI)

@@ -45,6 +45,16 @@ typedef void (*colibri_task_fn)(void *ctx, ptrdiff_t item);
 #define COLIBRI_POOL_THREADS 0
 #endif
 
+#include "amx_tiles.h"   /* colibri_tls_tiles, colibri_tiles_release */
+
+static inline void colibri_pool_release_tiles(void)
+{
+    if (colibri_tls_tiles) {
+        colibri_tiles_release();
+        colibri_tls_tiles = 0;
+    }
+}
+
 static int colibri_pool_spin_us = 500;      /* how long an idle worker spins before sleeping;
                                               * set at import by colibri.runtime (SPIN_US) */
 static long colibri_pool_backoffs = 0;      /* times a worker stopped spinning (cores shared) */
@@ -105,8 +115,10 @@ static void colibri_pool_drain(uint32_t gen)
 {
     uint64_t s = __atomic_load_n(&colibri_pool.state, __ATOMIC_ACQUIRE);
     for (;;) {
-        if (COLIBRI_ST_GEN(s) != gen || COLIBRI_ST_NEXT(s) >= COLIBRI_ST_N(s))
+        if (COLIBRI_ST_GEN(s) != gen || COLIBRI_ST_NEXT(s) >= COLIBRI_ST_N(s)) {
+            colibri_pool_release_tiles();
             return;
+        }
         if (!__atomic_compare_exchange_n(&colibri_pool.state, &s, s + 1, 1, __ATOMIC_ACQ_REL,
                                          __ATOMIC_ACQUIRE))
             continue;                                   /* s now holds the current word */
@@ -245,6 +257,7 @@ static void colibri_pool_run(int nth, colibri_task_fn fn, void *ctx, ptrdiff_t n
         colibri_tls_worker = 0;
         for (i = 0; i < n; i++)
             fn(ctx, i);
+        colibri_pool_release_tiles();
         colibri_tls_worker = saved;
         return;
     }
@@ -292,6 +305,7 @@ static void colibri_pool_run(int nth, colibri_task_fn fn, void *ctx, ptrdiff_t n
     (void)nth;
     for (i = 0; i < n; i++)
         fn(ctx, i);
+    colibri_pool_release_tiles();
 }
 
 static inline int colibri_worker_num(void) { return 0; }

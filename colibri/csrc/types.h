@@ -38,19 +38,41 @@
 #define COLIBRI_VNNI 0
 #endif
 
+/* The AMX bodies (csrc/amx*.h, igemm_amx.h, gemm_amx.h) need a compiler that knows the
+ * amx-tile / amx-int8 / amx-bf16 targets and intrinsics (GCC 11, clang 12) and x86-64 (the
+ * intrinsics are 64-bit only); without it the amx path is never supported and amx-emu (the
+ * same bodies over the emulated tiles) still is. */
+#if COLIBRI_VNNI && defined(__x86_64__) && !defined(COLIBRI_NO_AMX)
+#define COLIBRI_AMX 1
+#else
+#define COLIBRI_AMX 0
+#endif
+
 /* The paths, in order of preference (colibri_isa_best takes the highest this CPU runs).
  * avxvnni: the avx2 path with the VEX AVX-VNNI integer row kernels; avx512vnni: the avx512
  * path with the EVEX AVX-512 VNNI ones (csrc/vnni.h). Every kernel but those takes the body
- * of the path's base (colibri_isa_base). */
+ * of the path's base (colibri_isa_base). amx: avx512vnni with the AMX tile bodies of the
+ * integer GEMM and of the bf16-activation GEMM (csrc/igemm_amx.h, gemm_amx.h); amx-emu: the
+ * same bodies over the plain-C tile emulation (csrc/amx_tiles.h), never chosen by itself. */
 enum { COLIBRI_ISA_SCALAR = 0, COLIBRI_ISA_AVX2 = 1, COLIBRI_ISA_AVX512 = 2,
-       COLIBRI_ISA_AVXVNNI = 3, COLIBRI_ISA_AVX512VNNI = 4, COLIBRI_N_ISA = 5 };
+       COLIBRI_ISA_AVXVNNI = 3, COLIBRI_ISA_AVX512VNNI = 4, COLIBRI_ISA_AMX_EMU = 5,
+       COLIBRI_ISA_AMX = 6, COLIBRI_N_ISA = 7 };
 
-/* The path whose bodies a path runs for the kernels it has none of its own for. */
+/* The path whose bodies a path runs for the kernels it has none of its own for (the root:
+ * the AMX paths run avx512's, through avx512vnni's integer row kernels). */
 static inline int colibri_isa_base(int isa)
 {
     if (isa == COLIBRI_ISA_AVXVNNI) return COLIBRI_ISA_AVX2;
     if (isa == COLIBRI_ISA_AVX512VNNI) return COLIBRI_ISA_AVX512;
+    if (isa == COLIBRI_ISA_AMX_EMU || isa == COLIBRI_ISA_AMX) return COLIBRI_ISA_AVX512;
     return isa;
+}
+
+/* The path whose integer-activation bodies (row kernels; the integer GEMM below the AMX
+ * crossover) a path runs: the AMX paths run avx512vnni's. */
+static inline int colibri_isa_int_base(int isa)
+{
+    return isa == COLIBRI_ISA_AMX_EMU || isa == COLIBRI_ISA_AMX ? COLIBRI_ISA_AVX512VNNI : isa;
 }
 /* Same codes as the file's dtype field (docs/format.md §3) and colibri/dtypes.py (the extension
  * checks them at import). */

@@ -22,7 +22,7 @@ cdef dict _FIXED_GROUP = {name: DTYPES[name].fixed_group for name in FORMATS}
 cdef frozenset _QUANTIZED = frozenset(QUANTIZED) & frozenset(FORMATS)
 
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni")   # csrc/types.h codes
+ISA_NAMES = ("scalar", "avx2", "avx512", "avxvnni", "avx512vnni", "amx-emu", "amx")   # csrc/types.h codes
 
 cdef int _isa = colibri_isa_best()
 

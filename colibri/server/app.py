@@ -19,9 +19,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .. import __version__
 from ..batching import ContextLengthError, QueueFullError, SamplingParams
+from ..version import __version__
+from .best_of import choose_best
 from .bridge import Generation, wait_disconnect
+from .echo import add_echo
 from .engine import Engine, ModelHolder, ReloadResult
 from .errors import (APIError, context_length_error, error_body, install_error_handlers,
                      queue_full_error)
@@ -32,6 +34,8 @@ from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, 
                         completion_chunk, sse, usage_body, usage_chunk)
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from .settings import Settings
+from .openapi import install_openapi
+from .tokenize_routes import register_tokenize_routes
 
 __all__ = ["create_app", "VERSION_HEADER"]
 
@@ -96,21 +100,17 @@ class _Route:
             raise context_length_error(engine.ctx, n_prompt, max_tokens)
 
     @staticmethod
-    def params(body, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def params(body, max_tokens: int, logprobs: int | None, choice: int,
+               prompt_logprobs: int | None = None) -> SamplingParams:
         seed = None if body.seed is None else (body.seed + choice) % _MAX_SEED
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=seed, stop=body.stop_list(), logprobs=logprobs, return_routing=body.routing)
+            seed=seed, stop=body.stop_list(), logprobs=logprobs, return_routing=body.routing,
+            prompt_logprobs=prompt_logprobs)
 
     def submit(self, engine: Engine, jobs) -> Generation:
-        most = self.settings.parallel + self.settings.max_queue
-        if len(jobs) > most:
-            raise APIError(400, f"The request asks for {len(jobs)} choices (prompts x n); this "
-                                f"server runs {self.settings.parallel} and queues "
-                                f"{self.settings.max_queue} at most.", code="too_many_choices",
-                           param="n")
         try:
             return Generation.submit(engine, jobs)
         except QueueFullError as e:
@@ -218,22 +218,61 @@ class _Route:
         make = chat_body if chat else completion_body
         return JSONResponse(make(env, states, usage), headers=headers)
 
+    async def whole(self, gen, states, env, body, request, prompt_tokens: int, texts,
+                    prompts: list[list[int]]) -> Response:
+        """The answer of an echo or best_of request: every candidate run to its end, the n
+        best of each prompt kept (best_of), the prompt put before them (echo); with stream,
+        the chosen choices as one chunk each (echo never streams: schemas)."""
+        usage = await self.collect(gen, states, request, prompt_tokens)
+        if usage is None:
+            return Response(status_code=499)
+        k = body.candidates
+        chosen = choose_best(states, body.n, k) if k > body.n else states
+        out = completion_body(env, chosen, usage)
+        if body.echo:
+            scored = [gen.handles[p * k].prompt_logprobs for p in range(len(prompts))]
+            tok = gen.engine.tokenizer
+            add_echo(out, texts, prompts, scored, body.n, body.logprobs, tok,
+                     tok.token_text if tok is not None else (lambda t: f"token_id:{t}"))
+        headers = {VERSION_HEADER: gen.engine.version}
+        if not body.stream:
+            return JSONResponse(out, headers=headers)
+
+        def chunks():
+            for choice in out["choices"]:
+                chunk = env.head("text_completion")
+                chunk["choices"] = [choice]
+                if body.include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if body.include_usage:
+                yield sse(usage_chunk(env, "text_completion", usage))
+            yield SSE_DONE
+        return StreamingResponse(chunks(), media_type="text/event-stream",
+                                 headers=dict(headers, **{"Cache-Control": "no-cache"}))
+
     # -- the routes ---------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
         engine = self.holder.current                  # this request's model version
-        prompts = [self.encode(engine, p) for p in body.prompts()]
+        texts = body.prompts()
+        prompts = [self.encode(engine, p) for p in texts]
         max_tokens = body.max_tokens if body.max_tokens is not None else \
             DEFAULT_COMPLETION_TOKENS
         for ids in prompts:
             self.fits(engine, len(ids), max_tokens)
-        jobs = [(ids, self.params(body, max_tokens, body.logprobs, j))
-                for ids in prompts for j in range(body.n)]
+        k = body.candidates                           # best_of: k candidates, n answered
+        logprobs = body.logprobs if body.logprobs is not None or k == body.n else 0
+        scored = body.logprobs if body.echo else None  # the prompt's logprobs, once a prompt
+        jobs = [(ids, self.params(body, max_tokens, logprobs, j, scored if j == 0 else None))
+                for ids in prompts for j in range(k)]
         gen = self.submit(engine, jobs)
         states = self.states(engine, len(jobs), body.logprobs, body)
         env = self.envelope("completion", engine, body)
-        return await self.answer(gen, states, env, body, request,
-                                 sum(len(p) for p in prompts), chat=False)
+        n_prompt = sum(len(p) for p in prompts)
+        if body.echo or k > body.n:
+            return await self.whole(gen, states, env, body, request, n_prompt, texts, prompts)
+        return await self.answer(gen, states, env, body, request, n_prompt, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -298,6 +337,8 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await routes.chat(body, request)
 
+    register_tokenize_routes(app, routes)        # vLLM's /tokenize, /detokenize, /tokenizer_info
+
     def model_card() -> dict:
         e = holder.current
         return {"id": routes.name, "object": "model", "created": int(e.loaded_at),
@@ -342,6 +383,7 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
             raise APIError(409, result.message, code="reload_refused")
         return result.as_dict()
 
+    install_openapi(app, holder)                 # the document states the model's bounds too
     app.add_middleware(BodyLimit, max_body=settings.max_body)
     app.add_middleware(KeyGuard, key=settings.api_key)
     app.add_middleware(CountRequests, metrics=metrics)

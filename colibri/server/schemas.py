@@ -4,14 +4,20 @@ Field names and meanings are the OpenAI API's (completions, chat completions); c
 top_k, min_p and repetition_penalty (as vLLM and llama-server do) and the extension object
 `colibri` ({"routing": true}: the experts each generated token was routed to, per MoE
 layer; {"token_ids": true}: the generated ids). Unknown fields are refused (422 naming them) rather than silently ignored, and
-fields of the API colibri does not implement (tools, logit_bias, echo, suffix, best_of > n,
-non-text response formats) are refused with a message that says so.
+fields of the API colibri does not implement (tools, logit_bias, suffix, non-text response
+formats) are refused with a message that says so. /v1/completions takes `echo` (the prompt
+echoed, and with `logprobs` its tokens scored: colibri/server/echo.py) and `best_of`.
 
 Bounds: temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
-[-2, 2], repetition_penalty (0, 10], top_k [0, 2^31), seed [0, 2^63), n [1, 16], logprobs /
-top_logprobs [0, 20], max_tokens [1, 2^31), at most 16 stop strings of 1..256 characters.
-NaN and infinities are refused everywhere. Whether max_tokens fits the context and token
-ids the vocabulary depends on the model: the app checks those (400).
+[-2, 2], repetition_penalty (0, 10], top_k [0, 2^31), seed >= 0 (taken modulo 2^63), n and best_of [1, 16],
+logprobs / top_logprobs [0, 20], max_tokens [1, 2^31) ([0, 2^31) on /v1/completions: 0
+scores or echoes the prompt without generating), at most 16 stop strings of 1..256
+characters, at most MAX_PROMPTS prompts per request, a text prompt of 1..MAX_TEXT_CHARS
+characters; echo and stream not together. NaN and infinities are refused everywhere. The
+bounds that depend on the served model (token ids below the vocabulary size, prompts and
+max_tokens within the context) are written into the OpenAPI document the server serves
+(colibri/server/openapi.py); the app checks them (400), and that prompt + max_tokens fit
+the context.
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ColibriOptions",
-           "StreamOptions", "ErrorBody", "MAX_N", "MAX_TOP_LOGPROBS"]
+           "StreamOptions", "ErrorBody", "MAX_N", "MAX_TOP_LOGPROBS", "MAX_PROMPTS"]
 
 MAX_N = 16
+MAX_PROMPTS = 64             # prompts in one /v1/completions request (lm-eval's batches)
+MAX_TEXT_CHARS = 1_000_000   # tokenizer.MAX_TEXT_CHARS: what one text prompt may hold
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 _INT31 = 2**31 - 1
@@ -59,7 +67,8 @@ class _Sampling(_Strict):
     repetition_penalty: Finite = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0)    # any size (taken modulo 2^63): a bound near
+    # 2^63 would not survive the JSON double a client may round the schema's number to
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -89,15 +98,22 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. prompt: text, texts, token ids, or lists of token ids (each
     prompt gives n choices, indexed prompt * n + j)."""
-    prompt: (Annotated[str, Field(max_length=10**7)]
-             | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+    prompt: (Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+             | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                         Field(min_length=1, max_length=MAX_N)])
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: int | None = Field(None, ge=0, le=_INT31)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        # echo with stream is refused (below); saying it here keeps the document truthful
+        "not": {"required": ["echo", "stream"],
+                "properties": {"echo": {"const": True}, "stream": {"const": True}}}})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -124,14 +140,17 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_only(self):
-        if self.echo:
-            raise ValueError("echo is not supported by colibri")
+        if self.echo and self.stream:
+            raise ValueError("echo cannot be combined with stream: the echoed prompt and its "
+                             "log-probabilities come in one answer (send stream: false)")
         if self.suffix:
             raise ValueError("suffix (insertion) is not supported by colibri")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of {self.best_of} different from n {self.n} is not "
-                             f"supported by colibri")
         return self
+
+    @property
+    def candidates(self) -> int:
+        """Completions generated per prompt: best_of (at least n); the n best are answered."""
+        return max(self.n, self.best_of or 1)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a text or a list of token ids."""

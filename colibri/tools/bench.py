@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__, kernels, runtime
+from .. import kernels, runtime
 from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..format import ColibriFile
@@ -57,6 +57,7 @@ from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
 from ..residency import fault_counts
 from ..telemetry import ExpertTelemetry
+from ..version import __version__
 from .inspect import model_config, totals
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",

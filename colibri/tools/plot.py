@@ -24,14 +24,10 @@ __all__ = ["expert_heatmap", "token_map", "coactivation"]
 def _mpl():
     """(Figure class, matplotlib.colors, matplotlib.colormaps) or a clear ImportError.
     matplotlib is optional: imported here, when a plot is drawn."""
-    try:
-        import matplotlib.colors as colors
-        from matplotlib import colormaps
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError("colibri.tools.plot needs matplotlib, which is not installed: "
-                          "pip install matplotlib") from None
-    return Figure, colors, colormaps
+    from ..extras import require_extra
+    colors = require_extra("matplotlib.colors", "plot", "drawing a plot")
+    colormaps = require_extra("matplotlib", "plot", "drawing a plot").colormaps
+    return require_extra("matplotlib.figure", "plot", "drawing a plot").Figure, colors, colormaps
 
 
 def _stats(data) -> RoutingStats:

@@ -8,9 +8,9 @@ import os
 import signal
 import threading
 
-from . import validation
-from .errors import ColibriError
-from .format import ColibriFile
+from .. import validation
+from ..errors import ColibriError
+from ..format import ColibriFile
 
 __all__ = ["ConversionInterrupted", "signals_raise", "verify_converted"]
 

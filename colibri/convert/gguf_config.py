@@ -18,8 +18,8 @@ import os
 import warnings
 from typing import Any
 
-from .convert import ConversionWarning
-from .errors import ColibriError
+from ..errors import ColibriError
+from .checks import ConversionWarning
 
 # GGUF general.architecture -> the family's model_type (deepseek2 may also be deepseek_v3)
 ARCHITECTURES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",

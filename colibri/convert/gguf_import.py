@@ -33,14 +33,15 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
-from . import __version__, dtypes
-from . import quant as qmod
-from .config import ConfigError, ModelConfig
-from .convert import ConversionWarning, _check_finite, _check_meta
-from .errors import ColibriError
-from .families import canonical_tensors, get_family
-from .families.tensors import CanonicalTensor
-from .format import ColibriWriter, TensorSpec
+from .. import dtypes
+from .. import quant as qmod
+from ..config import ConfigError, ModelConfig
+from ..errors import ColibriError
+from ..families import canonical_tensors, get_family
+from ..families.tensors import CanonicalTensor
+from ..format import ColibriWriter, TensorSpec
+from ..version import __version__
+from .checks import ConversionWarning, check_finite, check_meta
 from .gguf_config import GGUFMeta, hf_config, tokenizer_files
 
 QUANTS = ("auto", "q8", "q4", "f32", "f16", "bf16")
@@ -350,11 +351,11 @@ def tensor_data(p: GGUFPlan, t: GGUFTensor) -> tuple[np.ndarray, bool, np.ndarra
                                f"(NaN)")
         if t.dtype != "mxfp4":                       # the f16 block scales must be finite
             d = np.ascontiguousarray(rows.reshape(len(rows), -1, _BLOCK_BYTES[gtype])[:, :, :2])
-            _check_finite(d.view("<f2"), t.name, g.name)
+            check_finite(d.view("<f2"), t.name, g.name)
         return _RELAY[t.dtype](rows, t.canon.shape[-1]).reshape(-1), True, None
     if t.exact and gtype in ("F16", "BF16"):         # the 16-bit patterns as they are
         rows = np.ascontiguousarray(_reorder(p, t, _rows(g, e)))
-        _check_finite(rows.view("<f2" if gtype == "F16" else "<u2"), t.name, g.name)
+        check_finite(rows.view("<f2" if gtype == "F16" else "<u2"), t.name, g.name)
         return rows.reshape(-1).view(np.uint8), True, None
     values = _reorder(p, t, _values(g, e)).reshape(t.canon.shape)
     if t.dtype == "f32":                            # f32 holds any dequantized value exactly
@@ -381,7 +382,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
     Raises ColibriError naming the file, tensor or field on anything wrong.
     """
     src, dst = Path(src), Path(dst)
-    user = _check_meta(meta)
+    user = check_meta(meta)
     p = plan_gguf(src, quant)
     if dst.is_dir():
         dst = dst / f"{src.stem}.colibri"
@@ -402,7 +403,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str =
             for t in p.tensors:
                 data, raw, values = tensor_data(p, t)
                 if not raw:
-                    _check_finite(np.asarray(data), t.name, t.sources[0].name)
+                    check_finite(np.asarray(data), t.name, t.sources[0].name)
                 try:
                     writer.write(t.name, data, raw=raw)
                 except ValueError as e:

@@ -1,0 +1,67 @@
+"""The flags llama.cpp users type (commands/common.py): -m/--model beside the positional
+MODEL on every command that opens a model, -c/--ctx, -t/--threads, -s/--seed, and generate's
+-n -1 ("until the context is full")."""
+from __future__ import annotations
+
+import pytest
+
+from colibri.api import default_model_path
+from colibri.cli import build_parser
+
+from cli_helpers import one_line_error, run
+
+MODEL_COMMANDS = {"generate": "model", "bench": "model", "perplexity": "model",
+                  "routes": "model", "serve": "model", "inspect": "file"}
+REQUIRED = {"perplexity": ["-f", "text.txt"], "routes": ["-p", "hi"]}   # beside the model
+
+
+@pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
+def test_dash_m_is_the_positional_model(command):
+    parser = build_parser()
+    dest = MODEL_COMMANDS[command]
+    extra = REQUIRED.get(command, [])
+    for argv in ([command, "-m", "a.colibri"], [command, "--model", "a.colibri"],
+                 [command, "a.colibri"], [command, "a.colibri", "-m", "a.colibri"]):
+        args, _ = parser.parse_known_args(argv + extra)
+        assert getattr(args, dest) == "a.colibri", argv
+    args, _ = parser.parse_known_args([command] + extra)
+    assert getattr(args, dest) is None
+
+
+@pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
+def test_two_different_models_is_one_line_error(command, capsys):
+    code, _, err = run(capsys, command, "a.colibri", "-m", "b.colibri",
+                       *REQUIRED.get(command, []))
+    assert code == 2
+    line = one_line_error(err, command)
+    assert "'a.colibri'" in line and "'b.colibri'" in line and "not both" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "perplexity", "routes", "serve"])
+def test_threads_and_ctx_short_flags(command):
+    parser = build_parser()
+    extra = REQUIRED.get(command, [])
+    args, _ = parser.parse_known_args([command, "-t", "2"] + extra)
+    assert args.threads in (2, [2])
+    if command != "bench":      # llama-bench has no -c either
+        for flag in ("-c", "--ctx", "--ctx-size"):
+            args, _ = parser.parse_known_args([command, flag, "64"] + extra)
+            assert args.ctx == 64, flag
+
+
+def test_generate_takes_llama_cli_flags(capsys):
+    argv = ["generate", "-m", str(default_model_path()), "-p", "def f", "-n", "6",
+            "--temp", "0.7", "--top-k", "5", "--top-p", "0.9", "-t", "1", "-c", "64"]
+    outs = [run(capsys, *argv, "-s", "3")[1], run(capsys, *argv, "--seed", "3")[1]]
+    assert outs[0] == outs[1] and outs[0].strip()
+    positional = run(capsys, "generate", default_model_path(), *argv[3:], "-s", "3")[1]
+    assert positional == outs[0]
+
+
+def test_generate_n_minus_one_runs_to_the_context(capsys):
+    code, out, err = run(capsys, "generate", "-p", "def f", "-n", "-1", "-c", "24",
+                         "--temp", "0", "--verbose")
+    assert code == 0, err
+    assert "generation: 21 tokens" in err and "finish: ctx" in err    # 3 prompt + 21 = 24
+    code, _, err = run(capsys, "generate", "-p", "def f", "-n", "-2")
+    assert code == 2 and "-n -2" in one_line_error(err, "generate")

@@ -1,0 +1,58 @@
+"""Errors that name the fix (colibri/extras.py): a missing optional dependency says which extra
+brings it and the pip command, as one CLI line; simulated by hiding the module (sys.modules
+None makes `import` fail as if it were not installed)."""
+from __future__ import annotations
+
+import pytest
+
+from colibri.extras import MissingExtra, require_extra
+from colibri.errors import ColibriError
+
+from cli_helpers import one_line_error, run
+
+
+def test_require_extra_returns_the_module():
+    import json
+    assert require_extra("json", "test") is json
+
+
+def test_missing_module_names_extra_and_command(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)
+    with pytest.raises(MissingExtra) as e:
+        require_extra("gguf", "gguf", "reading GGUF")
+    assert isinstance(e.value, ImportError) and isinstance(e.value, ColibriError)
+    assert "reading GGUF needs the gguf extra" in str(e.value)
+    assert "pip install 'colibri[gguf]'" in str(e.value) and e.value.name == "gguf"
+
+
+def test_convert_gguf_without_gguf_is_one_line(monkeypatch, tmp_path, capsys):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF" + b"\0" * 60)
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)
+    code, _, err = run(capsys, "convert", src, tmp_path / "out.colibri")
+    assert code == 2
+    assert "pip install 'colibri[gguf]'" in one_line_error(err, "convert")
+
+
+@pytest.mark.parametrize("module", ["fastapi", "uvicorn"])
+def test_serve_without_server_extra_is_one_line(monkeypatch, capsys, module):
+    monkeypatch.setitem(__import__("sys").modules, module, None)
+    code, _, err = run(capsys, "serve", "--port", "0")
+    assert code == 2
+    assert "pip install 'colibri[server]'" in one_line_error(err, "serve")
+
+
+def test_serve_ray_without_ray_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)
+    monkeypatch.setitem(__import__("sys").modules, "ray.serve", None)
+    code, _, err = run(capsys, "serve", "--ray", "--port", "0")
+    assert code == 2
+    assert "pip install 'colibri[ray]'" in one_line_error(err, "serve")
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    for name in ("matplotlib", "matplotlib.colors", "matplotlib.figure"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)
+    code, _, err = run(capsys, "routes", "-p", "def f(x):", "--plot", tmp_path / "r.png")
+    assert code == 2
+    assert "pip install 'colibri[plot]'" in one_line_error(err, "routes")
