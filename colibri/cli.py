@@ -22,7 +22,7 @@ from .errors import ColibriError
 from .version import __version__
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "routes", "serve",
+COMMANDS = ("convert", "generate", "chat", "inspect", "bench", "perplexity", "routes", "serve",
             "cache-sim")
 
 
