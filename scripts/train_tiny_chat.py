@@ -278,6 +278,8 @@ def train(args) -> None:
     step, t_train, t_mark, history, curve = 0, time.time(), time.time(), [], []
     stopped_early = False
     while plan is None or step < plan.total:
+        if args.stop_after is not None and step >= args.stop_after:
+            break                                  # a run the budget cut short, reproduced
         if time.time() >= train_deadline:
             stopped_early = True
             log(f"wall-clock budget reached at step {step}")
@@ -381,6 +383,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget, everything included")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit)")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="with --steps: stop after this many (reproduces a run cut by --minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     train(ap.parse_args(argv))
