@@ -118,3 +118,17 @@ def test_prompt_toolkit_line_history_reply_and_ctrl_d(chat_model):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_piped_question_on_the_shipped_model():
+    """README's `colibri chat` with stdin not a terminal (as .ci/run pipes a question): the
+    shipped model's reply through its chat template, then exit 0 at the end of input."""
+    import subprocess
+    q = "What does os.path.join do?"
+    r = subprocess.run([sys.executable, "-m", "colibri", "chat", "-n", "16", "--temp", "0",
+                        "-t", "1"], input=q + "\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = colibri.load(threads=1)
+    want = m.generate([{"role": "user", "content": q}], chat=True, max_new_tokens=16,
+                      temperature=0)
+    assert want.strip() and want in r.stdout
