@@ -154,7 +154,8 @@ def run_chat(session: ChatSession, out: TextIO = sys.stdout,
     while True:
         try:
             line = read()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:          # at the prompt: drop the line, a fresh prompt below
+            write("\n")
             continue
         except EOFError:
             write("\n")
@@ -170,7 +171,8 @@ def run_chat(session: ChatSession, out: TextIO = sys.stdout,
             continue
         if text == "/routing":
             session.show_routing = not session.show_routing
-            write(f"(routing {'on: each reply is followed by its tokens experts' if session.show_routing else 'off'})\n")
+            write("(routing on: each reply is followed by its tokens' experts)\n"
+                  if session.show_routing else "(routing off)\n")
             continue
         if text in ("/help", "/?"):
             write(HELP + "\n")
