@@ -22,8 +22,8 @@ from .errors import ColibriError
 from .version import __version__
 
 # modules of colibri/commands/, in the order `colibri --help` lists them
-COMMANDS = ("convert", "generate", "inspect", "bench", "perplexity", "eval", "routes", "serve",
-            "cache-sim")
+COMMANDS = ("convert", "generate", "chat", "inspect", "bench", "perplexity", "eval", "routes",
+            "serve", "cache-sim")
 
 
 class Parser(argparse.ArgumentParser):

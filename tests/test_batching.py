@@ -17,9 +17,10 @@ from routing_models import converted  # noqa: E402
 # through its own forward. f32 activations: the kernels sum a block of tokens in another order
 # than one token (kernels.linear's notes: the f32 GEMM path from 4 rows, the routers among
 # others), ~1.4e-6 measured; 16-bit codes amplify such last-bit differences through the
-# layers, ~4e-5 measured (shipped model, q4 experts); int8 codes ~2e-6 on these models, but
-# one flipped code can cost ~1e-2 (measured on a 1024-wide q4 model, docs/batching.md).
-TOL = {"f32": 1e-5, "int16": 2e-4, "int8": 2e-4}
+# layers, ~4e-5 measured (shipped model, q4 experts); int8 codes ~2e-6 on the random test
+# models, but one flipped code can cost ~1e-2 (measured on a 1024-wide q4 model,
+# docs/batching.md; 2.7e-3 on the shipped chat model): that bound, for int8.
+TOL = {"f32": 1e-5, "int16": 2e-4, "int8": 1e-2}
 HF_TOL = 1e-4                 # against transformers' float32 logits (test_model.F32_TOL)
 
 
@@ -147,8 +148,9 @@ def test_ragged_rejects_bad_segments(shipped):
         m.forward_ragged([])
     with pytest.raises(ValueError, match="segment 1: its cache is already used"):
         m.forward_ragged([(c, [1]), (c, [2])])
-    with pytest.raises(ValueError, match=r"segment 0: ids out of range \[0, 4096\)"):
-        m.forward_ragged([(c, [4096])])
+    V = m.vocab_size
+    with pytest.raises(ValueError, match=rf"segment 0: ids out of range \[0, {V}\)"):
+        m.forward_ragged([(c, [V])])
     with pytest.raises(ValueError, match="segment 0: cache must be for one sequence"):
         m.forward_ragged([(m.new_cache(ctx=4, batch=2), [1])])
     with pytest.raises(colibri.CacheOverflowError, match="ctx 4"):

@@ -10,7 +10,7 @@ from colibri.cli import build_parser
 
 from cli_helpers import one_line_error, run
 
-MODEL_COMMANDS = {"generate": "model", "bench": "model", "perplexity": "model",
+MODEL_COMMANDS = {"generate": "model", "chat": "model", "bench": "model", "perplexity": "model",
                   "routes": "model", "serve": "model", "inspect": "file"}
 REQUIRED = {"perplexity": ["-f", "text.txt"], "routes": ["-p", "hi"]}   # beside the model
 
@@ -37,7 +37,7 @@ def test_two_different_models_is_one_line_error(command, capsys):
     assert "'a.colibri'" in line and "'b.colibri'" in line and "not both" in line
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "perplexity", "routes", "serve"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "perplexity", "routes", "serve"])
 def test_threads_and_ctx_short_flags(command):
     parser = build_parser()
     extra = REQUIRED.get(command, [])
@@ -65,3 +65,11 @@ def test_generate_n_minus_one_runs_to_the_context(capsys):
     assert "generation: 21 tokens" in err and "finish: ctx" in err    # 3 prompt + 21 = 24
     code, _, err = run(capsys, "generate", "-p", "def f", "-n", "-2")
     assert code == 2 and "-n -2" in one_line_error(err, "generate")
+
+
+def test_chat_takes_llama_cli_sampling_flags():
+    args = build_parser().parse_args(["chat", "-m", "a.colibri", "-n", "7", "--temp", "0.3",
+                                      "--top-k", "5", "--top-p", "0.9", "-s", "4",
+                                      "-sys", "Be brief."])
+    assert (args.model, args.max_new_tokens, args.temp, args.top_k, args.top_p, args.seed,
+            args.system) == ("a.colibri", 7, 0.3, 5, 0.9, 4, "Be brief.")

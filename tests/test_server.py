@@ -13,6 +13,7 @@ import pytest
 import colibri
 from colibri.server import VERSION_HEADER, Settings
 
+from hf_factory import copy_checkpoint
 from server_helpers import client, open_stream, request, running_server, sse_events
 
 PROMPT = "def fibonacci(n):"
@@ -193,11 +194,24 @@ def test_chat_stream_and_logprobs(chat_server):
     assert two[-1].choices == [] and two[-1].usage.completion_tokens <= 6
 
 
-def test_chat_without_template_is_a_400(shipped):
-    url, _ = shipped
-    with pytest.raises(openai.BadRequestError) as e:
-        client(url).chat.completions.create(model="tiny-moe", messages=MESSAGES)
+def test_chat_without_template_is_a_400(hf_checkpoint, tmp_path):
+    src = copy_checkpoint(hf_checkpoint("mixtral"), tmp_path / "hf")
+    (src / "chat_template.jinja").unlink()
+    plain = colibri.convert(src, tmp_path / "plain.colibri", progress=False)
+    with running_server(Settings(model=str(plain), parallel=1, ctx=64, threads=1)) as (url, _):
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="plain", messages=MESSAGES)
     assert e.value.body["code"] == "no_chat_template"
+
+
+def test_chat_on_the_shipped_model_matches_the_library(shipped, model):
+    """The shipped model has a chat template: the README's openai chat example works."""
+    url, _ = shipped
+    r = client(url).chat.completions.create(model="tiny-moe", messages=MESSAGES, max_tokens=12,
+                                            temperature=0)
+    assert r.choices[0].message.content == model.generate(MESSAGES, chat=True,
+                                                          max_new_tokens=12, temperature=0)
+    assert r.usage.prompt_tokens == len(model.tokenizer.apply_chat_template(MESSAGES))
 
 
 # -- the other routes ---------------------------------------------------------------------------

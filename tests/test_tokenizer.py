@@ -1,6 +1,7 @@
 """colibri.tokenizer: the tokenizer rebuilt from the files a .colibri file embeds.
 
-On the shipped model's tokenizer (byte-level BPE, <s> prepended, no chat template) and on one
+On the shipped model's tokenizer (byte-level BPE, <s> prepended, three role tokens and
+a chat template) and on one
 made here with the `tokenizers` package (special tokens given as AddedToken dicts, keys of
 tokenizer_config.json that would send transformers looking for files, a chat template,
 generation_config eos ids): encode/decode round trips, special and eos ids, the chat
@@ -67,7 +68,7 @@ def made() -> Tokenizer:
 
 def test_shipped_round_trips(shipped):
     tok = shipped.tokenizer
-    assert tok.vocab_size == shipped.vocab_size == 4096
+    assert tok.vocab_size == shipped.vocab_size == 4096 + 3        # the base's, and 3 role tokens
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids[0] == tok.bos_token_id == 0                # <s> prepended
@@ -79,19 +80,32 @@ def test_shipped_round_trips(shipped):
 
 def test_shipped_special_ids(shipped):
     tok = shipped.tokenizer
-    assert tok.eos_token_ids == [1]                 # generation_config and </s> agree
+    user = tok.hf.convert_tokens_to_ids("<|user|>")
+    assert tok.eos_token_ids == [1, user]           # </s> ends a turn; a new user turn too
     assert [tok.token_text(i) for i in range(4)] == ["<s>", "</s>", "<unk>", "<pad>"]
+    assert [tok.token_text(i) for i in range(4096, 4099)] == \
+        ["<|system|>", "<|user|>", "<|assistant|>"]   # added after the base's 4096
     assert tok.decode([0, 1], skip_special_tokens=True) == ""
     ids = tok.encode("def fib", add_special_tokens=False)
     assert "".join(tok.token_text(i) for i in ids) == "def fib"
-    assert repr(tok) == "Tokenizer(vocab=4096, eos=[1], chat_template=no)"
+    assert repr(tok) == "Tokenizer(vocab=4099, eos=[1, 4097], chat_template=yes)"
 
 
-def test_shipped_has_no_chat_template(shipped):
+def test_shipped_chat_template_renders_as_transformers(shipped, tmp_path):
+    from transformers import AutoTokenizer
     tok = shipped.tokenizer
-    assert not tok.has_chat_template
-    with pytest.raises(ColibriError, match="no chat template"):
-        tok.apply_chat_template("hi")
+    assert tok.has_chat_template
+    for name, text in shipped.file.tokenizer_files.items():    # the files the model embeds
+        (tmp_path / name).write_text(text)
+    ref = AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "sort?"}]
+    want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+    assert tok.apply_chat_template(msgs) == list(want)
+    assert tok.render_chat(msgs[1:2]) == "<s><|user|>\nHi!</s><|assistant|>\n"
+    with pytest.raises(ColibriError, match="roles are system, user and assistant"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
 def test_tokenizer_from_the_embedded_files_is_the_models(shipped):
