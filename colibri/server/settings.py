@@ -76,6 +76,7 @@ class Settings:
     max_body: bytes a request body may hold (413 past it).
     max_n: choices per request at most (n x prompts).
     model_name: the id /v1/models lists and responses carry (None: the file's stem).
+    webui: serve the chat and routing page at / (webui.py); False: / is a 404.
     """
     model: str | None = None
     host: str = "127.0.0.1"
@@ -97,6 +98,7 @@ class Settings:
     kv_dtype: str = DEFAULT_KV_DTYPE
     model_name: str | None = None
     log_level: str = "info"
+    webui: bool = True
 
     def model_path(self) -> Path:
         """The file to open (and to reopen on reload): `model`, or the shipped model."""
