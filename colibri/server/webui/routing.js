@@ -101,7 +101,7 @@ class RoutingView {
   }
 
   // -- drawing ---------------------------------------------------------------------------------
-  cellSize() { return Math.max(6, Math.min(40, Math.floor(440 / Math.max(1, this.E)))); }
+  cellSize() { return Math.max(6, Math.min(30, Math.floor(440 / Math.max(1, this.E)))); }
 
   buildHeatmap() {
     const M = this.layers.length, E = this.E, s = this.cellSize(), left = 54, top = 16;
