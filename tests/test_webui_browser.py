@@ -224,6 +224,20 @@ def test_model_without_a_chat_template_continues_text(browser, plain_model):
         assert wait_reply(browser, 1) == "done"
         assert reply_text(browser, 1) == want.choices[0].text
         assert heat_tokens(browser) == want.usage.completion_tokens
+        # too long for the context: the server's reason and what to do; the text is kept
+        set_field(browser, "max-tokens", 500)
+        send(browser, " there")
+        assert wait_reply(browser, 2) == "error"
+        error = browser.find_element(By.CSS_SELECTOR, "#log .msg.assistant.error .errmsg").text
+        assert "128" in error and "Reset the conversation" in error
+        # the next message continues the text so far: prompt, reply, message
+        set_field(browser, "max-tokens", 6)
+        send(browser, " was")
+        assert wait_reply(browser, 3) == "done"
+        text = "once upon" + want.choices[0].text + " was"
+        want3 = client(url).completions.create(model="plain", prompt=text, max_tokens=6,
+                                               temperature=0)
+        assert reply_text(browser, 3) == want3.choices[0].text
 
 
 def test_api_key_is_asked_for_and_sent(browser, chat_model):

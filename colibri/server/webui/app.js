@@ -38,11 +38,16 @@ async function api(path, init) {
   return resp;
 }
 
+// what a request too long for the context can do about it
+const HINTS = {
+  context_length_exceeded: " Reset the conversation, or lower max tokens, to go on.",
+};
+
 async function errorText(resp) {
   const raw = await resp.text();
   try {
     const body = JSON.parse(raw);
-    if (body.error && body.error.message) return body.error.message;
+    if (body.error && body.error.message) return body.error.message + (HINTS[body.error.code] || "");
     if (body.detail) return typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
   } catch (e) { /* not JSON: the raw text below */ }
   return `HTTP ${resp.status}: ${raw.slice(0, 200)}`;

@@ -128,6 +128,9 @@ class RoutingView {
     this.rowMark = svg("rect", {class: "rowmark", x: left - 1, width: E * s + 2, height: s},
                        root);
     this.geometry = {left, top, s};
+    this.drawn = new Float64Array(M * E).fill(-1);    // the count each cell shows
+    this.drawnMax = -1;
+    this.outlined = new Set();
     this.els.heatmap.textContent = "";
     this.els.heatmap.appendChild(root);
   }
@@ -172,15 +175,22 @@ class RoutingView {
     for (const c of this.counts) max = Math.max(max, c);
     const now = new Set();
     if (this.now) this.now.forEach((ex, m) => ex.forEach((e) => now.add(m * E + e)));
+    // touch only the cells whose count changed (all of them when the darkest one did): a
+    // model of 48 layers x 128 experts has 6144 cells, redrawn up to once a frame
+    const all = max !== this.drawnMax;
     for (let i = 0; i < this.cells.length; i++) {
       const c = this.counts[i], r = this.cells[i];
-      r.setAttribute("fill", heatColour(max ? c / max : 0));
-      r.setAttribute("data-count", c);
-      r.classList.toggle("now", now.has(i));
-      const share = this.tokens ? ` (${(100 * c / this.tokens).toFixed(0)}% of tokens)` : "";
-      r.firstChild.textContent =
-        `layer ${this.layers[Math.floor(i / E)]}, expert ${i % E}: ${c} tokens${share}`;
+      if (all || c !== this.drawn[i]) {
+        r.setAttribute("fill", heatColour(max ? c / max : 0));
+        r.setAttribute("data-count", c);
+        r.firstChild.textContent =
+          `layer ${this.layers[Math.floor(i / E)]}, expert ${i % E}: ${c} tokens`;
+        this.drawn[i] = c;
+      }
+      if (now.has(i) !== this.outlined.has(i)) r.classList.toggle("now", now.has(i));
     }
+    this.drawnMax = max;
+    this.outlined = now;
     const g = this.geometry;
     this.rowMark.setAttribute("y", g.top + m0 * g.s);
     this.els.heatTotal.textContent = this.tokens
