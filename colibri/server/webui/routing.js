@@ -40,6 +40,18 @@ class RoutingView {
     this.now = null;                     // the routing of the last token (outlined cells)
     this.pending = false;
     els.layer.addEventListener("change", () => { this.draw(); this.onLayer && this.onLayer(); });
+    let resized = null;                  // the plots follow the pane's width
+    window.addEventListener("resize", () => {
+      clearTimeout(resized);
+      resized = setTimeout(() => this.rebuild(), 150);
+    });
+  }
+
+  rebuild() {
+    if (!this.E) return;
+    this.buildHeatmap();
+    this.buildUtilisation();
+    this.draw();
   }
 
   // moeLayers: the model's MoE layer indices; E experts per layer, K per token
@@ -55,9 +67,7 @@ class RoutingView {
       sel.appendChild(o);
     });
     sel.value = String(this.layers.length - 1);
-    this.buildHeatmap();
-    this.buildUtilisation();
-    this.draw();
+    this.rebuild();
   }
 
   get layerIndex() { return Number(this.els.layer.value) || 0; }
@@ -101,33 +111,40 @@ class RoutingView {
   }
 
   // -- drawing ---------------------------------------------------------------------------------
-  cellSize() { return Math.max(6, Math.min(30, Math.floor(440 / Math.max(1, this.E)))); }
+  // the pixels a plot may take across: the pane's width, less the axis labels
+  width() { return Math.max(240, (this.els.heatmap.clientWidth || 480) - 60); }
 
   buildHeatmap() {
-    const M = this.layers.length, E = this.E, s = this.cellSize(), left = 54, top = 16;
-    const root = svg("svg", {width: left + E * s + 4, height: top + M * s + 4,
-                             viewBox: `0 0 ${left + E * s + 4} ${top + M * s + 4}`,
+    const M = this.layers.length, E = this.E, left = 40, top = 16;
+    const w = Math.max(4, Math.min(30, Math.floor(this.width() / Math.max(1, E))));
+    const h = Math.max(w, M > 40 ? 6 : 10);     // rows stay tall enough to find a layer
+    const root = svg("svg", {width: left + E * w + 4, height: top + M * h + 4,
+                             viewBox: `0 0 ${left + E * w + 4} ${top + M * h + 4}`,
+                             class: w < 12 || h < 12 ? "dense" : "",
                              role: "img", "aria-label": "tokens per layer and expert"});
-    const step = Math.ceil(14 / s);           // label every step-th expert so labels never overlap
+    const step = Math.ceil(16 / w);           // label every step-th expert: labels never overlap
     for (let e = 0; e < E; e += step) {
-      svg("text", {x: left + e * s + s / 2, y: top - 4, "text-anchor": "middle"}, root)
+      svg("text", {x: left + e * w + w / 2, y: top - 4, "text-anchor": "middle"}, root)
         .textContent = String(e);
     }
+    const rowStep = Math.ceil(11 / h);
     this.cells = [];
     for (let m = 0; m < M; m++) {
-      svg("text", {x: left - 6, y: top + m * s + s * 0.7, "text-anchor": "end"}, root)
-        .textContent = `L${this.layers[m]}`;
+      if (m % rowStep === 0 || m === M - 1) {
+        svg("text", {x: left - 4, y: top + m * h + h / 2 + 3.5, "text-anchor": "end"}, root)
+          .textContent = `L${this.layers[m]}`;
+      }
       for (let e = 0; e < E; e++) {
-        const r = svg("rect", {class: "cell", x: left + e * s, y: top + m * s, width: s,
-                               height: s, fill: "#fff", "data-layer": this.layers[m],
+        const r = svg("rect", {class: "cell", x: left + e * w, y: top + m * h, width: w,
+                               height: h, fill: "#fff", "data-layer": this.layers[m],
                                "data-expert": e, "data-count": 0}, root);
         svg("title", {}, r);
         this.cells.push(r);
       }
     }
-    this.rowMark = svg("rect", {class: "rowmark", x: left - 1, width: E * s + 2, height: s},
+    this.rowMark = svg("rect", {class: "rowmark", x: left - 1, width: E * w + 2, height: h},
                        root);
-    this.geometry = {left, top, s};
+    this.geometry = {left, top, s: h};
     this.drawn = new Float64Array(M * E).fill(-1);    // the count each cell shows
     this.drawnMax = -1;
     this.outlined = new Set();
@@ -136,7 +153,8 @@ class RoutingView {
   }
 
   buildUtilisation() {
-    const E = this.E, w = Math.max(8, Math.min(30, Math.floor(440 / Math.max(1, E)))), h = 120;
+    const E = this.E, w = Math.max(4, Math.min(30, Math.floor(this.width() / Math.max(1, E))));
+    const h = 120;
     const left = 34, top = 6, bottom = 16;
     const root = svg("svg", {width: left + E * w + 4, height: top + h + bottom,
                              viewBox: `0 0 ${left + E * w + 4} ${top + h + bottom}`,
@@ -148,7 +166,7 @@ class RoutingView {
       f}));
     svg("line", {x1: left, x2: left + E * w, y1: top + h, y2: top + h, stroke: "#999"}, root);
     this.bars = [];
-    const step = Math.ceil(14 / w);
+    const step = Math.ceil(16 / w);
     for (let e = 0; e < E; e++) {
       const all = svg("rect", {class: "all", x: left + e * w + 1, width: w - 2, y: top + h,
                                height: 0}, root);
