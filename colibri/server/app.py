@@ -8,7 +8,8 @@ The app starts the holder's scheduler thread in its lifespan and stops it at shu
 model (signals and POST /admin/reload call it). Around the routes, outermost first: request
 counting (metrics), the api key (auth), the body size limit (limits); inside, pydantic checks
 every field (schemas) and the routes check what depends on the model (vocabulary, context,
-chat template) before anything is queued.
+chat template) before anything is queued. The page at / (webui.py) is static files that
+use the same API; --no-webui leaves it out.
 """
 from __future__ import annotations
 
