@@ -28,7 +28,7 @@ DRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
                                 reason="needs chromium and chromedriver (Debian: apt install "
                                        "chromium chromium-driver)")
-STEP_SECONDS = 0.05        # each forward pass slowed to this, to watch a reply while it runs
+STEP_SECONDS = 0.08        # each forward pass slowed to this, to watch a reply while it runs
 
 
 @pytest.fixture(scope="module")
