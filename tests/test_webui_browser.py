@@ -191,8 +191,8 @@ def test_chat_streams_and_the_heat_map_fills_as_tokens_arrive(browser, chat_serv
     assert heat_counts(browser) == both
 
 
-def test_stop_ends_the_reply_and_frees_the_slot_and_reset_forgets(browser, chat_server,
-                                                                 monkeypatch):
+def test_stop_frees_the_slot_and_reset_forgets_even_mid_reply(browser, chat_server,
+                                                              monkeypatch):
     url, app = chat_server
     slow_down(app, monkeypatch)
     stats = app.state.holder.current.scheduler.stats
@@ -208,6 +208,23 @@ def test_stop_ends_the_reply_and_frees_the_slot_and_reset_forgets(browser, chat_
 
     browser.find_element(By.ID, "reset").click()
     assert replies(browser) == [] and heat_tokens(browser) == 0 and heat_counts(browser) == {}
+
+    # reset while a reply streams: it ends, and nothing of it stays in the new conversation
+    send(browser, "tell me everything")
+    wait_for(lambda: heat_tokens(browser) >= 2, timeout=15, what="the reply to start")
+    browser.find_element(By.ID, "reset").click()
+    wait_for(lambda: stats()["slots_busy"] == 0, timeout=5, what="the server to free the slot")
+    assert replies(browser) == [] and heat_tokens(browser) == 0
+    first = [{"role": "user", "content": "hello there"}]
+    want = client(url).chat.completions.create(model="chat", messages=first, temperature=0,
+                                               max_tokens=6,
+                                               extra_body={"colibri": {"routing": True}})
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max-tokens", 6)
+    send(browser, "hello there")
+    assert wait_reply(browser, 1) == "done"
+    assert reply_text(browser, 1) == want.choices[0].message.content   # no history before it
+    assert heat_tokens(browser) == len(want.choices[0].model_extra["colibri"]["routing"])
 
 
 def test_model_without_a_chat_template_continues_text(browser, plain_model):

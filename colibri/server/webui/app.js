@@ -15,6 +15,7 @@ const state = {
   messages: [],          // the chat history sent with each request
   transcript: "",        // the text so far (completion mode)
   busy: null,            // the AbortController of the reply being streamed
+  epoch: 0,              // bumped by reset: a reply of an older conversation records nothing
 };
 
 const view = new RoutingView({
@@ -194,7 +195,7 @@ async function send(text) {
   const body = requestBody(text);
   addMessage("user", text);
   const reply = addMessage("assistant", "");
-  const ctl = new AbortController();
+  const ctl = new AbortController(), epoch = state.epoch;
   state.busy = ctl;
   setBusy(true);
   const t0 = performance.now();
@@ -205,6 +206,7 @@ async function send(text) {
     const resp = await api(path, {method: "POST", body: JSON.stringify(body), signal: ctl.signal});
     if (!resp.ok) throw new Error(await errorText(resp));
     for await (const chunk of sseChunks(resp)) {
+      if (epoch !== state.epoch) break;       // reset while it ran
       if (chunk.error) throw new Error(chunk.error.message || "the server failed");
       if (chunk.usage) usage = chunk.usage;
       const c = chunk.choices && chunk.choices[0];
@@ -225,6 +227,7 @@ async function send(text) {
     state.busy = null;
     setBusy(false);
   }
+  if (epoch !== state.epoch) return;        // reset: its box and its history are gone
   const seconds = (performance.now() - t0) / 1000;
   const parts = [`${tokens} tokens in ${seconds.toFixed(1)} s`];
   if (tokens && seconds > 0) parts.push(`${(tokens / seconds).toFixed(1)} tokens/s`);
@@ -250,6 +253,7 @@ async function send(text) {
 }
 
 function reset() {
+  state.epoch += 1;
   if (state.busy) state.busy.abort();
   state.messages = [];
   state.transcript = "";
