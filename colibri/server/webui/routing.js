@@ -93,7 +93,8 @@ class RoutingView {
     return true;
   }
 
-  // a token span's background: one band per expert of the chosen layer
+  // a token span's background: one band per expert of the chosen layer, top to bottom in the
+  // order the server lists them (by descending routing weight)
   paint(span) {
     const routing = span.routing && span.routing[span.routing.length - 1];
     if (!routing) return;
