@@ -80,6 +80,7 @@ async function* sseChunks(resp) {
 // -- connecting ----------------------------------------------------------------------------
 function askKey(message) {
   $("key-message").textContent = message;
+  if (!state.card) $("model-name").textContent = "waiting for the api key";
   $("key-dialog").hidden = false;
   $("send").disabled = true;
   $("key-input").focus();
