@@ -110,6 +110,14 @@ def test_no_webui_is_a_404(off):
     assert request(off, "GET", "/health")[0] == 200
 
 
+def test_no_webui_with_a_key_is_closed_like_any_other_path():
+    with running_server(Settings(parallel=1, ctx=64, threads=1, api_key=KEY,
+                                 webui=False)) as (url, _):
+        assert request(url, "GET", "/")[0] == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert request(url, "GET", "/", headers=auth)[0] == 404
+
+
 def test_no_webui_flag():
     parse = build_parser().parse_args
     assert settings_from_args(parse(["serve"])).webui is True
