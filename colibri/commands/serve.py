@@ -31,7 +31,8 @@ def register(subparsers, parents=()) -> None:
     p = subparsers.add_parser(
         "serve", parents=list(parents), help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a .colibri model over HTTP: /v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics, with continuous batching over --parallel "
+                    "/v1/models, /health, /metrics and a chat page with the live routing at / "
+                    "(off with --no-webui), with continuous batching over --parallel "
                     "slots. SIGHUP or SIGUSR1 reloads MODEL (validated first; the old model "
                     f"keeps serving if the new file is broken). {SHIPPED_MODEL} Needs the "
                     "server extra: pip install 'colibri[server]'.")
@@ -81,6 +82,8 @@ def register(subparsers, parents=()) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of the server (default: %(default)s)")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat and routing page at / (docs/serving.md)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes behind the one port, over one mapping of MODEL "
                         "(default: %(default)s); SIGHUP/SIGUSR1 to the parent reload them "
@@ -105,7 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     insecure=args.insecure, pid_file=args.pid_file, max_body=args.max_body,
                     threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
                     model_name=args.model_name, log_level=args.log_level,
-                    draft=args.draft, draft_tokens=args.draft_tokens)
+                    draft=args.draft, draft_tokens=args.draft_tokens,
+                    webui=args.webui)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ The modules, in data-flow order:
     bridge.py     a request's choices on the scheduler, events onto the event loop
     responses.py  the response bodies and stream chunks (logprobs in both shapes, extension)
     metrics.py    /metrics (prometheus-client) and the request counter
+    webui.py      the page at / (static files in webui/: chat and the live routing)
     app.py        create_app: the routes
     run.py        serve: uvicorn in-process, reload signals, pid file
 """

@@ -8,7 +8,8 @@ The app starts the holder's scheduler thread in its lifespan and stops it at shu
 model (signals and POST /admin/reload call it). Around the routes, outermost first: request
 counting (metrics), the api key (auth), the body size limit (limits); inside, pydantic checks
 every field (schemas) and the routes check what depends on the model (vocabulary, context,
-chat template) before anything is queued.
+chat template) before anything is queued. The page at / (webui.py) is static files that
+use the same API; --no-webui leaves it out.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .echo import add_echo
 from .engine import Engine, ModelHolder, ReloadResult
 from .errors import (APIError, context_length_error, error_body, install_error_handlers,
                      queue_full_error)
-from .auth import KeyGuard
+from .auth import OPEN_PATHS, KeyGuard
 from .limits import BodyLimit
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, chat_chunks,
@@ -37,6 +38,7 @@ from .settings import Settings
 from .structured import response_constraint, tool_plan
 from .openapi import install_openapi
 from .tokenize_routes import register_tokenize_routes
+from .webui import WEBUI_PATHS, register_webui
 
 __all__ = ["create_app", "VERSION_HEADER"]
 
@@ -394,8 +396,11 @@ def create_app(settings: Settings, holder: ModelHolder | None = None) -> FastAPI
             raise APIError(409, result.message, code="reload_refused")
         return result.as_dict()
 
+    if settings.webui:
+        register_webui(app)                      # the page at / (its files open, its API calls not)
     install_openapi(app, holder)                 # the document states the model's bounds too
     app.add_middleware(BodyLimit, max_body=settings.max_body)
-    app.add_middleware(KeyGuard, key=settings.api_key)
+    app.add_middleware(KeyGuard, key=settings.api_key,
+                       open_paths=(OPEN_PATHS | WEBUI_PATHS) if settings.webui else OPEN_PATHS)
     app.add_middleware(CountRequests, metrics=metrics)
     return app

@@ -1,8 +1,10 @@
 """The api key: `Authorization: Bearer KEY`, compared in constant time, before anything else.
 
 Without a key (the default, allowed on loopback only unless --insecure) every route is open.
-With one, every route but /health (probed by load balancers) needs it: a missing or wrong key
-gets 401 with WWW-Authenticate: Bearer and the OpenAI error body, before the body is read.
+With one, every route but /health (probed by load balancers) and the static files of the web
+page (webui.WEBUI_PATHS, when it is on: the page asks for the key and sends it on every API
+call) needs it: a missing or wrong key gets 401 with WWW-Authenticate: Bearer and the OpenAI
+error body, before the body is read.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ def key_matches(header: bytes | None, key: str) -> bool:
 class KeyGuard:
     """ASGI middleware: 401 for every http request outside OPEN_PATHS without the key."""
 
-    def __init__(self, app, key: str | None):
-        self.app, self.key = app, key
+    def __init__(self, app, key: str | None, open_paths: frozenset[str] = OPEN_PATHS):
+        self.app, self.key, self.open_paths = app, key, open_paths
 
     async def __call__(self, scope, receive, send):
-        if (self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS
+        if (self.key is None or scope["type"] != "http" or scope["path"] in self.open_paths
                 or key_matches(dict(scope["headers"]).get(b"authorization"), self.key)):
             return await self.app(scope, receive, send)
         body = json.dumps(error_body(401, "A valid api key is required: send the header "

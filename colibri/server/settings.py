@@ -82,6 +82,7 @@ class Settings:
     draft: speculative decoding in every slot (colibri.speculative_batch): "prompt-lookup" or
         a draft .colibri file with the model's tokenizer; None: off. draft_tokens: the most
         drafts per verification (1..32).
+    webui: serve the chat and routing page at / (webui.py); False: / is a 404.
     """
     model: str | None = None
     host: str = "127.0.0.1"
@@ -106,6 +107,7 @@ class Settings:
     log_level: str = "info"
     draft: str | None = None
     draft_tokens: int = 4
+    webui: bool = True
 
     def model_path(self) -> Path:
         """The file to open (and to reopen on reload): `model`, or the shipped model."""
