@@ -78,6 +78,11 @@ def register(subparsers, parents=()) -> None:
                    help="Ray Serve replicas with --ray (default: %(default)s)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join with --ray (default: start a local one)")
+    p.add_argument("--ray-node-ip", default="127.0.0.1", metavar="ADDRESS",
+                   help="the address the services of the local Ray instance (GCS, raylet, "
+                        "object manager, workers) bind and advertise, with --ray and no "
+                        "--ray-address (default: %(default)s, this machine only; give the "
+                        "machine's address for other nodes to join)")
     p.set_defaults(func=run)
 
 
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         require_extra("ray.serve", "ray", "colibri serve --ray")
         from ..server.ray_serve import run as run_on_ray
-        return run_on_ray(settings, replicas=args.replicas, address=args.ray_address)
+        return run_on_ray(settings, replicas=args.replicas, address=args.ray_address,
+                          node_ip=args.ray_node_ip)
     if args.workers > 1:
         from ..server.workers import run_workers
         return run_workers(settings, args.workers)
