@@ -105,6 +105,10 @@ def one_request(client: openai.OpenAI, model: str, i: int) -> tuple[bool, int | 
         return False, None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
+def seen(results, pids) -> bool:
+    return any(pid in pids for _, pid, _ in results)
+
+
 def wait_until(predicate, timeout: float, step: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -181,15 +185,21 @@ def chaos_round(server: Server, args, n: int) -> list[tuple[str, bool, str]]:
     line.note(f"workers now {sorted(p.pid for p in server.workers())} (new: {new})")
     checks.append(("the supervisor started a new worker", restarted and victim not in
                    {p.pid for p in server.workers()}, f"new {new}"))
-    results = []
+    # batches of concurrent requests: one at a time, the idle old worker would take them all
+    results: list[tuple[bool, int | None, str]] = []
     deadline = time.monotonic() + args.restart_timeout
-    seen_new = False
-    while len(results) < args.after or (new and not seen_new and time.monotonic() < deadline):
-        ok, pid, why = one_request(client, model, len(results))
-        results.append((ok, pid, why))
-        seen_new = seen_new or pid in new
-        if len(results) >= 10 * args.after:
-            break
+    while len(results) < args.after or (new and not seen(results, new)
+                                         and time.monotonic() < deadline):
+        batch: list = [None] * max(2, args.parallel)
+        workers = [threading.Thread(target=lambda j: batch.__setitem__(
+            j, one_request(client, model, len(results) + j)), args=(j,), daemon=True)
+            for j in range(len(batch))]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(args.timeout)
+        results += [b or (False, None, "no answer within the timeout") for b in batch]
+    seen_new = seen(results, new)
     failed = [why for ok, _, why in results if not ok]
     line.note(f"{len(results)} requests after the restart: {len(results) - len(failed)} ok, "
               f"answered by {sorted({pid for _, pid, _ in results if pid})}")
