@@ -109,8 +109,8 @@ class Soak:
                         finish = chunk.choices[0].finish_reason
             else:
                 finish = out.choices[0].finish_reason
-                if not out.usage.completion_tokens:
-                    raise RuntimeError("no tokens generated")
+                if not out.usage.completion_tokens and finish != "stop":   # EOS first is fine
+                    raise RuntimeError(f"no tokens generated (finish_reason {finish!r})")
             if finish not in ("stop", "length"):
                 raise RuntimeError(f"finish_reason {finish!r}")
         except Exception as e:              # noqa: BLE001 - every failure is counted and shown
