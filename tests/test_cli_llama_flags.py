@@ -7,6 +7,7 @@ import pytest
 
 from colibri.api import default_model_path
 from colibri.cli import build_parser
+from colibri.errors import ColibriError
 
 from cli_helpers import one_line_error, run
 
@@ -73,3 +74,41 @@ def test_chat_takes_llama_cli_sampling_flags():
                                       "-sys", "Be brief."])
     assert (args.model, args.max_new_tokens, args.temp, args.top_k, args.top_p, args.seed,
             args.system) == ("a.colibri", 7, 0.3, 5, 0.9, 4, "Be brief.")
+
+
+def test_serve_sampling_flags_are_request_defaults():
+    """serve -n / --temp / --top-k / --top-p / --min-p / --repeat-penalty / -s fill the
+    fields a request leaves out (llama-server's meaning); a field the request gives wins."""
+    pytest.importorskip("fastapi", reason="the server extra is not installed")
+    pytest.importorskip("openai", reason="the openai client is not installed")
+    from colibri.commands.serve import settings_from_args
+    from server_helpers import client, running_server
+    args, _ = build_parser().parse_known_args(
+        ["serve", "-np", "2", "-n", "5", "--temp", "0", "--top-k", "3", "--top-p", "0.5",
+         "--min-p", "0.1", "--repeat-penalty", "1.1", "-s", "9", "-c", "64", "-t", "1"])
+    settings = settings_from_args(args)
+    assert args.parallel == 2 and settings.defaults == {
+        "max_tokens": 5, "temperature": 0.0, "top_k": 3, "top_p": 0.5, "min_p": 0.1,
+        "repetition_penalty": 1.1, "seed": 9}
+    settings.defaults = {"max_tokens": 5, "temperature": 0.0}
+    with running_server(settings) as (url, _):
+        c = client(url)
+        plain = c.completions.create(model="", prompt="def f")
+        assert plain.usage.completion_tokens == 5 or plain.choices[0].finish_reason == "stop"
+        greedy = c.completions.create(model="", prompt="def f", temperature=0, max_tokens=5)
+        assert plain.choices[0].text == greedy.choices[0].text      # --temp 0 applied
+        short = c.completions.create(model="", prompt="def f", max_tokens=2)
+        assert short.usage.completion_tokens <= 2                   # the request wins
+    settings.defaults = {"max_tokens": -1, "temperature": 1.0, "seed": 11}
+    with running_server(settings) as (url, _):
+        c = client(url)
+        runs = [c.completions.create(model="", prompt="def f") for _ in range(2)]
+        assert runs[0].choices[0].text == runs[1].choices[0].text   # -s 11 applied
+        u = runs[0].usage
+        assert u.prompt_tokens + u.completion_tokens == 64 or \
+            runs[0].choices[0].finish_reason == "stop"               # -n -1: to the context
+    for bad, flag in ((["--top-p", "0"], "--top-p 0.0"), (["-n", "0"], "-n 0"),
+                      (["--temp", "nan"], "--temp nan")):
+        parsed, _ = build_parser().parse_known_args(["serve", *bad])
+        with pytest.raises(ColibriError, match=flag):
+            settings_from_args(parsed).check()

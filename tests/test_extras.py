@@ -56,3 +56,18 @@ def test_plot_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
     code, _, err = run(capsys, "routes", "-p", "def f(x):", "--plot", tmp_path / "r.png")
     assert code == 2
     assert "pip install 'colibri[plot]'" in one_line_error(err, "routes")
+
+
+def test_quickstart_notebook_names_the_notebook_extra(monkeypatch):
+    """The notebook's first code cell checks its extra before anything else: without
+    matplotlib (or torch) it stops with the pip command, not an IPython magic error."""
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parent.parent / "examples" /
+                     "quickstart.ipynb").read_text(encoding="utf-8"))
+    first = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+    check = first[:first.index("%matplotlib")]       # the lines before the first magic
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    with pytest.raises(MissingExtra, match=r"this notebook needs the notebook extra .*"
+                                           r"pip install 'colibri\[notebook\]'"):
+        exec(check, {})

@@ -1,12 +1,14 @@
 """colibri on Ray Serve: `colibri serve --ray --replicas 2` on a local Ray instance bound to
-loopback; the official openai client through Ray's HTTP proxy; both replicas answer and
-each maps the model file itself; SIGTERM shuts Serve and Ray down.
+loopback (every socket its processes listen on); the official openai client through Ray's
+HTTP proxy; both replicas answer and each maps the model file itself; SIGTERM shuts Serve
+and Ray down.
 
 Starting Ray takes ~20-30 s, so everything shares one instance (module scope).
 """
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
 import shutil
@@ -23,6 +25,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'colibri[ra
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install "
                     "'colibri[ray]')")
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
+psutil = pytest.importorskip("psutil", reason="psutil is not installed")
 
 from colibri.api import default_model_path  # noqa: E402
 from colibri.server.ray_serve import build  # noqa: E402
@@ -135,6 +138,37 @@ def test_the_http_proxy_listens_on_loopback_only(ray_server):
         pytest.skip("no non-loopback address to try")
     with pytest.raises(OSError):
         socket.create_connection((address, port), timeout=5).close()
+
+
+def listening(proc: subprocess.Popen) -> list[tuple[int, str, str, int]]:
+    """(pid, process name, address, port) of every TCP socket listening in `proc` and the
+    processes it started (Ray's GCS, raylet, agents, replica workers)."""
+    root = psutil.Process(proc.pid)
+    out = []
+    for p in [root] + root.children(recursive=True):
+        try:
+            out += [(p.pid, p.name(), c.laddr.ip, c.laddr.port)
+                    for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def is_loopback_ip(text: str) -> bool:
+    """127.0.0.0/8 and ::1, also as ::ffff:127.0.0.1 (IPv4 on a dual-stack socket)."""
+    address = ipaddress.ip_address(text)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_the_local_ray_listens_on_loopback_only(ray_server):
+    port, _, proc, _ = ray_server
+    assert get(port, "/health")[0] == 200         # the replicas' workers are up
+    sockets = listening(proc)
+    names = {name for _, name, _, _ in sockets}
+    assert {"gcs_server", "raylet"} <= names and len(sockets) >= 6, sockets
+    assert any(p == port for *_, p in sockets)    # Ray's HTTP proxy is among them
+    wide = [s for s in sockets if not is_loopback_ip(s[2])]
+    assert not wide, f"listening beyond loopback: {wide}"
 
 
 def test_sigterm_shuts_serve_and_ray_down(ray_server):

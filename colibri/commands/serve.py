@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ColibriError
-from ..server.settings import Settings, parse_bytes
+from ..server.settings import SAMPLING_DEFAULTS, Settings, parse_bytes
 from ..extras import require_extra
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
-                     add_kv_dtype_arg, add_model_arg, add_threads_arg)
+                     add_kv_dtype_arg, add_model_arg, add_seed_arg, add_threads_arg)
 
 
 def _bytes(text: str) -> int:
@@ -79,6 +79,7 @@ def register(subparsers, parents=()) -> None:
                         "with the same tokenizer, verified in the batched pass")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="the most draft tokens per verification, 1..32 (default: %(default)s)")
+    add_sampling_defaults(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="log level of the server (default: %(default)s)")
@@ -96,7 +97,34 @@ def register(subparsers, parents=()) -> None:
                    help="Ray Serve replicas with --ray (default: %(default)s)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join with --ray (default: start a local one)")
+    p.add_argument("--ray-node-ip", default="127.0.0.1", metavar="ADDRESS",
+                   help="the address the services of the local Ray instance (GCS, raylet, "
+                        "object manager, workers) bind and advertise, with --ray and no "
+                        "--ray-address (default: %(default)s, this machine only; give the "
+                        "machine's address for other nodes to join)")
     p.set_defaults(func=run)
+
+
+def add_sampling_defaults(p: argparse.ArgumentParser) -> None:
+    """llama-server's sampling flags: the values of the fields a request leaves out."""
+    g = p.add_argument_group("request defaults", "as llama-server: what a request that "
+                             "leaves the field out gets (default: the OpenAI API's)")
+    g.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int,
+                   default=None, metavar="N",
+                   help="max_tokens; -1: the rest of the context (OpenAI's: 16 on "
+                        "/v1/completions, the rest of the context on chat)")
+    g.add_argument("--temp", dest="temperature", type=float, default=None, metavar="T",
+                   help="temperature; 0 = greedy (OpenAI's: 1)")
+    g.add_argument("--top-k", dest="top_k", type=int, default=None, metavar="K",
+                   help="top_k; 0 = off (default: 0)")
+    g.add_argument("--top-p", dest="top_p", type=float, default=None, metavar="P",
+                   help="top_p; 1 = off (OpenAI's: 1)")
+    g.add_argument("--min-p", dest="min_p", type=float, default=None, metavar="P",
+                   help="min_p; 0 = off (default: 0)")
+    g.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=None,
+                   metavar="R", help="repetition_penalty; 1 = off (default: 1)")
+    add_seed_arg(g, None, help="seed of requests without one (choice j of a request gets "
+                               "seed + j; default: a fresh one per request)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -109,7 +137,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
                     model_name=args.model_name, log_level=args.log_level,
                     draft=args.draft, draft_tokens=args.draft_tokens,
-                    webui=args.webui)
+                    webui=args.webui,
+                    defaults={k: getattr(args, k) for k in SAMPLING_DEFAULTS
+                              if getattr(args, k) is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         require_extra("ray.serve", "ray", "colibri serve --ray")
         from ..server.ray_serve import run as run_on_ray
-        return run_on_ray(settings, replicas=args.replicas, address=args.ray_address)
+        return run_on_ray(settings, replicas=args.replicas, address=args.ray_address,
+                          node_ip=args.ray_node_ip)
     if args.workers > 1:
         from ..server.workers import run_workers
         return run_workers(settings, args.workers)

@@ -97,6 +97,20 @@ class _Route:
                            code="empty_prompt", param="prompt")
         return ids
 
+    def defaulted(self, body):
+        """The request with serve's sampling defaults (--temp, --top-k, ..., Settings.defaults)
+        in the fields it left out; max_tokens is max_tokens_for's."""
+        update = {k: v for k, v in self.settings.defaults.items()
+                  if k != "max_tokens" and k not in body.model_fields_set}
+        return body.model_copy(update=update) if update else body
+
+    def max_tokens_for(self, engine: Engine, asked: int | None, n_prompt: int,
+                       fallback: int | None) -> int:
+        """What a request asked, else serve's -n, else fallback (None or -1: the rest of
+        the context after the n_prompt tokens)."""
+        n = asked if asked is not None else self.settings.defaults.get("max_tokens", fallback)
+        return max(1, engine.ctx - n_prompt) if n is None or n == -1 else n
+
     @staticmethod
     def fits(engine: Engine, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > engine.ctx:
@@ -261,11 +275,12 @@ class _Route:
     # -- the routes ---------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
+        body = self.defaulted(body)
         engine = self.holder.current                  # this request's model version
         texts = body.prompts()
         prompts = [self.encode(engine, p) for p in texts]
-        max_tokens = body.max_tokens if body.max_tokens is not None else \
-            DEFAULT_COMPLETION_TOKENS
+        max_tokens = self.max_tokens_for(engine, body.max_tokens, max(map(len, prompts)),
+                                         DEFAULT_COMPLETION_TOKENS)
         for ids in prompts:
             self.fits(engine, len(ids), max_tokens)
         k = body.candidates                           # best_of: k candidates, n answered
@@ -285,6 +300,7 @@ class _Route:
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
+        body = self.defaulted(body)
         engine = self.holder.current
         tok = engine.tokenizer
         if tok is None or not tok.has_chat_template:
@@ -301,8 +317,7 @@ class _Route:
         if not ids:
             raise APIError(400, "The messages render to no tokens.", code="empty_prompt",
                            param="messages")
-        limit = body.completion_limit
-        max_tokens = limit if limit is not None else max(1, engine.ctx - len(ids))
+        max_tokens = self.max_tokens_for(engine, body.completion_limit, len(ids), None)
         self.fits(engine, len(ids), max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         spec = plan.constraint if plan else response_constraint(body)

@@ -27,10 +27,20 @@ are not the way to reload a Ray deployment.
 
 ray is an optional dependency (the `ray` extra): this module imports it at the top, and
 nothing else in colibri imports this module unless --ray is given.
+
+Binding: the local Ray instance `run` starts (no address given) binds every service it starts
+-- GCS, raylet, object manager, the replicas' workers, the agents -- to 127.0.0.1, unless
+`node_ip` names another address (the one other nodes reach this one at). Ray binds its gRPC
+servers to loopback only when the node address is 127.0.0.1, and replaces a loopback
+address asked for by the machine's outward one unless its single-machine switch is off
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, ray_constants.ENABLE_RAY_CLUSTER): start_local_ray
+turns it off while Ray starts, in the environment Ray's processes inherit too, and checks
+the address Ray reports.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import asdict, replace
@@ -39,8 +49,9 @@ from typing import Any
 import ray
 from ray import serve
 
+from ..errors import ColibriError
 from .app import create_app
-from .settings import Settings, parse_bytes
+from .settings import Settings, is_loopback, parse_bytes
 from .workers import WorkerHeader
 
 __all__ = ["ColibriDeployment", "deployment", "build", "run"]
@@ -48,6 +59,24 @@ __all__ = ["ColibriDeployment", "deployment", "build", "run"]
 log = logging.getLogger("colibri.server.ray")
 
 DEPLOYMENT_NAME = "colibri"
+LOOPBACK = "127.0.0.1"
+RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's; "0": one machine
+
+
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve binds each replica's inter-deployment gRPC server to [::]:0, every
+    interface, whatever the node's address; on a node bound to loopback this binds it to
+    127.0.0.1 instead. Called in the replica, before Ray starts that server (after the
+    deployment's constructor); without the hook (another Ray) nothing changes."""
+    from ray.serve._private import replica
+    original = getattr(replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "colibri_loopback", False):
+        return
+
+    def bind(server, address: str):
+        return original(server, f"{LOOPBACK}:0" if address == "[::]:0" else address)
+    bind.colibri_loopback = True
+    replica.add_port_to_grpc_server = bind
 
 
 @serve.ingress()
@@ -55,6 +84,8 @@ class ColibriDeployment:
     """One replica: the colibri app over settings (a Settings, or its fields as a dict)."""
 
     def __init__(self, settings: Settings | dict):
+        if is_loopback(ray.util.get_node_ip_address()):
+            _replica_grpc_on_loopback()
         if isinstance(settings, dict):
             settings = Settings(**settings)
         # the replica serves behind Ray's proxy: it binds nothing and writes no pid file
@@ -115,15 +146,43 @@ def build(args: dict[str, str]):
                       num_cpus=float(args["num_cpus"]) if "num_cpus" in args else None)
 
 
+def start_local_ray(node_ip: str = LOOPBACK, **options) -> dict:
+    """ray.init of a new local instance without the dashboard whose services bind node_ip
+    (default 127.0.0.1: this machine only); its address_info. ColibriError (after shutting
+    it down) when Ray bound another address than the loopback one asked for (a Ray that
+    picks its address another way)."""
+    from ray._private import ray_constants      # the switch, as Ray read it at import
+    local = is_loopback(node_ip)
+    saved = (ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(RAY_CLUSTER_SWITCH))
+    if local:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        os.environ[RAY_CLUSTER_SWITCH] = "0"    # for Ray's processes, started from here
+    try:
+        info = ray.init(include_dashboard=False, _node_ip_address=node_ip,
+                        **options).address_info
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[0]
+        if saved[1] is None:
+            os.environ.pop(RAY_CLUSTER_SWITCH, None)
+        else:
+            os.environ[RAY_CLUSTER_SWITCH] = saved[1]
+    if local and not is_loopback(info["node_ip_address"]):
+        ray.shutdown()
+        raise ColibriError(f"Ray bound its services to {info['node_ip_address']}, not "
+                           f"{node_ip} as asked; start Ray yourself (ray start --head "
+                           f"--node-ip-address {node_ip}) and give --ray-address")
+    return info
+
+
 def run(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,
-        address: str | None = None, num_cpus: float | None = None) -> int:
+        address: str | None = None, num_cpus: float | None = None,
+        node_ip: str = LOOPBACK) -> int:
     """`colibri serve --ray`: join the Ray cluster at `address` (None: start a local one,
-    without the dashboard), serve the deployment through Ray's HTTP proxy on
-    settings.host:settings.port, and block until SIGTERM / SIGINT; then shut Serve and Ray
-    down. (Ray's own services listen on all interfaces whatever is asked: Ray resolves a
-    loopback node address to the machine's address. docs/serving.md.)"""
+    without the dashboard, its services bound to node_ip, loopback by default), serve the
+    deployment through Ray's HTTP proxy on settings.host:settings.port, and block until
+    SIGTERM / SIGINT; then shut Serve and Ray down."""
     if address is None:
-        ray.init(include_dashboard=False)
+        start_local_ray(node_ip)
     else:
         ray.init(address=address)
     stop = threading.Event()

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..api import default_model_path
@@ -19,7 +19,17 @@ from ..kernels import ACTIVATIONS
 from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
 
-__all__ = ["Settings", "parse_bytes", "is_loopback"]
+__all__ = ["Settings", "parse_bytes", "is_loopback", "SAMPLING_DEFAULTS"]
+
+# request field -> (flag of `colibri serve`, lowest, highest, lowest excluded): the bounds the
+# request schemas put on the same fields (schemas.py)
+SAMPLING_DEFAULTS = {"temperature": ("--temp", 0.0, 2.0, False),
+                     "top_k": ("--top-k", 0, 2**31 - 1, False),
+                     "top_p": ("--top-p", 0.0, 1.0, True),
+                     "min_p": ("--min-p", 0.0, 1.0, False),
+                     "repetition_penalty": ("--repeat-penalty", 0.0, 10.0, True),
+                     "seed": ("--seed", 0, None, False),
+                     "max_tokens": ("-n", -1, 2**31 - 1, False)}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -83,6 +93,9 @@ class Settings:
         a draft .colibri file with the model's tokenizer; None: off. draft_tokens: the most
         drafts per verification (1..32).
     webui: serve the chat and routing page at / (webui.py); False: / is a 404.
+    defaults: the sampling values of the fields a request leaves out, as llama-server's
+        --temp / --top-k / -n set them (serve's flags): keys of SAMPLING_DEFAULTS; without a
+        key, the OpenAI default. max_tokens -1: the rest of the context.
     """
     model: str | None = None
     host: str = "127.0.0.1"
@@ -108,6 +121,7 @@ class Settings:
     draft: str | None = None
     draft_tokens: int = 4
     webui: bool = True
+    defaults: dict = field(default_factory=dict)
 
     def model_path(self) -> Path:
         """The file to open (and to reopen on reload): `model`, or the shipped model."""
@@ -136,6 +150,17 @@ class Settings:
                 self.draft).is_file():
             raise ColibriError(f"draft {self.draft}: no such file (give a .colibri model or "
                                f"prompt-lookup)")
+        for key, value in self.defaults.items():
+            if key not in SAMPLING_DEFAULTS:
+                raise ColibriError(f"unknown sampling default {key!r} (expected among "
+                                   f"{', '.join(SAMPLING_DEFAULTS)})")
+            flag, low, high, open_low = SAMPLING_DEFAULTS[key]
+            if (not math.isfinite(value) or value < low or (open_low and value == low)
+                    or (high is not None and value > high) or (key == "max_tokens" and value == 0)):
+                raise ColibriError(f"{flag} {value} is out of range (must be "
+                                   f"{'>' if open_low else '>='} {low}"
+                                   + (f" and <= {high}" if high is not None else "")
+                                   + (", not 0" if key == "max_tokens" else "") + ")")
         if not 0 <= self.port <= 65535:
             raise ColibriError(f"port {self.port} is out of range [0, 65535]")
         if self.activations not in ACTIVATIONS:
