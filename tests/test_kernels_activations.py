@@ -332,8 +332,9 @@ def test_wide_paths_equal_avx2_bitwise(row_kernel, name, fmt, act, bits):
     """The row-kernel bodies past AVX2 (the integer GEMM path off) give the AVX2 bodies'
     bits: the VNNI ones (vpdpbusd / vpdpwssd, csrc/vnni.h; 512-bit pair products on
     avx512vnni) and avx512's 512-bit int16 body (csrc/avx512_int.h) compute the same
-    exact integer block sums in the same lanes and share the float text. Every scale mode, partial last chunks,
-    odd block counts, 1..7 tokens; q8 with the extreme codes (-128 weights against -127 / 127
+    exact integer block sums in the same lanes and share the float text; so do the small-M
+    bodies (csrc/smallm.h: avx512vnni, avx512's int16), in passes of up to 8 tokens. Every
+    scale mode, partial last chunks, odd block counts, 1..17 tokens; q8 with the extreme codes (-128 weights against -127 / 127
     activations, the largest vpmaddubsw pairs) and q4 with all-15 nibbles."""
     if name not in runtime.available_isas() or "avx2" not in runtime.available_isas():
         pytest.skip(f"this CPU/OS does not run the {name} path")
@@ -347,10 +348,10 @@ def test_wide_paths_equal_avx2_bitwise(row_kernel, name, fmt, act, bits):
             for r in (0, 5):                                  # extreme codes in two rows
                 start = w.offset + r * w.row_stride
                 buf[start:start + (C if fmt == "q8" else C // 2)] = 0x80 if fmt == "q8" else 0xFF
-            x = rng.standard_normal((7, C)).astype(F32)
+            x = rng.standard_normal((17, C)).astype(F32)
             x[1] = -1.0                                        # codes all -127 / -32767
             x[2] = np.where(np.arange(C) % 2, 1.0, -1.0)
-            for nt in (1, 2, 3, 4, 7):
+            for nt in (1, 2, 3, 4, 7, 8, 9, 17):     # the small-M bodies: passes of <= 8
                 runtime.set_isa("avx2")
                 ref = K.linear(x[:nt], w, activations=act)
                 runtime.set_isa(name)

@@ -1,5 +1,6 @@
 """colibri inspect [FILE]: header, metadata, tensors, totals; rows of a tensor; --validate;
---dump-gate --layer L: the router matrix of one MoE layer with row norms and a summary."""
+--dump-gate --layer L: the router matrix of one MoE layer with row norms and a summary;
+--kernels: the kernel path of each matmul class on this machine (colibri.kernel_paths)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,8 @@ import numpy as np
 from ..errors import ColibriError, ColibriFormatError
 from ..format import ColibriFile
 from ..tools import inspect as report
-from .common import add_model_arg, model_path
+from ..kernel_paths import format_kernel_paths, kernel_paths, matmul_formats, wider_not_chosen
+from .common import ACTIVATIONS_HELP, add_activations_arg, add_model_arg, model_path
 
 
 def register(subparsers, parents=()) -> None:
@@ -31,6 +33,10 @@ def register(subparsers, parents=()) -> None:
                    "padding, non-finite values, tensors vs arch; exit 1 on problems")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--full", action="store_true", help="list every expert tensor")
+    p.add_argument("--kernels", action="store_true", help="which kernel path (ISA, body) "
+                   "each matmul class of this file runs on here, and why no wider one")
+    add_activations_arg(p, "-a", "--activations", help=f"{ACTIVATIONS_HELP}, for --kernels "
+                        "(default: int16)")
     p.set_defaults(func=run)
 
 
@@ -155,6 +161,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"file": args.file, "valid": False, "problems": problems}, indent=1)
               if args.json else f"{args.file}: INVALID\n  {problems[0]}")
         return 1
+    if args.kernels:
+        with cf:
+            formats = matmul_formats(cf.tensors)
+        if args.json:
+            print(json.dumps({"file": args.file, "activations": args.activations,
+                              "kernels": kernel_paths(formats, args.activations),
+                              "wider_not_chosen": wider_not_chosen()}, indent=1))
+        else:
+            print("\n".join(format_kernel_paths(formats, args.activations)))
+        return 0
     with cf:
         out = report.summary(cf) if args.json else None
         text: list[str] = []

@@ -41,6 +41,24 @@ __attribute__((target("amx-tile"))) static void colibri_amx_release(void) { _til
     } while (0)
 #endif
 
+static int colibri_amx_state = -1;          /* amx: -1 not checked yet, 0 refused, 1 usable */
+static int colibri_amx_warned = 0;
+
+/* The outcome of a self-check (same: 1 when the bits agreed): a mismatch disables amx for
+ * the process, with one warning line on stderr (the first time only). */
+static int colibri_amx_verdict(int same)
+{
+    if (same) return 1;
+    colibri_amx_state = 0;
+    colibri_amx_why = "the self-check against the emulation failed";
+    if (!colibri_amx_warned) {
+        colibri_amx_warned = 1;
+        fprintf(stderr, "colibri: AMX disabled: the tile bodies' self-check against their "
+                        "emulation gave other bits; using avx512vnni\n");
+    }
+    return 0;
+}
+
 #if COLIBRI_AMX
 static int colibri_amx_selfcheck(void);      /* igemm_amx.h */
 #endif
@@ -81,22 +99,16 @@ static int colibri_amx_os_ready(void)
 /* isa: amx or amx-emu; avx512vnni_ok: this CPU runs the avx512vnni path (the bodies' base). */
 static int colibri_amx_usable(int isa, int avx512vnni_ok)
 {
-    static int state = -1;
     if (!avx512vnni_ok) return 0;
     if (isa == COLIBRI_ISA_AMX_EMU) return 1;
-    if (state < 0) {
-        state = colibri_amx_os_ready();
+    if (colibri_amx_state < 0) {
+        colibri_amx_state = colibri_amx_os_ready();
 #if COLIBRI_AMX
-        if (state && !colibri_amx_selfcheck()) {
-            state = 0;
-            colibri_amx_why = "the self-check against the emulation failed";
-            fprintf(stderr, "colibri: AMX disabled: the tile bodies' self-check against their "
-                            "emulation gave other bits; using avx512vnni\n");
-        }
+        if (colibri_amx_state) colibri_amx_state = colibri_amx_verdict(colibri_amx_selfcheck());
 #endif
-        if (state) colibri_amx_why = "usable";
+        if (colibri_amx_state) colibri_amx_why = "usable";
     }
-    return state;
+    return colibri_amx_state;
 }
 
 #endif /* COLIBRI_AMX_H */

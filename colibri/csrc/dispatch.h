@@ -11,6 +11,7 @@
 #include "avx512.h"
 #include "avx512_int.h"
 #include "vnni.h"
+#include "smallm.h"
 #include "mxfp4.h"
 #include "amx.h"
 
@@ -59,6 +60,32 @@ static int colibri_isa_best(void)
     for (isa = COLIBRI_N_ISA - 1; isa > 0; isa--)
         if (isa != COLIBRI_ISA_AMX_EMU && colibri_isa_supported(isa)) return isa;
     return COLIBRI_ISA_SCALAR;
+}
+
+/* Why this CPU / OS / build does not run path isa ("" when it does): the first missing
+ * piece, in the order colibri_isa_supported checks them (the AMX paths: colibri_amx_why). */
+static const char *colibri_isa_why_not(int isa)
+{
+    if (isa < 0 || isa >= COLIBRI_N_ISA) return "unknown path";
+    if (colibri_isa_supported(isa)) return "";
+#if COLIBRI_X86
+    {
+        unsigned int a, b, c, d;
+        __builtin_cpu_init();
+        if (!__builtin_cpu_supports("avx2")) return "CPU lacks AVX2";
+        if (!__builtin_cpu_supports("fma")) return "CPU lacks FMA";
+        if (!(__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)))) return "CPU lacks F16C";
+        if (isa == COLIBRI_ISA_AVXVNNI) return "CPU lacks AVX-VNNI (256-bit, VEX)";
+        if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+            !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
+            return "CPU or OS lacks AVX-512 F / BW / VL / DQ";
+        if (!__builtin_cpu_supports("avx512vnni")) return "CPU lacks AVX-512 VNNI";
+        if (isa == COLIBRI_ISA_AMX_EMU || isa == COLIBRI_ISA_AMX) return colibri_amx_why;
+    }
+    return "not compiled into this build";
+#else
+    return "not an x86-64 build";
+#endif
 }
 
 /* The row kernel of (isa, fmt); NULL for an unknown pair or a path not compiled in. */
@@ -211,9 +238,9 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_scalar : colibri_idot_q4_scalar;
     }
 #if COLIBRI_VNNI
-    if (isa == COLIBRI_ISA_AVX512VNNI) {
+    if (isa == COLIBRI_ISA_AVX512VNNI) {     /* int16: the small-M bodies (smallm.h) */
         if (wide)
-            return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx512vnni : colibri_idot16_q4_avx512vnni;
+            return fmt == COLIBRI_Q8 ? colibri_smdot16_q8_avx512vnni : colibri_smdot16_q4_avx512vnni;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx512vnni : colibri_idot_q4_avx512vnni;
     }
     if (isa == COLIBRI_ISA_AVXVNNI) {
@@ -223,13 +250,31 @@ static colibri_idot_fn colibri_idot_for(int isa, int fmt, int wide)
 #endif
 #if COLIBRI_X86
     if (isa == COLIBRI_ISA_AVX512 && wide)
-        return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx512 : colibri_idot16_q4_avx512;
+        return fmt == COLIBRI_Q8 ? colibri_smdot16_q8_avx512 : colibri_smdot16_q4_avx512;
     if (isa == COLIBRI_ISA_AVX2 || isa == COLIBRI_ISA_AVX512) {
         if (wide) return fmt == COLIBRI_Q8 ? colibri_idot16_q8_avx2 : colibri_idot16_q4_avx2;
         return fmt == COLIBRI_Q8 ? colibri_idot_q8_avx2 : colibri_idot_q4_avx2;
     }
 #endif
     return NULL;
+}
+
+/* Tokens per call of colibri_idot_for(isa, fmt, wide) that the callers pass: the small-M
+ * bodies (smallm.h: int16 codes on avx512vnni and avx512) take COLIBRI_SM_MAX_NT, the pair
+ * bodies 3 (int16) or COLIBRI_INT8_NT (int8); mxfp4 as the pair bodies. (The int8 small-M
+ * body measured no faster than the pair body: q4 60 vs 65 GMAC/s at one token, level at 2-4;
+ * it stays unused.) */
+static int colibri_idot_small_m(int isa, int fmt, int wide)
+{
+    isa = colibri_isa_int_base(isa);
+    return (fmt == COLIBRI_Q8 || fmt == COLIBRI_Q4) && wide &&
+           ((COLIBRI_VNNI && isa == COLIBRI_ISA_AVX512VNNI) || isa == COLIBRI_ISA_AVX512);
+}
+
+static int colibri_idot_block(int isa, int fmt, int wide)
+{
+    if (colibri_idot_small_m(isa, fmt, wide)) return COLIBRI_SM_MAX_NT;
+    return wide ? 3 : COLIBRI_INT8_NT;
 }
 
 static uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)

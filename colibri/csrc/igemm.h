@@ -548,4 +548,8 @@ static ptrdiff_t colibri_igemm_crossover(int isa, int wide)
     return 0;
 }
 
+#if !COLIBRI_VNNI
+static int colibri_amx_selfcheck_drill(int corrupt) { (void)corrupt; return -1; }
+#endif
+
 #endif /* COLIBRI_IGEMM_H */

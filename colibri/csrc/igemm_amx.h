@@ -234,12 +234,12 @@ static colibri_igemm_fn colibri_igemm_tiles_for(int isa, int fmt, int wide)
 
 #endif /* COLIBRI_IGEMM_AMX_H */
 
-/* The self-check before amx is first chosen: each real tile body against its emulation on
- * 48 rows x 256 columns of random codes x 16 tokens (every format and width); 1: the same
- * bits. */
-static int colibri_amx_selfcheck(void)
+/* The self-check before amx is first chosen: each tile body of path isa_a against path
+ * isa_b's on 48 rows x 256 columns of random codes x 16 tokens (every format and width);
+ * 1: the same bits. The real check is amx against amx-emu; corrupt (the drill of
+ * colibri_amx_selfcheck_drill) flips the last bit of one output of isa_a first. */
+static int colibri_amx_compare_bodies(int isa_a, int isa_b, int corrupt)
 {
-#if COLIBRI_AMX
     static float scratch[COLIBRI_GEMM_SCRATCH] __attribute__((aligned(64)));
     static float scratch2[COLIBRI_GEMM_SCRATCH] __attribute__((aligned(64)));
     static uint8_t rows[48 * 320];
@@ -257,22 +257,45 @@ static int colibri_amx_selfcheck(void)
             const int fmt = fmts[f];
             const ptrdiff_t rs = fmt == COLIBRI_Q8 ? 320 : 160;
             const ptrdiff_t soff = fmt == COLIBRI_Q8 ? 256 : 128;
+            colibri_igemm_fn body_a = colibri_igemm_tiles_for(isa_a, fmt, wide);
+            colibri_igemm_fn body_b = colibri_igemm_tiles_for(isa_b, fmt, wide);
             int r;
+            if (body_a == NULL || body_b == NULL) return 0;
             for (r = 0; r < 48; r++)            /* scales: f16 1.0 (q8, q4), E8M0 2^0 */
                 for (i = 0; i < 8; i++) {
                     uint8_t *sp = rows + r * rs + soff;
                     if (fmt == COLIBRI_MXFP4) sp[i] = 127;
                     else { sp[2 * i] = 0x00; sp[2 * i + 1] = 0x3C; }
                 }
-            colibri_igemm_tiles_for(COLIBRI_ISA_AMX, fmt, wide)(
-                rows, rs, 48, 256, 32, q, wide ? 512 : 256, d, s, 8, 16, y1, 48, scratch);
-            colibri_igemm_tiles_for(COLIBRI_ISA_AMX_EMU, fmt, wide)(
-                rows, rs, 48, 256, 32, q, wide ? 512 : 256, d, s, 8, 16, y2, 48, scratch2);
+            body_a(rows, rs, 48, 256, 32, q, wide ? 512 : 256, d, s, 8, 16, y1, 48, scratch);
+            body_b(rows, rs, 48, 256, 32, q, wide ? 512 : 256, d, s, 8, 16, y2, 48, scratch2);
             if (colibri_tls_tiles) { colibri_tiles_release(); colibri_tls_tiles = 0; }
+            if (corrupt) {
+                uint32_t u;
+                memcpy(&u, &y1[7], 4);
+                u ^= 1u;
+                memcpy(&y1[7], &u, 4);
+            }
             if (memcmp(y1, y2, sizeof(y1)) != 0) return 0;
         }
     return 1;
+}
+
+static int colibri_amx_selfcheck(void)
+{
+#if COLIBRI_AMX
+    return colibri_amx_compare_bodies(COLIBRI_ISA_AMX, COLIBRI_ISA_AMX_EMU, 0);
 #else
     return 0;
 #endif
+}
+
+/* The self-check's failure path, drilled where there is no AMX: the emulation against
+ * itself (corrupt: with one output bit flipped) through colibri_amx_verdict, as the real
+ * check goes: a mismatch disables amx for the process with its one warning line. 1: the
+ * same bits. A test hook (_kernels._amx_selfcheck_drill); it needs the avx512vnni path. */
+static int colibri_amx_selfcheck_drill(int corrupt)
+{
+    return colibri_amx_verdict(
+        colibri_amx_compare_bodies(COLIBRI_ISA_AMX_EMU, COLIBRI_ISA_AMX_EMU, corrupt));
 }

@@ -17,6 +17,7 @@ cdef extern from "_simd.h" nogil:
         COLIBRI_MXFP4
         COLIBRI_MAX_NT
         COLIBRI_INT8_NT
+        COLIBRI_SM_MAX_NT
     ctypedef void (*colibri_dot_fn)(const uint8_t *row0, Py_ssize_t row_stride,
                                     Py_ssize_t nrows, Py_ssize_t cols, Py_ssize_t group,
                                     const float *x, Py_ssize_t x_stride,
@@ -41,6 +42,8 @@ cdef extern from "_simd.h" nogil:
     void colibri_quantize_row(int isa, int wide, const float *x, Py_ssize_t cols, int8_t *q,
                               float *d, int32_t *s, Py_ssize_t npad)
     int colibri_block_tokens(int fmt)
+    int colibri_idot_block(int isa, int fmt, int wide)
+    int colibri_idot_small_m(int isa, int fmt, int wide)
     uint64_t colibri_read_sum(int isa, const uint8_t *p, size_t n)
     void colibri_decode_row(int fmt, const uint8_t *row, Py_ssize_t cols, Py_ssize_t group,
                             float *out)
@@ -68,6 +71,9 @@ cdef extern from "_simd.h" nogil:
                                       float *scratch) noexcept nogil
     colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
     Py_ssize_t colibri_igemm_crossover(int isa, int wide)
+    int colibri_amx_selfcheck_drill(int corrupt)
+    const char *colibri_isa_why_not(int isa)
+    int colibri_amx_min_tokens
 
 cdef extern from "csrc/attend.h" nogil:
     void colibri_attend(int isa, int fmt, const float *q, int G, int Dh, const void *k,

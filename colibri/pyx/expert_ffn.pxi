@@ -21,7 +21,7 @@ cdef void _gateup_rows(const Wmat *g, const Wmat *u, Py_ssize_t e, const float *
     cdef const uint8_t *bg = g.base + e * g.expert_stride
     cdef const uint8_t *bu = u.base + e * u.expert_stride
     cdef Py_ssize_t D = g.cols, I = g.rows, t0, r, t, rb, re
-    cdef float ub[GATEUP_ROWS * COLIBRI_MAX_NT]
+    cdef float ub[GATEUP_ROWS * COLIBRI_SM_MAX_NT]     # the widest row-kernel pass
     cdef float *ht
     cdef int nt, block = g.block if g.block < u.block else u.block
     t0 = 0

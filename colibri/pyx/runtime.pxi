@@ -111,6 +111,32 @@ def igemm_crossover(int isa, bint wide):
     return n if n > 0 else None
 
 
+def isa_why_not(int isa):
+    """Why this CPU / OS / build does not run path `isa` ("" when it does)."""
+    return colibri_isa_why_not(isa).decode()
+
+
+def amx_min_tokens():
+    """Tokens per pass from which the amx / amx-emu paths run the tile bodies."""
+    return colibri_amx_min_tokens
+
+
+def idot_small_m(int isa, int fmt, bint wide):
+    """True when (isa, fmt code, int16 codes) runs the small-M row bodies (csrc/smallm.h)."""
+    return colibri_idot_small_m(isa, fmt, wide) != 0
+
+
+def _amx_selfcheck_drill(bint corrupt):
+    """Test hook: the AMX self-check's verdict path with the emulation on both sides
+    (corrupt: one output bit flipped, so the check fails and disables amx for the process
+    with its one warning line). True: the same bits; None: no avx512vnni path built."""
+    cdef int r
+    if not colibri_isa_supported(COLIBRI_ISA_AVX512VNNI):
+        return None
+    r = colibri_amx_selfcheck_drill(corrupt)
+    return None if r < 0 else r == 1
+
+
 cdef inline Py_ssize_t _gemm_min_for(const Wmat *m) noexcept nogil:
     """Tokens from which matrix m takes a GEMM path: the integer one for int8 / int16
     activations (m.iact), the f32 one otherwise."""

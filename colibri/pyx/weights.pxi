@@ -179,9 +179,10 @@ cdef object _load(object w, str name, Wmat *m, int act=0):
         if m.idot == NULL or m.igemm == NULL:
             raise RuntimeError(f"{name}: no {ACTIVATIONS[act]} row kernel for format {dtype} "
                                f"on ISA {_isa}")
-        # int16: 3 tokens per pass (q4 1024 x 1024 in cache, 12 tokens, 1 thread: 4 per pass
-        # 35.6 GMAC/s, 3 37.3, 2 34.0; its four code vectors per pair leave fewer registers)
-        m.block = 3 if m.wide else COLIBRI_INT8_NT
+        # the pair bodies' int16: 3 tokens per pass (q4 1024 x 1024 in cache, 12 tokens, 1
+        # thread: 4 per pass 35.6 GMAC/s, 3 37.3, 2 34.0; its four code vectors per pair
+        # leave fewer registers); the small-M bodies (csrc/smallm.h) up to 8
+        m.block = colibri_idot_block(_isa, m.fmt, m.wide)
         m.xsum_cols = 0                      # the idot kernels fold the q4 offset themselves
     return view
 

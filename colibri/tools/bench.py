@@ -53,6 +53,7 @@ from ..api import default_model_path, load
 from ..errors import ColibriError
 from ..format import ColibriFile
 from ..generate import decode_one
+from ..kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
 from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
 from ..residency import fault_counts
@@ -157,6 +158,7 @@ def model_facts(cf: ColibriFile) -> dict[str, Any]:
         "n_experts_used": config.num_experts_per_tok if config is not None else None,
         "format": label,
         "bytes_by_dtype": by_dtype,
+        "matmul_formats": matmul_formats(cf.tensors),
     }
 
 
@@ -363,6 +365,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     "activations": a, "kv_dtype": kv,
                     "kv_cache_bytes": deep.cache.bytes_per_token * need,
                     "isa": runtime.get_isa(), "reps": reps,
+                    "kernel_paths": kernel_paths(facts["matmul_formats"], a),
                     "warmup": warmup, "load_average": load_avg,
                     "spin_us": runtime.spin_us(),
                     "pool_backoffs": runtime.pool_backoffs() - backoffs0,
@@ -443,9 +446,9 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
     rows = list(rows)
     if not rows:
         return "(no results)"
+    lines = []
     body = [list(COLUMNS)] + [_cells(r) for r in rows]
     widths = [max(len(b[i]) for b in body) for i in range(len(COLUMNS))]
-    lines = []
     for j, b in enumerate(body):
         cells = [c.rjust(w) if COLUMNS[i] in _RIGHT else c.ljust(w)
                  for i, (c, w) in enumerate(zip(b, widths))]
@@ -457,6 +460,8 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
     opens = {}
     for r in rows:
         opens.setdefault(r["n_threads"], r["open_ms"])
+    for a in dict.fromkeys(r["activations"] for r in rows if "matmul_formats" in r):
+        lines += format_kernel_paths(rows[0]["matmul_formats"], a, rows[0]["isa"])  # the paths
     lines.append("open: " + ", ".join(f"{ms:.1f} ms (threads {t})" for t, ms in opens.items()))
     lines += format_roofline(rows)
     lines += format_telemetry(rows)
