@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 import colibri
 from colibri.config import ConfigError
 from colibri.errors import ColibriFormatError
-from colibri.format import ColibriFile, ColibriWriter, TensorSpec
+from colibri.format import ColibriFile, ColibriWriter, TensorSpec, checks
+from colibri.format.spec import METADATA_CRC_KEY
 from colibri import safe_json
 from colibri.safe_json import nesting_depth
 from colibri.tools.inspect import validate
@@ -134,14 +135,21 @@ def test_every_metadata_byte_flip_of_a_fresh_file_is_refused_at_open(fresh, tmp_
 
 
 def _edit_old_file(tmp_path, old: bytes, new: bytes):
-    """The shipped (pre-checksum) file with one same-length metadata edit: opens (no
-    checksum to catch it); what comes after must still refuse it."""
-    raw = SHIPPED.read_bytes()
+    """The shipped file with one same-length metadata edit and its metadata checksum (when
+    it has one) recomputed, as an old file without a checksum would be: it opens, and what
+    comes after the checksum must still refuse it."""
+    raw = bytearray(SHIPPED.read_bytes())
     arch = raw.index(b'"arch": {')                   # config.json has the same keys: edit the arch
     at = raw.index(old, arch)
     assert len(old) == len(new) and at < raw.index(b"}", arch)
+    raw[at: at + len(old)] = new
+    off, size = struct.unpack_from("<QQ", raw, 0x48)
+    meta = bytes(raw[off: off + size])
+    n = len(checks.metadata_suffix(0))
+    if METADATA_CRC_KEY.encode() in meta[-n:]:
+        raw[off + size - n: off + size] = checks.metadata_suffix(zlib.crc32(meta[:-n]))
     p = tmp_path / "edited.colibri"
-    p.write_bytes(raw[:at] + new + raw[at + len(old):])
+    p.write_bytes(raw)
     return p
 
 
@@ -149,7 +157,7 @@ def _edit_old_file(tmp_path, old: bytes, new: bytes):
     (b'"num_hidden_layers": 6', b'"num_hidden_layers": 5', "layers in [0, 5)"),
     (b'"num_experts": 8', b'"num_experts": 9', "num_experts 9"),
     (b'"num_experts_per_tok": 2', b'"num_experts_per_tok": 9', "num_experts_per_tok 9"),
-    (b'"hidden_size": 128', b'"hidden_size": 129', "the arch implies (4096, 129)"),
+    (b'"hidden_size": 128', b'"hidden_size": 129', "the arch implies (4099, 129)"),   # (vocab, hidden)
     (b'"rms_norm_eps": 1e-05', b'"rms_norm_eps": 1e+05', "rms_norm_eps"),
     (b'"rms_norm_eps": 1e-05', b'"rms_norm_eps": -1e-5', "rms_norm_eps"),
     (b'"rope_theta": 10000.0', b'"rope_theta": 0.00000', "rope_theta"),

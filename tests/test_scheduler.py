@@ -86,8 +86,9 @@ def test_bad_prompts_and_stop_ids(model):
     s = Scheduler(model, parallel=1)
     with pytest.raises(ValueError, match="non-empty"):
         s.submit([], SamplingParams())
-    with pytest.raises(ValueError, match=r"out of range \[0, 4096\): min 0, max 4096"):
-        s.submit([0, 4096], SamplingParams())
+    V = model.vocab_size
+    with pytest.raises(ValueError, match=rf"out of range \[0, {V}\): min 0, max {V}"):
+        s.submit([0, V], SamplingParams())
     with pytest.raises(ValueError, match="stop_ids"):
         s.submit([5], SamplingParams(stop_ids=[5000]))
     with pytest.raises(ValueError, match="params must be a SamplingParams"):
