@@ -527,8 +527,7 @@ class Scheduler:
         lp = top = None
         if p.logprobs is not None:
             row = log_softmax(x)
-            lp = float(row[tok])
-            top = top_logprobs(row, p.logprobs) if p.logprobs > 0 else None
+            lp, top = float(row[tok]), top_logprobs(row, p.logprobs) if p.logprobs > 0 else None
         r.generated.append(tok)
         r.history.append(tok)
         r.handle.completion_tokens += 1

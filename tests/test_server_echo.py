@@ -98,7 +98,7 @@ def test_a_batch_of_prompts_gives_one_choice_each_in_order(served):
     for a, b in zip(body["choices"], by_text["choices"]):
         # the two batches may step their prompts in other groupings (summation order)
         np.testing.assert_allclose(a["logprobs"]["token_logprobs"][1:],
-                                   b["logprobs"]["token_logprobs"][1:], rtol=0, atol=1e-5)
+                                   b["logprobs"]["token_logprobs"][1:], rtol=0, atol=1e-4)
         assert b["logprobs"]["token_logprobs"][0] is None
         assert all(t is None for t in b["logprobs"]["top_logprobs"])
 
