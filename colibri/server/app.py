@@ -35,7 +35,7 @@ from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, 
                         completion_body, completion_chunk, sse, usage_body, usage_chunk)
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from .settings import Settings
-from .structured import response_constraint, tool_plan
+from .structured import prepare, response_constraint, tool_plan
 from .openapi import install_openapi
 from .tokenize_routes import register_tokenize_routes
 from .webui import WEBUI_PATHS, register_webui
@@ -287,6 +287,7 @@ class _Route:
         logprobs = body.logprobs if body.logprobs is not None or k == body.n else 0
         scored = body.logprobs if body.echo else None  # the prompt's logprobs, once a prompt
         spec = response_constraint(body)
+        await prepare(spec, engine)
         jobs = [(ids, self.params(body, max_tokens, logprobs, j, scored if j == 0 else None,
                                   spec))
                 for ids in prompts for j in range(k)]
@@ -321,6 +322,7 @@ class _Route:
         self.fits(engine, len(ids), max_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         spec = plan.constraint if plan else response_constraint(body)
+        await prepare(spec, engine)
         jobs = [(ids, self.params(body, max_tokens, logprobs, j, constraint=spec))
                 for j in range(body.n)]
         gen = self.submit(engine, jobs)

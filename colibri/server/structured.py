@@ -25,19 +25,21 @@ from __future__ import annotations
 import uuid
 
 from ..batching import TokenEvent
+from ..errors import ColibriError
 from ..constraints import ConstraintError, ConstraintSpec, MissingExtraError, compile_spec
 from ..tool_calls import (_PYTHON_TAG, ArgsPiece, CallStart, ToolCall, ToolFormat,
                           ToolStreamParser, call_constraint, detect_format)
 from .errors import APIError
 from .responses import ChoiceState
 
-__all__ = ["response_constraint", "tool_plan", "ToolPlan", "ToolChoiceState"]
+__all__ = ["response_constraint", "prepare", "tool_plan", "ToolPlan", "ToolChoiceState"]
 
 
 def _refused(e: Exception, param: str) -> APIError:
-    if isinstance(e, MissingExtraError):
-        return APIError(400, str(e), code="structured_output_unavailable", param=param)
-    return APIError(400, str(e), code="invalid_schema", param=param)
+    if isinstance(e, ConstraintError):
+        return APIError(400, str(e), code="invalid_schema", param=param)
+    # no llguidance, or a tokenizer it cannot take
+    return APIError(400, str(e), code="structured_output_unavailable", param=param)
 
 
 def response_constraint(body) -> ConstraintSpec | None:
@@ -51,6 +53,20 @@ def response_constraint(body) -> ConstraintSpec | None:
         schema = rf.json_schema.schema_
         return compile_spec(json_schema=schema if schema is not None else {"type": "object"})
     except (ConstraintError, MissingExtraError) as e:
+        raise _refused(e, "response_format") from None
+
+
+async def prepare(spec: ConstraintSpec | None, engine) -> None:
+    """Start one matcher of spec off the event loop: the first one of a tokenizer builds
+    llguidance's view of the vocabulary (seconds on a large one, cached after), which the
+    scheduler's submit would otherwise do on the loop; a grammar the vocabulary cannot
+    take is a 400 here."""
+    if spec is None or engine.tokenizer is None:
+        return
+    import asyncio
+    try:
+        await asyncio.to_thread(spec.start, engine.tokenizer, engine.model.vocab_size)
+    except ColibriError as e:
         raise _refused(e, "response_format") from None
 
 
