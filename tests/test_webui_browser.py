@@ -134,6 +134,18 @@ def heat_tokens(driver) -> int:
     return int(driver.find_element(By.ID, "heatmap").get_attribute("data-tokens") or 0)
 
 
+def snapshot(driver) -> dict:
+    """What the page shows now, read in one script (nothing moves between the readings)."""
+    return driver.execute_script(
+        "const cells = Array.from(document.querySelectorAll('#heatmap rect.cell'));"
+        "const r = document.querySelectorAll('#log .msg.assistant');"
+        "return {busy: document.body.dataset.busy === '1',"
+        " tokens: +(document.getElementById('heatmap').dataset.tokens || 0),"
+        " cells: cells.reduce((a, c) => a + +c.dataset.count, 0),"
+        " text: r.length ? r[r.length - 1].querySelector('.body').textContent : '',"
+        " stop_disabled: document.getElementById('stop').disabled};")
+
+
 def routing_counts(ext: dict, moe_layers: list[int]) -> Counter:
     out = Counter()
     for token in ext["routing"]:
@@ -160,13 +172,14 @@ def test_chat_streams_and_the_heat_map_fills_as_tokens_arrive(browser, chat_serv
     set_field(browser, "temperature", 0)
     set_field(browser, "max-tokens", 12)
     send(browser, "hello there")
-    # mid-stream: the reply is running, some of its text is there and the cells are filling
-    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-busy") == "1"
-             and 1 <= heat_tokens(browser) < len(want_ext["routing"]), timeout=15,
-             what="the heat map to fill while the reply streams")
-    mid = heat_counts(browser)
-    assert 0 < sum(mid.values()) < sum(routing_counts(want_ext, moe_layers).values())
-    assert not browser.find_element(By.ID, "stop").get_property("disabled")
+    # mid-stream (one snapshot of the page, taken at once): the reply is running and the
+    # cells hold the routing of the tokens so far (its text may lag: a token can be part of
+    # a UTF-8 character, shown with the next)
+    total = len(want_ext["routing"])
+    mid = wait_for(lambda: (lambda m: m["busy"] and 1 <= m["tokens"] < total and m)(
+        snapshot(browser)), timeout=20, what="the heat map to fill while the reply streams")
+    assert mid["cells"] == mid["tokens"] * len(moe_layers) * 2      # top-2 in every layer
+    assert not mid["stop_disabled"]
     assert wait_reply(browser, 1) == "done"
     # the whole reply: the same text and the same routing as the API gives the client
     assert reply_text(browser, 1) == want.choices[0].message.content

@@ -61,7 +61,8 @@ async function* sseChunks(resp) {
   let buf = "";
   for (;;) {
     const {value, done} = await reader.read();
-    if (done) return;
+    if (done) throw new Error("The stream ended before its [DONE]: the server stopped or the " +
+                              "connection broke; the reply is cut here.");
     buf += decoder.decode(value, {stream: true});
     let cut;
     while ((cut = buf.indexOf("\n\n")) >= 0) {
@@ -223,12 +224,15 @@ async function send(text) {
     }
   } catch (e) {
     if (e.name === "AbortError") stopped = true;
-    else failure = e instanceof NeedKey ? "The server needs an api key." : e.message;
+    else if (e instanceof NeedKey) failure = "The server needs an api key.";
+    else if (e instanceof TypeError) failure = `Cannot reach the server (${e.message}).`;
+    else failure = e.message;
   } finally {
     state.busy = null;
     setBusy(false);
   }
   if (epoch !== state.epoch) return;        // reset: its box and its history are gone
+  view.flush();
   const seconds = (performance.now() - t0) / 1000;
   const parts = [`${tokens} tokens in ${seconds.toFixed(1)} s`];
   if (tokens && seconds > 0) parts.push(`${(tokens / seconds).toFixed(1)} tokens/s`);

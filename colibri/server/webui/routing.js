@@ -88,9 +88,14 @@ class RoutingView {
     this.tokens += 1; this.now = routing;
     if (!this.pending) {             // draw at most once a frame, however fast tokens come
       this.pending = true;
-      requestAnimationFrame(() => { this.pending = false; this.draw(); });
+      requestAnimationFrame(() => { if (this.pending) this.draw(); });
     }
     return true;
+  }
+
+  // draw now what add() left for the next frame (the end of a reply is drawn with it)
+  flush() {
+    if (this.pending) this.draw();
   }
 
   // a token span's background: one band per expert of the chosen layer, top to bottom in the
@@ -188,6 +193,7 @@ class RoutingView {
   }
 
   draw() {
+    this.pending = false;
     if (!this.cells) return;
     const E = this.E, M = this.layers.length, m0 = this.layerIndex;
     let max = 0;
