@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is not None and args.model is None:
         raise ColibriError("--budget needs --model FILE (its dense part and block size); or "
                            "give --slots")
+    with open(args.trace, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":         # numpy's message for that is about pickles
+            raise ColibriError(f"{args.trace}: not a routing trace (not an .npz archive; "
+                               f"colibri routes --save writes one)")
     try:
         tr = Trace.load(args.trace)
     except (OSError, ValueError, KeyError) as e:
