@@ -13,7 +13,8 @@ the first request to the last token), their ratio, the mean step time of the bat
 and whether every request got the same tokens both ways. Then the ragged decode step alone
 (Model.forward_ragged with one token of each of N sequences, 48 tokens in their caches):
 milliseconds per step and per token, and the seconds per stage (runtime.Timings), which say
-where the batching gain stops. `uptime` before and after says how loaded the machine was. Bounded: N * gen tokens per run, --reps runs of each, alternated
+where the batching gain stops, and its bandwidth ceiling: the read bandwidth over the bytes
+of a step that reads the dense part once and each distinct expert its tokens picked once. `uptime` before and after says how loaded the machine was. Bounded: N * gen tokens per run, --reps runs of each, alternated
 (the best of each is kept).
 """
 from __future__ import annotations
@@ -57,13 +58,36 @@ def batched(model, prompts: list[list[int]], gen: int, chunk: int
     return seconds, out, sched.stats()["steps"]
 
 
-def step_table(model, ns: list[int], reps: int = 20) -> None:
-    """ms per ragged decode step of N sequences, and per stage."""
+def step_bytes(per_token: dict[str, int], routing: list[np.ndarray], one_expert: int) -> int:
+    """Weight bytes one ragged step reads at best: everything but the experts once, and each
+    distinct expert a layer's tokens picked once (routing: per segment int32 (M, S_i, K))."""
+    ids = np.concatenate([r.reshape(r.shape[0], -1) for r in routing], axis=1)   # (M, N K)
+    distinct = sum(len(np.unique(layer)) for layer in ids)
+    return per_token["total"] - per_token["experts"] + distinct * one_expert
+
+
+def step_table(model, ns: list[int], reps: int = 20, path=None) -> None:
+    """ms per ragged decode step of N sequences, and per stage; with `path` (the .colibri
+    file) also the bandwidth ceiling of the step: read bandwidth / step_bytes (measured
+    now, at the model's thread count), as tokens/s and the fraction reached."""
+    from colibri.format import ColibriFile
+    from colibri.tools.bench import DEFAULT_BANDWIDTH_BYTES, bytes_per_token
     rng = np.random.default_rng(1)
-    print(f"{'N':>3} {'ms/step':>8} {'ms/token':>9}  per stage (ms/step)")
+    per_token, one = None, 0
+    if path is not None:
+        with ColibriFile(path) as cf:
+            per_token = bytes_per_token(cf)
+            names = [n for n in cf.tensors if ".moe.experts.0." in n]
+            layers = {n.split(".")[1] for n in names}
+            one = sum(cf.tensors[n].nbytes for n in names) // max(1, len(layers))
+        bw = colibri.kernels.read_bandwidth(DEFAULT_BANDWIDTH_BYTES, threads=model.threads) * 1e9
+        print(f"read bandwidth {bw / 1e9:.1f} GB/s ({model.threads} threads)")
+    print(f"{'N':>3} {'ms/step':>8} {'ms/token':>9} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7}"
+          f"  per stage (ms/step)")
     for n in ns:
-        caches = [model.new_cache(ctx=48 + reps + 1) for _ in range(n)]
+        caches = [model.new_cache(ctx=48 + reps + 2) for _ in range(n)]
         model.forward_ragged([(c, rng.integers(3, model.vocab_size, 48)) for c in caches])
+        _, routing = model.forward_ragged([(c, [5]) for c in caches], return_routing=True)
         model.timings.reset()
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -71,7 +95,10 @@ def step_table(model, ns: list[int], reps: int = 20) -> None:
         ms = (time.perf_counter() - t0) / reps * 1e3
         stages = ", ".join(f"{k} {v / reps * 1e3:.2f}" for k, v in model.timings.seconds.items()
                            if v > 0)
-        print(f"{n:>3} {ms:>8.2f} {ms / n:>9.3f}  {stages}")
+        ceiling = (n * bw / step_bytes(per_token, routing, one) if per_token else float("nan"))
+        tps = n / ms * 1e3
+        print(f"{n:>3} {ms:>8.2f} {ms / n:>9.3f} {tps:>8.1f} {ceiling:>8.1f} "
+              f"{tps / ceiling:>7.2f}  {stages}")
 
 
 def main(argv=None) -> None:
@@ -84,6 +111,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs per setting (the best is kept)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--activations", default=colibri.model.DEFAULT_ACTIVATIONS)
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only the ragged step table (no generate / Scheduler runs)")
     args = ap.parse_args(argv)
     path = args.model or colibri.default_model_path()
     model = colibri.load(path, threads=args.threads, activations=args.activations)
@@ -94,6 +123,10 @@ def main(argv=None) -> None:
           f"top-{model.config.num_experts_per_tok}; threads {model.threads}, "
           f"activations {model.activations}; prompt {args.prompt}, gen {args.gen}")
     print(f"uptime before: {_uptime()}")
+    if args.steps_only:
+        step_table(model, ns, path=path)
+        print(f"uptime after: {_uptime()}")
+        return
     batched(model, [list(rng.integers(3, model.vocab_size, args.prompt))], 4, args.chunk)  # warm
     print(f"{'N':>3} {'sequential tok/s':>17} {'batched tok/s':>14} {'ratio':>6} "
           f"{'step ms':>8} {'same tokens':>11}")
@@ -110,7 +143,7 @@ def main(argv=None) -> None:
         print(f"{n:>3} {tokens / seq_s:>17.1f} {tokens / bat_s:>14.1f} "
               f"{seq_s / bat_s:>6.2f} {bat_s / steps * 1e3:>8.2f} "
               f"{str(seq_out == bat_out):>11}")
-    step_table(model, ns)
+    step_table(model, ns, path=path)
     print(f"uptime after: {_uptime()}")
 
 
