@@ -28,7 +28,7 @@ from .runtime import blas_on_one_thread
 
 __all__ = ["forward_ragged", "check_segments", "ROW_ATTENTION_MAX"]
 
-# Segments of up to this many tokens over a cache with no padding attend row by row through
+# Segments of up to this many tokens after a cache (non-empty, no padding) attend row by row through
 # the decode step's compiled attention (attention.Segment.row_tables): for a few rows that is
 # cheaper than building a mask and widening the cache for NumPy, and each row gets the bits
 # of a decode step (what speculative decoding's verification compares against).
@@ -89,7 +89,7 @@ def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]
             cos, sin = model.rope.cos_sin_one(first)                            # (Dr/2,)
         else:
             cos, sin = model.rope.cos_sin(positions[None])               # (1, 1, S, Dr/2)
-            if not padded and n <= ROW_ATTENTION_MAX and cache.length + n <= cache.ctx:
+            if past and not padded and n <= ROW_ATTENTION_MAX and past + n <= cache.ctx:
                 tables = [model.rope.cos_sin_one(int(p)) for p in positions]
         segs.append(Segment(cache, row, n, positions, decode, cos, sin, row_tables=tables))
         row += n
