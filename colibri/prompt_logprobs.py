@@ -22,9 +22,38 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sampling import log_softmax, top_logprobs
+from .errors import ColibriError
 
 __all__ = ["logits_rows", "take_prompt_logprobs"]
+
+_ROWS = 64                 # rows per float64 log-softmax block (V * 8 bytes each)
+
+
+def _log_softmax_rows(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of each row of float32 (R, V), as sampling.log_softmax per row
+    (the same error for a row whose largest logit is not finite)."""
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    if not np.isfinite(m).all():
+        bad = float(m[~np.isfinite(m)][0])
+        raise ColibriError(f"cannot take a log-softmax: the largest logit is {bad}")
+    x -= m
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def _top_rows(lp: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """sampling.top_logprobs of each row of float64 (R, V): the k most likely, best first,
+    ties lower id first (k = 1: the first argmax, which is that)."""
+    k = min(int(k), lp.shape[1])
+    if k == 1:
+        best = lp.argmax(axis=1)
+        return [[(int(i), float(v))] for i, v in zip(best, lp[np.arange(lp.shape[0]), best])]
+    part = np.argpartition(-lp, k - 1, axis=1)[:, :k]
+    out = []
+    for row, cand in zip(lp, part):
+        order = cand[np.lexsort((cand, -row[cand]))]
+        out.append([(int(i), float(row[i])) for i in order])
+    return out
 
 
 def _wants(r, ids) -> bool:
@@ -54,11 +83,11 @@ def take_prompt_logprobs(segments, rows: list[np.ndarray], logits: np.ndarray) -
         h, k, a = r.handle, r.params.prompt_logprobs, r.prefilled
         if h.prompt_logprobs is None:
             h.prompt_logprobs = [None]
-        for i in range(len(ids)):
-            target = a + i + 1
-            if target >= len(r.prompt):
-                break                              # the row that predicts the generated token
-            lp = log_softmax(block[i])
-            h.prompt_logprobs.append((float(lp[r.prompt[target]]),
-                                      top_logprobs(lp, k) if k else None))
+        n = min(len(ids), len(r.prompt) - a - 1)   # not the row predicting the generated token
+        targets = np.asarray(r.prompt[a + 1:a + 1 + n], dtype=np.int64)
+        for b in range(0, n, _ROWS):
+            lp = _log_softmax_rows(block[b:b + _ROWS][:n - b])
+            chosen = lp[np.arange(lp.shape[0]), targets[b:b + lp.shape[0]]]
+            tops = _top_rows(lp, k) if k else [None] * lp.shape[0]
+            h.prompt_logprobs.extend(zip(chosen.tolist(), tops))
     return last
