@@ -75,7 +75,6 @@ def test_apply_chat_template_renders_prompts_with_the_models_template(capsys, tm
 @pytest.mark.parametrize("argv, what", [
     (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
     (["--tasks", "colibri_mc", "--include-path", "missing-folder"], "not a folder"),
-    (["--tasks", "colibri_gen", "--apply-chat-template"], "no chat template"),
     (["--tasks", "colibri_mc", "--fewshot-as-multiturn"], "needs --apply-chat-template"),
     (["--tasks", "colibri_mc", "--limit", "0"], "--limit"),
     (["--tasks", "colibri_mc", "--num-fewshot", "-1"], "--num-fewshot"),
@@ -101,3 +100,17 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, capsys):
     code, _, err = run(capsys, "eval", "--tasks", "colibri_mc")
     assert code == 2
     assert "pip install 'colibri[eval]'" in one_line_error(err, "eval")
+
+
+def test_apply_chat_template_on_a_model_without_one_is_a_one_line_error(capsys, hf_checkpoint,
+                                                                         tmp_path):
+    import colibri
+    from hf_factory import copy_checkpoint
+    src = copy_checkpoint(hf_checkpoint("mixtral"), tmp_path / "hf")
+    (src / "chat_template.jinja").unlink()
+    plain = colibri.convert(src, tmp_path / "plain.colibri", progress=False)
+    code, _, err = run(capsys, "eval", str(plain), "--tasks", "colibri_gen",
+                       "--apply-chat-template", "--include-path", str(TASKS), "-t", 1)
+    errors = [ln for ln in err.splitlines() if ln.startswith("colibri eval: error:")]
+    assert code == 2 and "Traceback" not in err          # (stderr also holds lm-eval's bars)
+    assert len(errors) == 1 and "no chat template" in errors[0]
