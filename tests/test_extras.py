@@ -71,3 +71,27 @@ def test_quickstart_notebook_names_the_notebook_extra(monkeypatch):
     with pytest.raises(MissingExtra, match=r"this notebook needs the notebook extra .*"
                                            r"pip install 'colibri\[notebook\]'"):
         exec(check, {})
+
+
+def test_a_missing_base_dependency_is_one_line_naming_it(monkeypatch, capsys):
+    # jinja2 renders chat templates; a clean install missed it once (CI), which printed an
+    # "internal error": a base dependency gone is now an error naming the module and the fix
+    import io
+    import sys
+    for name in ("jinja2", "jinja2.ext", "jinja2.sandbox"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What does os.path.join do?\n"))
+    code, _, err = run(capsys, "chat", "-n", "4")
+    assert code == 2
+    line = one_line_error(err, "chat")
+    assert "jinja2 is not installed" in line and "pip install" in line
+
+
+def test_base_dependencies_cover_the_chat_template():
+    # the chat template's sandbox needs jinja2 at run time: it must be a base dependency,
+    # not only something the test extras happen to pull in
+    import tomllib
+    from pathlib import Path
+    deps = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
+                         .read_text())["project"]["dependencies"]
+    assert any(d.lower().startswith("jinja2") for d in deps), deps
