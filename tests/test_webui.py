@@ -19,7 +19,7 @@ from colibri.server.webui import CSP, WEBUI_FILES
 from server_helpers import KEY, request, running_server
 
 WEBUI_DIR = Path(colibri.server.__file__).parent / "webui"
-ROOT = Path(colibri.__file__).parent.parent
+ROOT = Path(__file__).resolve().parent.parent      # the checkout (colibri may be installed)
 
 
 def shipped_files() -> dict[str, str]:
@@ -58,9 +58,9 @@ def test_every_shipped_file_is_served_and_listed_as_package_data():
     served = {name for name, _ in WEBUI_FILES.values()}
     assert set(shipped_files()) == served
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["colibri.server"]
+    globs = data["tool"]["setuptools"]["package-data"]["colibri.server.webui"]
     for name in served:
-        assert any(fnmatch.fnmatch(f"webui/{name}", g) for g in globs), name
+        assert any(fnmatch.fnmatch(name, g) for g in globs), name
 
 
 def test_nothing_is_fetched_from_elsewhere():
