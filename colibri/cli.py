@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ModuleNotFoundError as e:        # a base dependency gone from the environment
         print(f"{prog}: error: the module {e.name or e} is not installed; it is a dependency "
-              f"of colibri: reinstall colibri with its dependencies (pip install colibri, or pip install . in a checkout)",
-              file=sys.stderr)
+              f"of colibri: reinstall colibri with its dependencies (pip install colibri, or "
+              f"pip install . in a checkout)", file=sys.stderr)
         return 2
     except Exception as e:                  # noqa: BLE001 - a bug: still one line, --debug for more
         print(f"{prog}: internal error: {type(e).__name__}: {' '.join(str(e).split())[:500]} "

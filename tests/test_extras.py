@@ -86,12 +86,3 @@ def test_a_missing_base_dependency_is_one_line_naming_it(monkeypatch, capsys):
     line = one_line_error(err, "chat")
     assert "jinja2 is not installed" in line and "pip install" in line
 
-
-def test_base_dependencies_cover_the_chat_template():
-    # the chat template's sandbox needs jinja2 at run time: it must be a base dependency,
-    # not only something the test extras happen to pull in
-    import tomllib
-    from pathlib import Path
-    deps = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
-                         .read_text())["project"]["dependencies"]
-    assert any(d.lower().startswith("jinja2") for d in deps), deps

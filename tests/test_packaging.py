@@ -16,3 +16,10 @@ def test_every_subpackage_is_listed():
     assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {missing}"
     absent = sorted(p for p in listed if not (ROOT / Path(*p.split("."))).is_dir())
     assert not absent, f"pyproject.toml lists packages with no folder: {absent}"
+
+
+def test_base_dependencies_cover_the_chat_template():
+    # the chat template's sandbox (chat_template.py) needs jinja2 at run time: a base
+    # dependency, not only something the test extras happen to pull in (CI once lacked it)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.lower().startswith("jinja2") for d in deps), deps
