@@ -35,17 +35,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .constraints import ConstraintSpec, constrained_choice
+from .constraints import constrained_choice
 from .errors import ColibriError
-from .guards import is_int as _is_int, is_number as _is_num
+from .guards import is_int as _is_int
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
-from .sampling import Sampler, log_softmax, top_logprobs
+from .sampling import MAX_LOGPROBS, SamplingParams, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
 
@@ -55,10 +55,6 @@ __all__ = ["SamplingParams", "TokenEvent", "RequestHandle", "Scheduler",
 log = logging.getLogger("colibri.batching")
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-MAX_LOGPROBS = 20                   # top log-probabilities per token, as the OpenAI API allows
-_MAX_STOPS = 16                     # stop strings per request
-_MAX_STOP_CHARS = 256               # characters per stop string
-_MAX_SEED = 2**63
 
 
 class ContextLengthError(ColibriError, ValueError):
@@ -76,84 +72,6 @@ class QueueFullError(ColibriError):
 # ---------------------------------------------------------------------------------------------
 # a request's settings and its events
 # ---------------------------------------------------------------------------------------------
-
-@dataclass
-class SamplingParams:
-    """How one request is sampled and when it stops; the defaults are colibri.generate's
-    (greedy, the model's end-of-sequence ids).
-
-    stop: text stop sequences (matched across token boundaries, not part of the output);
-    stop_ids: stop token ids (None: the model's end-of-sequence ids; [] none);
-    logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
-    prompt_logprobs: the same for the prompt's own tokens (colibri.prompt_logprobs: the
-    handle's prompt_logprobs, complete at the first event);
-    return_routing: each TokenEvent carries the experts its token was routed to;
-    constraint: a colibri.constraints.ConstraintSpec (JSON schema, regex, grammar) the output
-    must follow: masked before each draw, the request stops when the grammar is complete.
-    max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
-    ends with finish_reason "length".
-    """
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_ids: list[int] | None = None
-    logprobs: int | None = None
-    return_routing: bool = False
-    prompt_logprobs: int | None = None
-    constraint: ConstraintSpec | None = None
-
-    def check(self) -> None:
-        """ValueError naming the field, the value and the allowed range."""
-        def bad(name, rng):
-            raise ValueError(f"{name} must be {rng}, got {getattr(self, name)!r}")
-
-        def number(name, lo, hi, lo_open=False, rng=None):
-            v = getattr(self, name)
-            if (not _is_num(v) or not math.isfinite(v) or v > hi
-                    or (v <= lo if lo_open else v < lo)):
-                bad(name, rng or f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-
-        if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= 2**31 - 1:
-            bad("max_tokens", "an integer in [0, 2**31 - 1]")
-        number("temperature", 0.0, 2.0)
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= 2**31 - 1:
-            bad("top_k", "an integer in [0, 2**31 - 1] (0 = off)")
-        number("top_p", 0.0, 1.0, lo_open=True)
-        number("min_p", 0.0, 1.0)
-        number("repetition_penalty", 0.0, 10.0, lo_open=True)
-        number("presence_penalty", -2.0, 2.0)
-        number("frequency_penalty", -2.0, 2.0)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
-            bad("seed", "None or an integer in [0, 2**63)")
-        if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > _MAX_STOPS
-                or any(not isinstance(s, str) or not 0 < len(s) <= _MAX_STOP_CHARS
-                       for s in self.stop)):
-            bad("stop", f"a list of at most {_MAX_STOPS} non-empty strings of at most "
-                        f"{_MAX_STOP_CHARS} characters")
-        if self.stop_ids is not None and (not isinstance(self.stop_ids, (list, tuple))
-                                          or any(not _is_int(i) or i < 0 for i in self.stop_ids)):
-            bad("stop_ids", "None or a list of non-negative token ids")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.return_routing, (bool, np.bool_)):
-            bad("return_routing", "a bool")
-        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
-            bad("constraint", "None or a colibri.constraints.ConstraintSpec (compile_spec)")
-
-    def sampler(self) -> Sampler:
-        return Sampler(self.temperature, self.top_k, self.top_p, self.min_p,
-                       self.repetition_penalty, self.seed, self.presence_penalty,
-                       self.frequency_penalty)
-
 
 @dataclass
 class TokenEvent:

@@ -31,7 +31,6 @@ to batch_size sequences at a time. Progress bars are tqdm's.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +44,8 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,  
                                   postprocess_generated_text)
 from tqdm import tqdm
 
-from .batching import SamplingParams, Scheduler
+from .batching import Scheduler
+from .sampling import MAX_STOP_CHARS as _MAX_STOP_CHARS, MAX_STOPS as _MAX_STOPS, SamplingParams
 from .errors import ColibriError
 from .kv_cache import DEFAULT_KV_DTYPE
 from .model import DEFAULT_ACTIVATIONS, Model
@@ -55,7 +55,6 @@ __all__ = ["ColibriLM", "DEFAULT_BATCH_SIZE"]
 
 DEFAULT_BATCH_SIZE = 16          # sequences per ragged step / generation slots
 _MAX_GEN_TOKS = 256              # lm-eval's default, as the hf model's
-_MAX_STOPS, _MAX_STOP_CHARS = 16, 256   # what batching.SamplingParams takes (the rest: after)
 
 
 def _batch_size(value) -> int:

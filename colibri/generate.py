@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator, Sequence
 import numpy as np
 
-from .batching import SamplingParams, Scheduler, TokenEvent
+from .batching import Scheduler, TokenEvent
 from .constraints import Constraint, compile_spec, constrained_choice
 from .errors import ColibriError
 from .kv_cache import KVCache
 from .prefix_cache import PrefixCache
 from .resources import ResourceError
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .steps import GenerationStats, Step
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError

@@ -20,14 +20,24 @@ log_softmax / top_logprobs give the log-probabilities a server reports beside ea
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constraints import ConstraintSpec
 from .errors import ColibriError
 
 __all__ = [
     "Sampler",
+    "SamplingParams",
+    "REAL_BOUNDS",
+    "MAX_LOGPROBS",
+    "SettingTypeError",
+    "check_real",
+    "check_top_k",
+    "check_seed",
     "apply_repetition_penalty",
     "apply_presence_frequency_penalty",
     "apply_temperature",
@@ -43,21 +53,77 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------
+# the one set of rules for sampling settings: colibri.generate, Sampler, SamplingParams (the
+# scheduler) and the server (server.schemas takes its bounds from REAL_BOUNDS) all check these
+# ---------------------------------------------------------------------------------------------
+
+# name: (low, high, low excluded); the OpenAI API's ranges, and vLLM's / llama-server's for the
+# settings OpenAI does not have
+REAL_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False),           # 0: greedy
+    "top_p": (0.0, 1.0, True),                  # 1: off
+    "min_p": (0.0, 1.0, False),                 # 0: off
+    "repetition_penalty": (0.0, 10.0, True),    # 1: off
+    "presence_penalty": (-2.0, 2.0, False),     # 0: off
+    "frequency_penalty": (-2.0, 2.0, False),    # 0: off
+}
+MAX_TOP_K = 2**31 - 1                 # top_k in [0, MAX_TOP_K]; 0: off
+SEED_LIMIT = 2**63                    # seed None or in [0, SEED_LIMIT)
+MAX_LOGPROBS = 20                     # top log-probabilities per token, as the OpenAI API allows
+MAX_STOPS = 16                        # stop strings per request
+MAX_STOP_CHARS = 256                  # characters per stop string
+
+
+class SettingTypeError(TypeError, ValueError):
+    """A setting of the wrong type: a TypeError to Python callers, and a ValueError (a bad value,
+    400 at the server) to code that checks a request's settings."""
+
+
 def _real(name: str, value) -> float:
-    """value as a float when it is a real number (not a bool, not a string); TypeError
+    """value as a float when it is a real number (not a bool, not a string); SettingTypeError
     naming the argument otherwise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                      np.floating)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise SettingTypeError(f"{name} must be a number, got {value!r} "
+                               f"({type(value).__name__})")
     return float(value)
 
 
 def _integer(name: str, value) -> int:
     """value as an int when it is an integer (a float such as 2.7 is refused, not truncated);
-    TypeError naming the argument otherwise."""
+    SettingTypeError naming the argument otherwise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        raise SettingTypeError(f"{name} must be an integer, got {value!r} "
+                               f"({type(value).__name__})")
     return int(value)
+
+
+def check_real(name: str, value) -> float:
+    """A REAL_BOUNDS setting as a float; SettingTypeError / ValueError naming the setting, the
+    value and its range otherwise (NaN and infinities are out of every range)."""
+    lo, hi, lo_open = REAL_BOUNDS[name]
+    v = _real(name, value)
+    if not (math.isfinite(v) and v <= hi and (v > lo if lo_open else v >= lo)):
+        raise ValueError(f"{name} must be a finite number in {'(' if lo_open else '['}{lo:g}, "
+                         f"{hi:g}], got {value!r}")
+    return v
+
+
+def check_top_k(value) -> int:
+    k = _integer("top_k", value)
+    if not 0 <= k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be an integer in [0, 2**31 - 1] (0 = off), got {value!r}")
+    return k
+
+
+def check_seed(value) -> int | None:
+    if value is None:
+        return None
+    s = _integer("seed", value)
+    if not 0 <= s < SEED_LIMIT:
+        raise ValueError(f"seed must be None or an integer in [0, 2**63), got {value!r}")
+    return s
 
 
 def _check_row(logits: np.ndarray) -> np.ndarray:
@@ -238,28 +304,12 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0):
-        temperature, top_p, min_p = (_real("temperature", temperature), _real("top_p", top_p),
-                                     _real("min_p", min_p))
-        repetition_penalty = _real("repetition_penalty", repetition_penalty)
-        presence_penalty = _real("presence_penalty", presence_penalty)
-        frequency_penalty = _real("frequency_penalty", frequency_penalty)
-        top_k = _integer("top_k", top_k)
-        if seed is not None and not 0 <= _integer("seed", seed) < 2**63:
-            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed}")
-        if temperature < 0 or not np.isfinite(temperature):
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
-        if repetition_penalty <= 0 or not np.isfinite(repetition_penalty):
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
-        for name, val in (("presence_penalty", presence_penalty),
-                          ("frequency_penalty", frequency_penalty)):
-            if not np.isfinite(val):
-                raise ValueError(f"{name} must be a finite number (0 = off), got {val}")
+        temperature, top_p, min_p = (check_real("temperature", temperature),
+                                     check_real("top_p", top_p), check_real("min_p", min_p))
+        repetition_penalty = check_real("repetition_penalty", repetition_penalty)
+        presence_penalty = check_real("presence_penalty", presence_penalty)
+        frequency_penalty = check_real("frequency_penalty", frequency_penalty)
+        top_k, seed = check_top_k(top_k), check_seed(seed)
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
@@ -320,3 +370,79 @@ class Sampler:
                 f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, "
                 f"presence_penalty={self.presence_penalty}, "
                 f"frequency_penalty={self.frequency_penalty}, seed={self.seed})")
+
+
+# ---------------------------------------------------------------------------------------------
+# a request's settings: what the scheduler, colibri.generate and the server pass around
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops; the defaults are colibri.generate's
+    (greedy, the model's end-of-sequence ids). The ranges are REAL_BOUNDS and the MAX_*
+    constants above, the same for every caller.
+
+    stop: text stop sequences (matched across token boundaries, not part of the output);
+    stop_ids: stop token ids (None: the model's end-of-sequence ids; [] none);
+    logprobs: None none, 0 the chosen token's, k (<= MAX_LOGPROBS) also the k most likely;
+    prompt_logprobs: the same for the prompt's own tokens (colibri.prompt_logprobs: the
+    handle's prompt_logprobs, complete at the first event);
+    return_routing: each TokenEvent carries the experts its token was routed to;
+    constraint: a colibri.constraints.ConstraintSpec (JSON schema, regex, grammar) the output
+    must follow: masked before each draw, the request stops when the grammar is complete.
+    max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
+    ends with finish_reason "length".
+    """
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_ids: list[int] | None = None
+    logprobs: int | None = None
+    return_routing: bool = False
+    prompt_logprobs: int | None = None
+    constraint: ConstraintSpec | None = None
+
+    def check(self) -> None:
+        """ValueError naming the field, the value and the allowed range (SettingTypeError, a
+        ValueError too, for a value of the wrong type)."""
+        def bad(name, rng):
+            raise ValueError(f"{name} must be {rng}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+        if not is_int(self.max_tokens) or not 0 <= self.max_tokens <= 2**31 - 1:
+            bad("max_tokens", "an integer in [0, 2**31 - 1]")
+        for name in REAL_BOUNDS:
+            check_real(name, getattr(self, name))
+        check_top_k(self.top_k)
+        check_seed(self.seed)
+        if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOPS
+                or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS
+                       for s in self.stop)):
+            bad("stop", f"a list of at most {MAX_STOPS} non-empty strings of at most "
+                        f"{MAX_STOP_CHARS} characters")
+        if self.stop_ids is not None and (not isinstance(self.stop_ids, (list, tuple))
+                                          or any(not is_int(i) or i < 0 for i in self.stop_ids)):
+            bad("stop_ids", "None or a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.return_routing, (bool, np.bool_)):
+            bad("return_routing", "a bool")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            bad("constraint", "None or a colibri.constraints.ConstraintSpec (compile_spec)")
+
+    def sampler(self) -> Sampler:
+        """A Sampler of these settings (its own seeded random generator)."""
+        return Sampler(self.temperature, self.top_k, self.top_p, self.min_p,
+                       self.repetition_penalty, self.seed, self.presence_penalty,
+                       self.frequency_penalty)

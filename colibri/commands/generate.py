@@ -16,6 +16,7 @@ import numpy as np
 
 from ..drafters import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP, PromptLookup
 from ..errors import ColibriError
+from ..sampling import check_real
 from ..speculative import MAX_DRAFT_TOKENS
 from ..telemetry import ExpertTelemetry, TokenTelemetry
 from ..tools.trace import Trace, format_route
@@ -124,17 +125,19 @@ def _check(args) -> None:
     if args.embeddings is not None and args.chat:
         raise ColibriError("--chat needs a text prompt, not --embeddings")
     for name, value, ok in (("-n", args.max_new_tokens, args.max_new_tokens >= -1),  # -1: no cap
-                            ("--temp", args.temp, args.temp >= 0),
                             ("--top-k", args.top_k, args.top_k >= 0),
-                            ("--top-p", args.top_p, 0 < args.top_p <= 1),
-                            ("--min-p", args.min_p, 0 <= args.min_p <= 1),
-                            ("--repeat-penalty", args.repeat_penalty, args.repeat_penalty > 0),
                             ("--threads", args.threads, args.threads is None or args.threads >= 1),
                             ("--ctx", args.ctx, args.ctx is None or args.ctx >= 1)):
         if not ok:
             raise ColibriError(f"{name} {value} is out of range")
-    if args.temp != args.temp or args.top_p != args.top_p or args.min_p != args.min_p:
-        raise ColibriError("--temp, --top-p and --min-p must be numbers, not nan")
+    # the sampling ranges are colibri.sampling's, the same the API and the server check
+    for flag, key, value in (("--temp", "temperature", args.temp), ("--top-p", "top_p", args.top_p),
+                             ("--min-p", "min_p", args.min_p),
+                             ("--repeat-penalty", "repetition_penalty", args.repeat_penalty)):
+        try:
+            check_real(key, value)
+        except ValueError as e:
+            raise ColibriError(f"{flag} {value}: {e}") from None
 
 
 def _load_embeddings(path: str, hidden: int) -> np.ndarray:

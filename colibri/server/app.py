@@ -20,7 +20,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..batching import ContextLengthError, QueueFullError, SamplingParams
+from ..batching import ContextLengthError, QueueFullError
+from ..sampling import SEED_LIMIT, SamplingParams
 from ..version import __version__
 from .best_of import choose_best
 from .bridge import Generation, wait_disconnect
@@ -46,7 +47,6 @@ log = logging.getLogger("colibri.server")
 
 VERSION_HEADER = "X-Colibri-Model-Version"
 DEFAULT_COMPLETION_TOKENS = 16            # the OpenAI default of /v1/completions
-_MAX_SEED = 2**63
 
 
 def _errors(*codes: int) -> dict:
@@ -119,7 +119,7 @@ class _Route:
     @staticmethod
     def params(body, max_tokens: int, logprobs: int | None, choice: int,
                prompt_logprobs: int | None = None, constraint=None) -> SamplingParams:
-        seed = None if body.seed is None else (body.seed + choice) % _MAX_SEED
+        seed = None if body.seed is None else (body.seed + choice) % SEED_LIMIT
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,

@@ -9,7 +9,8 @@ message that says so. response_format (json_object, json_schema) and tools / too
 checked here for shape; what they mean is colibri/server/structured.py's. /v1/completions takes `echo` (the prompt
 echoed, and with `logprobs` its tokens scored: colibri/server/echo.py) and `best_of`.
 
-Bounds: temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
+Bounds (the sampling ones are colibri.sampling's REAL_BOUNDS, the rules every caller shares):
+temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
 [-2, 2], repetition_penalty (0, 10], top_k [0, 2^31), seed >= 0 (taken modulo 2^63), n and best_of [1, 16],
 logprobs / top_logprobs [0, 20], max_tokens [1, 2^31) ([0, 2^31) on /v1/completions: 0
 scores or echoes the prompt without generating), at most 16 stop strings of 1..256
@@ -27,18 +28,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, REAL_BOUNDS
+
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ColibriOptions",
            "StreamOptions", "ErrorBody", "MAX_N", "MAX_TOP_LOGPROBS", "MAX_PROMPTS"]
 
 MAX_N = 16
 MAX_PROMPTS = 64             # prompts in one /v1/completions request (lm-eval's batches)
 MAX_TEXT_CHARS = 1_000_000   # tokenizer.MAX_TEXT_CHARS: what one text prompt may hold
-MAX_TOP_LOGPROBS = 20
-MAX_STOP = 16
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+MAX_STOP = MAX_STOPS
 _INT31 = 2**31 - 1
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-StopText = Annotated[str, Field(min_length=1, max_length=256)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=_INT31)]
 
 
@@ -99,6 +102,12 @@ class FunctionName(_Strict):
     name: str
 
 
+def _bounded(name: str, default: float):
+    """A Field over colibri.sampling.REAL_BOUNDS[name]: the range the engine checks."""
+    lo, hi, lo_open = REAL_BOUNDS[name]
+    return Field(default, gt=lo, le=hi) if lo_open else Field(default, ge=lo, le=hi)
+
+
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: FunctionName
@@ -108,13 +117,14 @@ class _Sampling(_Strict):
     """The fields both routes share."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=_INT31)
-    temperature: Finite = Field(1.0, ge=0.0, le=2.0)
-    top_p: Finite = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=_INT31)
-    min_p: Finite = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: Finite = Field(1.0, gt=0.0, le=10.0)
-    presence_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: Finite = Field(0.0, ge=-2.0, le=2.0)
+    # the ranges are colibri.sampling's, the one set of rules every caller checks
+    temperature: Finite = _bounded("temperature", 1.0)     # OpenAI's default, not greedy
+    top_p: Finite = _bounded("top_p", 1.0)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    min_p: Finite = _bounded("min_p", 0.0)
+    repetition_penalty: Finite = _bounded("repetition_penalty", 1.0)
+    presence_penalty: Finite = _bounded("presence_penalty", 0.0)
+    frequency_penalty: Finite = _bounded("frequency_penalty", 0.0)
     seed: int | None = Field(None, ge=0)    # any size (taken modulo 2^63): a bound near
     # 2^63 would not survive the JSON double a client may round the schema's number to
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None

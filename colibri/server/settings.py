@@ -18,16 +18,17 @@ from ..errors import ColibriError
 from ..kernels import ACTIVATIONS
 from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
+from ..sampling import MAX_TOP_K, REAL_BOUNDS
 
 __all__ = ["Settings", "parse_bytes", "is_loopback", "SAMPLING_DEFAULTS"]
 
-# request field -> (flag of `colibri serve`, lowest, highest, lowest excluded): the bounds the
-# request schemas put on the same fields (schemas.py)
-SAMPLING_DEFAULTS = {"temperature": ("--temp", 0.0, 2.0, False),
-                     "top_k": ("--top-k", 0, 2**31 - 1, False),
-                     "top_p": ("--top-p", 0.0, 1.0, True),
-                     "min_p": ("--min-p", 0.0, 1.0, False),
-                     "repetition_penalty": ("--repeat-penalty", 0.0, 10.0, True),
+# request field -> (flag of `colibri serve`, lowest, highest, lowest excluded): the sampling
+# bounds are colibri.sampling's, which the request schemas (schemas.py) and the engine check too
+SAMPLING_DEFAULTS = {"temperature": ("--temp", *REAL_BOUNDS["temperature"]),
+                     "top_k": ("--top-k", 0, MAX_TOP_K, False),
+                     "top_p": ("--top-p", *REAL_BOUNDS["top_p"]),
+                     "min_p": ("--min-p", *REAL_BOUNDS["min_p"]),
+                     "repetition_penalty": ("--repeat-penalty", *REAL_BOUNDS["repetition_penalty"]),
                      "seed": ("--seed", 0, None, False),
                      "max_tokens": ("-n", -1, 2**31 - 1, False)}
 
