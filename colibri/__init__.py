@@ -31,7 +31,7 @@ from .api import default_model_path, forward, generate, load, stream
 from .kv_cache import CacheOverflowError, KVCache
 from .model import Model
 from .routing import RoutingTrace
-from .sampling import Sampler
+from .sampling import Sampler, SamplingParams
 from .tools.stats import RoutingStats
 from .tools.trace import Trace, iter_trace, routing_stats, trace
 from .runtime import reserve_blas_buffer
@@ -41,7 +41,7 @@ reserve_blas_buffer()       # under RLIMIT_AS: OpenBLAS's buffer mapped now, or 
 
 __all__ = [
     "CacheOverflowError", "ColibriError", "ColibriFile", "ColibriFormatError", "KVCache",
-    "Model", "RoutingStats", "RoutingTrace", "Sampler", "Trace", "convert",
+    "Model", "RoutingStats", "RoutingTrace", "Sampler", "SamplingParams", "Trace", "convert",
     "default_model_path", "forward", "generate", "iter_trace", "load", "open", "routing_stats",
     "stream", "trace", "__version__",
 ]

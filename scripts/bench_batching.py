@@ -27,7 +27,8 @@ import time
 import numpy as np
 
 import colibri
-from colibri.batching import SamplingParams, Scheduler
+from colibri.batching import Scheduler
+from colibri.sampling import SamplingParams
 
 
 def _uptime() -> str:
