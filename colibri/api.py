@@ -37,7 +37,9 @@ def default_model_path() -> Path:
 def load(path: str | os.PathLike | None = None, threads: int | None = None,
          activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
          mlock: bool = False, mmap: bool = True, kv_dtype: str = DEFAULT_KV_DTYPE,
-         prefix_cache: int | None = None, **cache_options) -> Model:
+         prefix_cache: int | None = None, expert_shards: int = 0,
+         ray_address: str | None = None, shard_threads: int | None = None,
+         shard_counts: np.ndarray | None = None, **cache_options) -> Model:
     """Map a .colibri file and return a Model; nothing is copied or parsed beyond the header.
 
     path: the .colibri file (None: the bundled model, see default_model_path()).
@@ -73,13 +75,22 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         call whose prompt starts with the same tokens (colibri.prefix_cache,
         docs/prefix-caching.md): None (default) 4096 tokens' worth, 0 off. On by default as
         in vLLM and llama.cpp's server; the Scheduler and the server have their own.
+    expert_shards: N > 0 spreads the experts of every MoE layer over N Ray actors (the ray
+        extra; colibri.expert_shards, docs/serving.md): this process keeps the dense part,
+        the logits are bit-identical to one process. ray_address: the cluster to join
+        ("auto", "HOST:PORT"; None: the running Ray of this process or a new local one on
+        loopback); shard_threads: kernel threads per actor (default: threads);
+        shard_counts: int (M, E) routing counts (a Trace's expert_counts) to balance the
+        shards by, else round-robin. model.close() stops the actors.
     cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
         "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
         "previous" or "both"; colibri.prefetch).
     """
     return Model(default_model_path() if path is None else path, threads=threads,
                  activations=activations, memory_budget=memory_budget, mlock=mlock, mmap=mmap,
-                 kv_dtype=kv_dtype, prefix_cache=prefix_cache, **cache_options)
+                 kv_dtype=kv_dtype, prefix_cache=prefix_cache, expert_shards=expert_shards,
+                 ray_address=ray_address, shard_threads=shard_threads,
+                 shard_counts=shard_counts, **cache_options)
 
 
 def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | None = None,

@@ -128,7 +128,9 @@ class Model:
                  activations: str = DEFAULT_ACTIVATIONS, *, memory_budget: int | None = None,
                  mlock: bool = False, mmap: bool = True, cache_policy: str = DEFAULT_POLICY,
                  cache_mode: str = "arena", prefetch: str | None = None,
-                 kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: int | None = None):
+                 kv_dtype: str = DEFAULT_KV_DTYPE, prefix_cache: int | None = None,
+                 expert_shards: int = 0, ray_address: str | None = None,
+                 shard_threads: int | None = None, shard_counts: np.ndarray | None = None):
         self.kv_dtype = kv_dtype_name(kv_dtype)
         if threads is not None and (isinstance(threads, bool) or not isinstance(
                 threads, (int, np.integer)) or not 1 <= threads <= MAX_THREADS):
@@ -174,6 +176,15 @@ class Model:
         self.expert_cache = hold_weights(self, self._plan, mlock=mlock, mapped=self._mapped,
                                          policy=cache_policy, mode=cache_mode,
                                          prefetch=prefetch)
+        # the experts on Ray actors (colibri.expert_shards), the dense part here
+        self.expert_shards = None
+        if expert_shards:
+            if memory_budget is not None:
+                raise ValueError("memory_budget with expert_shards: the budget is the "
+                                 "shards' (shard_memory_budget), not the driver's")
+            from .expert_shards import shard_experts   # Ray: only when asked for
+            self.expert_shards = shard_experts(self, expert_shards, ray_address=ray_address,
+                                               threads=shard_threads, counts=shard_counts)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -568,6 +579,9 @@ class Model:
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def close(self) -> None:
+        if self.expert_shards is not None:
+            self.expert_shards.close()
+            self.expert_shards = None
         if self.expert_cache is not None:
             self.expert_cache.close()
         self.file.close()

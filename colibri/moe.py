@@ -138,9 +138,12 @@ class BiasedExperts:
         return biased
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                 out: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray, slots: np.ndarray | None = None, many: bool = False
+                 ) -> np.ndarray:
+        """many: the many-token call even for one token (its bits: an expert shard computing
+        one slot of a many-token step, colibri.expert_shards)."""
         T, K = ids.shape
-        call = (self._decode if T == 1 and not np.may_share_memory(x, out)
+        call = (self._decode if T == 1 and not many and not np.may_share_memory(x, out)
                 else self._grouped or self.reference)
         if slots is None:
             call(x, ids, weights, out)
@@ -217,8 +220,11 @@ class MoE:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     # experts_hook(x, ids, weights, y) runs the routed experts instead of the mapping's
-    # kernel call when set: an expert cache (colibri.expert_cache) or the telemetry that
-    # watches the mapping (colibri.telemetry). None: the plain call below.
+    # kernel call when set: an expert cache (colibri.expert_cache), the telemetry that
+    # watches the mapping (colibri.telemetry) or remote shards (colibri.expert_shards,
+    # whose hook also has start(x, ids, weights) -> pending and finish(pending, ids,
+    # weights, y), so that the shared expert runs here while the shards work).
+    # None: the plain call below.
     experts_hook: Callable | None = None
 
     def __post_init__(self):
@@ -248,11 +254,31 @@ class MoE:
             weights *= self._scale
         t0 = timings.add("router", t0)
         y = np.empty(x.shape, dtype=np.float32) if out is None else out
-        if self.experts_hook is None:
+        hook = self.experts_hook
+        start = getattr(hook, "start", None)
+        if start is not None:                    # remote experts: the shared one meanwhile
+            pending = start(x, ids, weights)
+            s, gate_values = self._shared(x)
+            t0 = timings.add("shared", t0)
+            hook.finish(pending, ids, weights, y)
+            timings.add("experts", t0)
+            if s is not None:
+                y += s
+            return y, ids, weights, gate_values
+        if hook is None:
             self._experts(x, ids, weights, y)                                        # (T, D)
         else:
-            self.experts_hook(x, ids, weights, y)
+            hook(x, ids, weights, y)
         t0 = timings.add("experts", t0)
+        s, gate_values = self._shared(x)
+        if s is not None:
+            y += s
+            timings.add("shared", t0)
+        return y, ids, weights, gate_values
+
+    def _shared(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The shared expert's output (T, D), gated, and the gate values (T,) (None, None
+        without a shared expert; gate values None when it is ungated)."""
         gate_values = None
         if self.shared is not None:
             g, u, d = self.shared
@@ -262,9 +288,8 @@ class MoE:
                 z = kernels.linear(x, self.shared_gate, threads=self.threads)[:, 0]  # (T,)
                 gate_values = (np.float32(1.0) / (np.float32(1.0) + np.exp(-z))).astype(np.float32)
                 s *= gate_values[:, None]
-            y += s
-            timings.add("shared", t0)
-        return y, ids, weights, gate_values
+            return s, gate_values
+        return None, None
 
 
 @dataclass

@@ -40,7 +40,6 @@ the address Ray reports.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from dataclasses import asdict, replace
@@ -49,9 +48,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from ..errors import ColibriError
+from ..ray_local import LOOPBACK, is_loopback, start_local_ray
 from .app import create_app
-from .settings import Settings, is_loopback, parse_bytes
+from .settings import Settings, parse_bytes
 from .workers import WorkerHeader
 
 __all__ = ["ColibriDeployment", "deployment", "build", "run"]
@@ -59,8 +58,6 @@ __all__ = ["ColibriDeployment", "deployment", "build", "run"]
 log = logging.getLogger("colibri.server.ray")
 
 DEPLOYMENT_NAME = "colibri"
-LOOPBACK = "127.0.0.1"
-RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # Ray's; "0": one machine
 
 
 def _replica_grpc_on_loopback() -> None:
@@ -144,34 +141,6 @@ def build(args: dict[str, str]):
     return deployment(Settings(**fields), replicas=int(args.get("replicas", 1)),
                       autoscaling=autoscaling or None,
                       num_cpus=float(args["num_cpus"]) if "num_cpus" in args else None)
-
-
-def start_local_ray(node_ip: str = LOOPBACK, **options) -> dict:
-    """ray.init of a new local instance without the dashboard whose services bind node_ip
-    (default 127.0.0.1: this machine only); its address_info. ColibriError (after shutting
-    it down) when Ray bound another address than the loopback one asked for (a Ray that
-    picks its address another way)."""
-    from ray._private import ray_constants      # the switch, as Ray read it at import
-    local = is_loopback(node_ip)
-    saved = (ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(RAY_CLUSTER_SWITCH))
-    if local:
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        os.environ[RAY_CLUSTER_SWITCH] = "0"    # for Ray's processes, started from here
-    try:
-        info = ray.init(include_dashboard=False, _node_ip_address=node_ip,
-                        **options).address_info
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved[0]
-        if saved[1] is None:
-            os.environ.pop(RAY_CLUSTER_SWITCH, None)
-        else:
-            os.environ[RAY_CLUSTER_SWITCH] = saved[1]
-    if local and not is_loopback(info["node_ip_address"]):
-        ray.shutdown()
-        raise ColibriError(f"Ray bound its services to {info['node_ip_address']}, not "
-                           f"{node_ip} as asked; start Ray yourself (ray start --head "
-                           f"--node-ip-address {node_ip}) and give --ray-address")
-    return info
 
 
 def run(settings: Settings, replicas: int = 1, autoscaling: dict | None = None,

@@ -5,11 +5,9 @@ built (and pickled to worker processes or Ray replicas) without the server extra
 """
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from ..errors import ColibriError
 from ..kernels import ACTIVATIONS
 from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
+from ..ray_local import is_loopback
 from ..sampling import MAX_TOP_K, REAL_BOUNDS
 
 __all__ = ["Settings", "parse_bytes", "is_loopback", "SAMPLING_DEFAULTS"]
@@ -54,20 +53,6 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"{text!r}: a size must be > 0 bytes")
     return value
-
-
-def is_loopback(host: str) -> bool:
-    """True when every address `host` names is a loopback address (127.0.0.0/8, ::1);
-    a name that does not resolve counts as not loopback."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
 @dataclass

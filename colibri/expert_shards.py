@@ -1,0 +1,436 @@
+"""The experts of one model spread over several Ray actors (expert parallelism on CPUs).
+
+    model = colibri.load("big.colibri", expert_shards=4)            # a local Ray instance
+    model = colibri.load("big.colibri", expert_shards=4, ray_address="auto")   # a cluster
+    colibri serve big.colibri --expert-shards 4 [--ray-address HOST:6379]
+
+The driver (this process) keeps the dense part: embeddings, attention, norms, routers, shared
+experts, the head. Each of N actors owns a disjoint set of the experts of every MoE layer
+(`plan`: balanced by a routing trace's counts, else round-robin) and maps the model file
+from its own node's disk (the path the driver was given; every node needs the file there, as
+with `--ray --replicas`); it touches only its own experts' byte ranges, so its memory is its
+share of the experts.
+
+Per MoE layer and forward call the driver sends every actor that owns one of the chosen
+experts, in one call, the layer's input rows x (T, D) and the (token, k) slots it owns; the
+actor runs the same expert kernels the single process runs, each slot with weight 1, and
+returns one output row per slot. The driver then adds the slots' outputs per token in the
+single process's order (k order for the fused kernel, ascending expert id for
+BiasedExperts), each product rounded and then added as the kernels do, so the logits are
+bit-identical to one process (tests/test_expert_shards.py, every family, N = 1, 2, 4).
+While the actors work, the driver runs the layer's shared expert.
+
+Failure: an actor that dies is restarted by Ray (max_restarts) and maps its shard again; a
+call that was in flight on it raises ExpertShardError naming the shard and the layer (no
+hang: every wait has a timeout), and later calls reach the restarted actor. Figures per
+shard (calls, slots, seconds waited) in `stats()` and the server's /metrics.
+
+Shapes: T token rows, K experts per token, D hidden size, M MoE layers, E experts,
+N shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ColibriError
+from .format import ColibriFile
+
+__all__ = ["DEFAULT_TIMEOUT", "MAX_SHARDS", "ExpertShardError", "ExpertShards", "ShardWorker",
+           "fingerprint", "plan", "shard_experts"]
+
+MAX_SHARDS = 256
+DEFAULT_TIMEOUT = 300.0          # seconds a layer's call may take (a restart reloads a shard)
+
+
+class ExpertShardError(ColibriError, RuntimeError):
+    """An expert shard failed a call (its actor died, timed out or raised)."""
+
+
+def fingerprint(f: ColibriFile) -> str:
+    """What the file holds, comparable across machines (the driver's and an actor's copy):
+    its size and every tensor's name, offset, size and CRC."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(f.file_size).encode())
+    for name in f.tensors:
+        info = f.info(name)
+        h.update(f"{name}:{info.offset}:{info.nbytes}:{info.crc32};".encode())
+    return h.hexdigest()
+
+
+def plan(n_layers: int, n_experts: int, n_shards: int,
+         counts: np.ndarray | None = None) -> np.ndarray:
+    """The owner of every expert: int32 (M, E), values in [0, N).
+
+    counts: int (M, E) tokens that chose each expert (a routing trace's expert_counts), or
+    None. With counts, each layer's experts go heaviest first to the shard with the least
+    load so far (ties: the fewest experts, then the lowest shard), so the shards see about
+    equal work; without, round-robin (expert e of every layer on shard e mod N). N may not
+    exceed E: every shard owns at least one expert of every layer.
+    """
+    if isinstance(n_shards, bool) or not isinstance(n_shards, (int, np.integer)) \
+            or not 1 <= n_shards <= min(n_experts, MAX_SHARDS):
+        raise ValueError(f"expert_shards must be an integer in 1..{min(n_experts, MAX_SHARDS)} "
+                         f"(the model has {n_experts} experts per layer), got {n_shards!r}")
+    owner = np.empty((n_layers, n_experts), np.int32)
+    if counts is None:
+        owner[:] = np.arange(n_experts, dtype=np.int32) % n_shards
+        return owner
+    counts = np.asarray(counts)
+    if counts.shape != (n_layers, n_experts):
+        raise ValueError(f"routing counts have shape {counts.shape}, expected "
+                         f"({n_layers}, {n_experts}) (MoE layers, experts)")
+    for j in range(n_layers):
+        load = np.zeros(n_shards, np.int64)
+        held = np.zeros(n_shards, np.int64)
+        for e in np.argsort(-counts[j], kind="stable"):
+            free = np.flatnonzero(held < -(-n_experts // n_shards))   # at most ceil(E / N)
+            s = free[np.lexsort((free, held[free], load[free]))[0]]
+            owner[j, e] = s
+            load[s] += int(counts[j, e])
+            held[s] += 1
+    return owner
+
+
+def _expert_calls(f: ColibriFile, buf: np.ndarray, layer: int, threads: int,
+                  activations: str):
+    """The routed-expert call of one MoE layer as Model builds it: (call, biased), call(x,
+    ids, weights, out) over the mapping; biased: a moe.BiasedExperts (else the fused kernel)."""
+    from . import kernels
+    from .moe import BiasedExperts
+    from .weights import expert_ref, vector
+    c = f.model_config
+    mlp = ("w_gate", "w_up", "w_down")
+    stacks = [expert_ref(f, buf, layer, n, c.num_experts) for n in mlp]
+    if c.expert_bias or c.expert_activation != "silu":
+        p = f"layers.{layer}."
+        biases = ([vector(f, f"{p}moe.b_{n[2:]}") for n in mlp] if c.expert_bias
+                  else [None] * 3)
+        return BiasedExperts(*stacks, *biases, c.expert_activation, c.swiglu_alpha,
+                             c.swiglu_limit, threads, activations), True
+    return kernels.prepare_expert_ffn(*stacks, threads=threads, activations=activations), False
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+class ShardWorker:
+    """One shard's experts (the body of a Ray actor; usable in process too).
+
+    path: the .colibri file on this node; version: the driver's fingerprint of it (a
+    different file is refused); owned: {MoE layer number: the experts this shard owns};
+    threads, activations: as the driver's model (the same kernels, the same bits);
+    latency: seconds slept before each run() (an injected network delay, for measuring;
+    at most 10).
+    """
+
+    def __init__(self, path: str, version: str, owned: dict[int, list[int]], threads: int,
+                 activations: str, index: int = 0, latency: float = 0.0):
+        if not 0 <= latency <= 10:
+            raise ValueError(f"latency must be in [0, 10] seconds, got {latency!r}")
+        self.latency = float(latency)
+        from .expert_cache import weights_buffer
+        self.index = index
+        self.file = ColibriFile(path)
+        found = fingerprint(self.file)
+        if found != version:
+            raise ExpertShardError(f"expert shard {index}: {path} on this node is not the "
+                                   f"driver's model file (fingerprint {found}, the driver's "
+                                   f"{version})")
+        buf = weights_buffer(self.file, None, True)
+        self.owned = {int(k): np.asarray(v, np.int32) for k, v in owned.items()}
+        self.calls = {layer: _expert_calls(self.file, buf, layer, threads, activations)
+                      for layer in self.owned}
+        self.pid = os.getpid()
+
+    def ready(self) -> int:
+        """The actor's process id, once its shard is mapped."""
+        return self.pid
+
+    def run(self, layer: int, x: np.ndarray, slots: np.ndarray, ids: np.ndarray,
+            K: int) -> np.ndarray:
+        """The outputs of the slots this shard owns, each with routing weight 1.
+
+        x float32 (T, D): the layer's input rows; slots int64 (S,) ascending, t * K + k;
+        ids int32 (S,) their experts (this shard's) -> float32 (S, D), row s = expert
+        ids[s] of token slots[s] // K, computed as the single process's kernel computes it:
+        with T = 1 one call per slot (the one-token path), else one call over the slots'
+        token rows with one expert each (each expert sees the same tokens, in the same
+        order, as in the single call over all slots).
+        """
+        if self.latency:
+            time.sleep(self.latency)
+        call, biased = self.calls[layer]
+        if not np.isin(ids, self.owned[layer]).all():
+            raise ExpertShardError(f"expert shard {self.index}: layer {layer} asked for "
+                                   f"experts it does not own")
+        T, D = x.shape
+        S = slots.shape[0]
+        out = np.empty((S, D), np.float32)
+        ones = np.ones((1, 1), np.float32)
+        if T == 1:
+            for s in range(S):
+                call(x, ids[s:s + 1].reshape(1, 1), ones, out[s:s + 1])
+            return out
+        rows = np.ascontiguousarray(x[slots // K])
+        ids2 = np.ascontiguousarray(ids.reshape(S, 1))
+        w = np.ones((S, 1), np.float32)
+        if biased:                 # the many-token path even when S == 1 (its bits)
+            call(rows, ids2, w, out, many=True)
+        else:
+            call(rows, ids2, w, out)
+        return out
+
+
+@dataclass
+class ShardStats:
+    """Per shard: calls made, slots (token-expert pairs) sent, seconds from the call to its
+    result (the round trip as the driver saw it), failures."""
+    calls: np.ndarray
+    slots: np.ndarray
+    seconds: np.ndarray
+    failures: np.ndarray
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def zeros(cls, n: int) -> "ShardStats":
+        return cls(np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.float64),
+                   np.zeros(n, np.int64))
+
+
+class _LayerExperts:
+    """moe.MoE's experts_hook for one layer: start() sends the calls, finish() combines."""
+
+    def __init__(self, shards: "ExpertShards", layer: int, j: int, biased: bool):
+        self.shards, self.layer, self.j, self.biased = shards, layer, j, biased
+
+    def start(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray):
+        return self.shards.start(self.layer, self.j, x, ids)
+
+    def finish(self, pending, ids: np.ndarray, weights: np.ndarray, y: np.ndarray) -> None:
+        og = self.shards.finish(pending)                         # (T*K, D) slot outputs
+        combine(og, ids, weights, y, self.biased)
+
+    def __call__(self, x, ids, weights, y) -> None:
+        self.finish(self.start(x, ids, weights), ids, weights, y)
+
+
+def combine(og: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray,
+            by_id: bool) -> np.ndarray:
+    """y (T, D) = sum over k of weights[t, k] * og[t * K + k], the product rounded and then
+    added, from zero: in k order (the fused kernel's combine) or, by_id, in ascending
+    expert id (stable; BiasedExperts')."""
+    T, K = ids.shape
+    og3 = og.reshape(T, K, -1)
+    w = weights
+    if by_id:
+        order = np.argsort(ids, axis=1, kind="stable")
+        og3 = np.take_along_axis(og3, order[:, :, None], axis=1)
+        w = np.take_along_axis(weights, order, axis=1)
+    y[...] = 0
+    for k in range(K):
+        y += og3[:, k, :] * w[:, k, None]
+    return y
+
+
+class ExpertShards:
+    """N Ray actors holding a model's experts; attach() routes every MoE layer through them.
+
+    model: the driver's Model; n: shards; owner: plan()'s table or None (round-robin);
+    threads: kernel threads per actor (None: its node's physical cores); num_cpus: Ray CPUs
+    each actor reserves (default threads, 1 when None); timeout: seconds a call may take;
+    latency: seconds each actor sleeps per call (an injected network delay, for measuring).
+    Ray must be initialised (colibri.load does it).
+    """
+
+    def __init__(self, model, n: int, *, owner: np.ndarray | None = None,
+                 threads: int | None = None, num_cpus: float | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, max_restarts: int = -1,
+                 latency: float = 0.0):
+        import ray
+        self._ray = ray
+        f = model.file
+        layers = list(model.moe_layers)
+        self.layers = layers
+        self.n = int(n)
+        self.owner = plan(len(layers), f.n_experts, self.n) if owner is None else owner
+        self.timeout = float(timeout)
+        self.version = fingerprint(f)
+        self.stats_ = ShardStats.zeros(self.n)
+        self.K = model.config.num_experts_per_tok
+        worker = ray.remote(ShardWorker).options(
+            num_cpus=(threads or 1) if num_cpus is None else num_cpus,
+            max_restarts=max_restarts, max_task_retries=0,
+            runtime_env={"env_vars": {"COLIBRI_NUM_THREADS": str(threads)}} if threads else None)
+        path = os.path.abspath(f.path)
+        t = threads or model.threads
+        self.actors = []
+        for s in range(self.n):
+            owned = {layer: np.flatnonzero(self.owner[j] == s).tolist()
+                     for j, layer in enumerate(layers)}
+            self.actors.append(worker.remote(path, self.version, owned, t, model.activations,
+                                             s, latency))
+        self.pids = self._get([a.ready.remote() for a in self.actors], "start")
+        self._suspect: set[int] = set()       # shards whose last call failed
+        self._model = model
+        self._hooked = []
+        self.attach(model)
+
+    # -- the calls ----------------------------------------------------------------------------
+    def _get(self, refs, what: str):
+        """ray.get of the ready() refs at start, as ExpertShardError on failure or timeout."""
+        ray = self._ray
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ExpertShardError(f"expert shards: no answer to {what} within "
+                                   f"{self.timeout:.0f} s") from None
+        except ray.exceptions.RayError as e:
+            raise ExpertShardError(f"expert shards failed {what}: {_first_line(e)}") from None
+
+    def start(self, layer: int, j: int, x: np.ndarray, ids: np.ndarray):
+        """Send layer `layer`'s (MoE index j) input x (T, D) and ids (T, K) to the shards
+        owning the chosen experts; returns what finish() needs."""
+        T, K = ids.shape
+        flat = ids.reshape(-1)
+        owner = self.owner[j][flat]                                      # (T*K,)
+        xr = x if T == 1 else self._ray.put(x)
+        calls = []
+        for s in np.unique(owner).tolist():
+            if s in self._suspect:
+                self._await_restart(s)
+            slots = np.flatnonzero(owner == s)
+            calls.append((s, slots, self.actors[s].run.remote(layer, xr, slots, flat[slots],
+                                                              K)))
+        return calls, T * K, x.shape[1], layer, time.perf_counter()
+
+    def _result(self, s: int, ref, layer: int, deadline: float) -> np.ndarray:
+        """Shard s's answer to ref; ExpertShardError when its actor died (or was
+        restarting), it raised, or the timeout passed. The shard is then marked: the next
+        call to it first waits for the actor Ray restarts."""
+        ray = self._ray
+        try:
+            return ray.get(ref, timeout=max(0.0, deadline - time.perf_counter()))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=False)
+            problem = f"no answer within {self.timeout:.0f} s"
+        except ray.exceptions.RayError as e:
+            problem = _first_line(e)
+        with self.stats_.lock:
+            self.stats_.failures[s] += 1
+            self._suspect.add(s)
+        raise ExpertShardError(f"expert shard {s} failed layer {layer}: {problem} (Ray "
+                               f"restarts a dead actor; later calls reach it)")
+
+    def _await_restart(self, s: int) -> None:
+        """Before a call to a shard whose last call failed: wait (at most the timeout) until
+        its actor answers again."""
+        ray = self._ray
+        deadline = time.perf_counter() + self.timeout
+        while True:
+            try:
+                self.pids[s] = ray.get(self.actors[s].ready.remote(),
+                                       timeout=max(0.0, deadline - time.perf_counter()))
+                break
+            except ray.exceptions.ActorUnavailableError as e:   # restarting: ask again
+                if time.perf_counter() > deadline:
+                    raise ExpertShardError(f"expert shard {s} has not come back within "
+                                           f"{self.timeout:.0f} s: {_first_line(e)}") from None
+                time.sleep(0.05)
+            except ray.exceptions.RayError as e:
+                raise ExpertShardError(f"expert shard {s} has not come back: "
+                                       f"{_first_line(e)}") from None
+        with self.stats_.lock:
+            self._suspect.discard(s)
+
+    def finish(self, pending) -> np.ndarray:
+        """The slot outputs float32 (T*K, D) of a start()."""
+        calls, TK, D, layer, t0 = pending
+        deadline = t0 + self.timeout
+        og = np.empty((TK, D), np.float32)
+        st = self.stats_
+        error = None
+        for s, slots, ref in calls:
+            try:
+                og[slots] = self._result(s, ref, layer, deadline)
+            except ExpertShardError as e:        # collect the others' answers first
+                error = error or e
+                continue
+            dt = time.perf_counter() - t0
+            with st.lock:
+                st.calls[s] += 1
+                st.slots[s] += slots.size
+                st.seconds[s] += dt
+        if error is not None:
+            raise error
+        return og
+
+    # -- the model's side -----------------------------------------------------------------------
+    def attach(self, model) -> None:
+        """Every MoE layer of `model` runs its routed experts on the shards."""
+        for j, layer in enumerate(self.layers):
+            moe = model.layers[layer].ffn
+            moe.experts_hook = _LayerExperts(self, layer, j, moe.biased_experts is not None)
+            self._hooked.append(moe)
+
+    def stats(self) -> dict:
+        """Per shard: experts owned, actor pid, calls, slots, seconds waited, failures."""
+        st = self.stats_
+        with st.lock:
+            return {"shards": self.n, "per_shard": [
+                {"shard": s, "pid": int(self.pids[s]),
+                 "experts": int((self.owner == s).sum()),
+                 "calls": int(st.calls[s]), "slots": int(st.slots[s]),
+                 "seconds": float(st.seconds[s]), "failures": int(st.failures[s])}
+                for s in range(self.n)]}
+
+    def close(self) -> None:
+        """Detach from the model and stop the actors."""
+        for moe in self._hooked:
+            moe.experts_hook = None
+        self._hooked = []
+        for a in self.actors:
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:       # Ray already shut down
+                pass
+        self.actors = []
+
+
+def shard_experts(model, n: int, *, ray_address: str | None = None,
+                  threads: int | None = None, counts: np.ndarray | None = None,
+                  timeout: float = DEFAULT_TIMEOUT, latency: float = 0.0) -> ExpertShards:
+    """Spread `model`'s experts over n Ray actors and route its MoE layers through them.
+
+    ray_address: the Ray cluster to join ("auto", "HOST:PORT"); None: the running Ray of
+    this process, else a new local instance bound to loopback (colibri.ray_local).
+    threads: kernel threads per actor (None: the driver model's count); counts: int (M, E)
+    routing counts to balance the shards by (a Trace's expert_counts), else round-robin;
+    timeout: seconds a layer's call may take; latency: an injected per-call delay (seconds).
+    A model with shards already attached has them closed first.
+    """
+    from .extras import require_extra
+    require_extra("ray", "ray", "expert_shards")
+    import ray
+    if not model.moe_layers:
+        raise ValueError(f"{model.file.path}: the model has no MoE layers to shard")
+    owner = plan(len(model.moe_layers), model.file.n_experts, n, counts)
+    if getattr(model, "expert_shards", None) is not None:
+        model.expert_shards.close()
+    if not ray.is_initialized():
+        if ray_address is None:
+            from .ray_local import start_local_ray
+            # logical CPUs enough for every actor's threads (one machine: they share it)
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, n * (threads or model.threads)))
+        else:
+            ray.init(address=ray_address)
+    shards = ExpertShards(model, n, owner=owner, threads=threads or model.threads,
+                          timeout=timeout, latency=latency)
+    model.expert_shards = shards
+    return shards
