@@ -152,3 +152,53 @@ def test_an_actor_killed_mid_call_fails_that_call_cleanly_and_the_next_succeeds(
         stats = shards.stats()["per_shard"]
         assert stats[1]["failures"] == 1 and stats[0]["failures"] == 0
         assert stats[1]["pid"] not in (victim, stats[0]["pid"])      # a new process
+
+
+def _shard_processes() -> list:
+    import psutil
+    return [p for p in psutil.process_iter(["cmdline"])
+            if any("ShardWorker" in part for part in (p.info["cmdline"] or []))]
+
+
+def test_serve_expert_shards_answers_as_one_process_and_survives_a_killed_actor(colibri_file):
+    """`colibri serve MODEL --expert-shards 2` with the official openai client: the greedy
+    completion of one process, per-shard figures in /metrics; an actor killed between
+    requests costs at most the next request (a clean 500, no hang), the one after answers."""
+    from server_helpers import ServerProcess, client, request
+    path = colibri_file("olmoe")
+    with colibri.load(path, threads=1) as one:
+        want = one.generate(np.arange(3, 11), max_new_tokens=12).tolist()
+    if ray.is_initialized():
+        ray.shutdown()
+    server = ServerProcess(str(path), "--expert-shards", "2", "--shard-threads", "1")
+    try:
+        api = client(server.url)
+
+        r = api.completions.create(model="olmoe-q4", prompt=list(range(3, 11)), max_tokens=12,
+                                   temperature=0, timeout=60)
+        assert r.usage.completion_tokens == 12
+        text = r.choices[0].text
+        with colibri.load(path, threads=1) as one:
+            assert text == one.tokenizer.decode(want)
+        status, _, metrics = request(server.url, "GET", "/metrics")
+        assert status == 200
+        for s in ("0", "1"):
+            calls = [line for line in metrics.splitlines()
+                     if line.startswith(f'colibri_expert_shard_calls_total{{shard="{s}"}}')]
+            assert calls and float(calls[0].split()[-1]) > 0
+        victims = _shard_processes()
+        assert len(victims) == 2
+        victims[0].kill()
+        import openai
+        try:
+            after = api.completions.create(model="olmoe-q4", prompt=list(range(3, 11)),
+                                           max_tokens=12, temperature=0, timeout=60).choices[0].text
+            assert after == text
+        except openai.InternalServerError as e:
+            assert "engine" in str(e)
+        again = api.completions.create(model="olmoe-q4", prompt=list(range(3, 11)), max_tokens=12,
+                                       temperature=0, timeout=60).choices[0].text
+        assert again == text
+    finally:
+        assert server.stop() == 0
+    assert not _shard_processes()              # the server's actors went with it

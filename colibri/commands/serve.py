@@ -95,8 +95,16 @@ def register(subparsers, parents=()) -> None:
                         "--host:--port")
     p.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="Ray Serve replicas with --ray (default: %(default)s)")
+    p.add_argument("--expert-shards", type=int, default=0, metavar="N",
+                   help="put the experts of every MoE layer on N Ray actors (the ray extra; "
+                        "implies --ray): this server keeps the dense part, each actor maps "
+                        "MODEL from its node's disk and holds 1/N of the experts "
+                        "(docs/serving.md#experts-on-several-machines)")
+    p.add_argument("--shard-threads", type=int, default=None, metavar="N",
+                   help="kernel threads per expert shard (default: --threads)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="the Ray cluster to join with --ray (default: start a local one)")
+                   help="the Ray cluster to join with --ray or --expert-shards (default: "
+                        "start a local one)")
     p.add_argument("--ray-node-ip", default="127.0.0.1", metavar="ADDRESS",
                    help="the address the services of the local Ray instance (GCS, raylet, "
                         "object manager, workers) bind and advertise, with --ray and no "
@@ -137,7 +145,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
                     model_name=args.model_name, log_level=args.log_level,
                     draft=args.draft, draft_tokens=args.draft_tokens,
-                    webui=args.webui,
+                    webui=args.webui, expert_shards=args.expert_shards,
+                    ray_address=args.ray_address, shard_threads=args.shard_threads,
                     defaults={k: getattr(args, k) for k in SAMPLING_DEFAULTS
                               if getattr(args, k) is not None})
 
@@ -151,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1 or args.replicas < 1:
         raise ColibriError(f"--workers {args.workers} / --replicas {args.replicas}: must be "
                            f">= 1")
+    if args.expert_shards:
+        require_extra("ray", "ray", "colibri serve --expert-shards")
+        if args.replicas > 1 or args.workers > 1:
+            raise ColibriError("--expert-shards serves one model from one process over its "
+                               "shards: not with --replicas or --workers")
+        serve(settings)              # the model's experts on Ray actors (colibri.load)
+        return 0
     if args.ray:
         require_extra("ray.serve", "ray", "colibri serve --ray")
         from ..server.ray_serve import run as run_on_ray

@@ -79,6 +79,8 @@ class Engine:
         def drain():
             self.scheduler.stop(drain=True)
             self.scheduler.prefix_cache.clear()
+            if self.model.expert_shards is not None:     # its actors: the new version has its own
+                self.model.expert_shards.close()
             log.info("model version %s retired (its requests finished)", self.version)
         t = threading.Thread(target=drain, name=f"colibri-retire-{self.version}", daemon=True)
         t.start()
@@ -141,7 +143,8 @@ class ModelHolder:
     def _engine(self, file: ColibriFile) -> Engine:
         s = self.settings
         return Engine(Model(file, threads=s.threads, activations=s.activations,
-                            kv_dtype=s.kv_dtype), s)
+                            kv_dtype=s.kv_dtype, expert_shards=s.expert_shards,
+                            ray_address=s.ray_address, shard_threads=s.shard_threads), s)
 
     def start(self) -> None:
         """Start the current engine's scheduler thread (idempotent)."""
@@ -153,6 +156,8 @@ class ModelHolder:
         self.current.scheduler.stop(drain=drain)
         for t in self._retiring:
             t.join()
+        if self.current.model.expert_shards is not None:
+            self.current.model.expert_shards.close()
 
     def reload(self) -> ReloadResult:
         """Reopen the model file named at start: validate the new file fully, build its

@@ -10,7 +10,9 @@ serving: colibri_prefix_cache_hits_total / _misses_total (prompt tokens copied f
 computed), colibri_prefix_cache_lookups_total (prompts), colibri_prefix_cache_evictions_total
 (blocks), colibri_prefix_cache_bytes, colibri_prefix_cache_capacity_bytes,
 colibri_prefix_cache_blocks (a reload starts them again at 0); with serve --draft
-colibri_draft_tokens_total and colibri_draft_accepted_tokens_total. Each app has its own
+colibri_draft_tokens_total and colibri_draft_accepted_tokens_total; with serve
+--expert-shards, per shard (label shard): colibri_expert_shard_calls_total, _slots_total,
+_seconds_total, _failures_total and colibri_expert_shard_experts. Each app has its own
 registry (several apps can live in one
 process, as in the tests and under Ray Serve).
 """
@@ -94,6 +96,25 @@ class _EngineCollector:
             c.add_metric([], value)
             yield c
         yield from _prefix_metrics(s["prefix_cache"])
+        shards = engine.model.expert_shards
+        if shards is not None:                        # serve --expert-shards
+            yield from _shard_metrics(shards.stats())
+
+
+def _shard_metrics(st: dict):
+    """Per expert shard (ExpertShards.stats()), labelled shard="0".."N-1"."""
+    for key, kind, doc in (
+            ("calls", CounterMetricFamily, "layer calls answered by the expert shard"),
+            ("slots", CounterMetricFamily, "token-expert pairs the expert shard computed"),
+            ("seconds", CounterMetricFamily, "seconds from sending a layer call to the "
+             "expert shard to its answer (sum; / calls: the mean round trip)"),
+            ("failures", CounterMetricFamily, "layer calls the expert shard failed (its "
+             "actor died, raised or timed out)"),
+            ("experts", GaugeMetricFamily, "experts (of all MoE layers) the shard owns")):
+        m = kind(f"colibri_expert_shard_{key}", doc, labels=["shard"])
+        for row in st["per_shard"]:
+            m.add_metric([str(row["shard"])], row[key])
+        yield m
 
 
 def _prefix_metrics(p: dict):

@@ -79,6 +79,9 @@ class Settings:
         a draft .colibri file with the model's tokenizer; None: off. draft_tokens: the most
         drafts per verification (1..32).
     webui: serve the chat and routing page at / (webui.py); False: / is a 404.
+    expert_shards: N > 0 puts the experts on N Ray actors (colibri.expert_shards), joining
+        the cluster at ray_address (None: a local instance on loopback); shard_threads:
+        kernel threads per actor (None: threads).
     defaults: the sampling values of the fields a request leaves out, as llama-server's
         --temp / --top-k / -n set them (serve's flags): keys of SAMPLING_DEFAULTS; without a
         key, the OpenAI default. max_tokens -1: the rest of the context.
@@ -107,6 +110,9 @@ class Settings:
     draft: str | None = None
     draft_tokens: int = 4
     webui: bool = True
+    expert_shards: int = 0
+    ray_address: str | None = None
+    shard_threads: int | None = None
     defaults: dict = field(default_factory=dict)
 
     def model_path(self) -> Path:
@@ -130,6 +136,12 @@ class Settings:
                                      ("draft_tokens", self.draft_tokens, 1)):
             if value is not None and value < minimum:
                 raise ColibriError(f"{name} {value} is out of range (must be >= {minimum})")
+        if isinstance(self.expert_shards, bool) or not isinstance(self.expert_shards, int) \
+                or not 0 <= self.expert_shards <= 256:
+            raise ColibriError(f"expert_shards {self.expert_shards!r} is out of range "
+                               f"(0..256; 0: the experts in this process)")
+        if self.shard_threads is not None and not 1 <= self.shard_threads <= 1024:
+            raise ColibriError(f"shard_threads {self.shard_threads} is out of range (1..1024)")
         if self.draft_tokens > 32:
             raise ColibriError(f"draft_tokens {self.draft_tokens} is out of range (1..32)")
         if self.draft is not None and self.draft != "prompt-lookup" and not Path(
