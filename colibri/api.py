@@ -81,7 +81,9 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         ("auto", "HOST:PORT"; None: the running Ray of this process or a new local one on
         loopback); shard_threads: kernel threads per actor (default: threads);
         shard_counts: int (M, E) routing counts (a Trace's expert_counts) to balance the
-        shards by, else round-robin. model.close() stops the actors.
+        shards by, else round-robin. With expert_shards, memory_budget is each actor's: the
+        bytes its experts may hold (an expert cache per actor; the dense part stays here).
+        model.close() stops the actors.
     cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
         "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
         "previous" or "both"; colibri.prefetch).

@@ -30,6 +30,7 @@ N shards.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -42,7 +43,7 @@ from .errors import ColibriError
 from .format import ColibriFile
 
 __all__ = ["DEFAULT_TIMEOUT", "MAX_SHARDS", "ExpertShardError", "ExpertShards", "ShardWorker",
-           "fingerprint", "plan", "shard_experts"]
+           "budget_check", "fingerprint", "plan", "shard_experts"]
 
 MAX_SHARDS = 256
 DEFAULT_TIMEOUT = 300.0          # seconds a layer's call may take (a restart reloads a shard)
@@ -116,8 +117,41 @@ def _expert_calls(f: ColibriFile, buf: np.ndarray, layer: int, threads: int,
     return kernels.prepare_expert_ffn(*stacks, threads=threads, activations=activations), False
 
 
+class _CachedCall:
+    """An expert cache's layer hook as the worker calls a layer's experts (the many=
+    argument of BiasedExperts is the cache's business: it forwards T rows as they are)."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __call__(self, x, ids, weights, out, many: bool = False):
+        self.hook(x, ids, weights, out)
+
+
 def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    """The error's type and first line, and its last line when that differs (Ray puts the
+    actor's own exception there)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0][:300] if lines else ""
+    if len(lines) > 1:
+        text += f" ... {lines[-1][:300]}"
+    return f"{type(e).__name__}: {text}"
+
+
+def budget_check(owner: np.ndarray, slot_bytes: int, budget: int) -> None:
+    """MemoryBudgetError unless `budget` bytes hold, on every shard, the most experts it
+    owns in one layer (owner: plan()'s table; slot_bytes: one expert block, page-rounded)."""
+    from .expert_cache import MemoryBudgetError
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
+                         f"{budget!r}")
+    for s in range(int(owner.max()) + 1):
+        need = int((owner == s).sum(axis=1).max()) * slot_bytes
+        if budget < need:
+            raise MemoryBudgetError(
+                f"memory budget {budget} bytes per expert shard is below what shard {s} "
+                f"needs: its largest layer's experts, {need} bytes "
+                f"({need // slot_bytes} x {slot_bytes})")
 
 
 class ShardWorker:
@@ -127,11 +161,14 @@ class ShardWorker:
     different file is refused); owned: {MoE layer number: the experts this shard owns};
     threads, activations: as the driver's model (the same kernels, the same bits);
     latency: seconds slept before each run() (an injected network delay, for measuring;
-    at most 10).
+    at most 10). memory_budget: bytes this shard's experts may hold (None: the page cache
+    decides): an expert cache (colibri.expert_cache's arena) of budget // block slots;
+    at least the most experts it owns in one layer (a prefill may use them all).
     """
 
     def __init__(self, path: str, version: str, owned: dict[int, list[int]], threads: int,
-                 activations: str, index: int = 0, latency: float = 0.0):
+                 activations: str, index: int = 0, latency: float = 0.0,
+                 memory_budget: int | None = None):
         if not 0 <= latency <= 10:
             raise ValueError(f"latency must be in [0, 10] seconds, got {latency!r}")
         self.latency = float(latency)
@@ -147,7 +184,46 @@ class ShardWorker:
         self.owned = {int(k): np.asarray(v, np.int32) for k, v in owned.items()}
         self.calls = {layer: _expert_calls(self.file, buf, layer, threads, activations)
                       for layer in self.owned}
+        self.cache = None
+        if memory_budget is not None:
+            self.cache = self._expert_cache(buf, threads, activations, int(memory_budget))
         self.pid = os.getpid()
+
+    def _expert_cache(self, buf, threads: int, activations: str, budget: int):
+        """An ExpertCache over this shard's experts: their blocks in an arena of
+        budget // block slots (the dense part is the driver's: none of the budget)."""
+        from types import SimpleNamespace
+
+        from .expert_cache import ExpertCache, MemoryBudgetError, memory_plan
+        from .weights import expert_ref
+        sizes = memory_plan(self.file)
+        need = max(len(v) for v in self.owned.values()) * sizes.slot_bytes
+        if budget < need:
+            raise MemoryBudgetError(
+                f"expert shard {self.index}: memory budget {budget} bytes is below its "
+                f"largest layer's experts, {need} bytes")
+        n = min(budget // sizes.slot_bytes, sum(len(v) for v in self.owned.values()))
+        plan = dataclasses.replace(sizes, dense_ranges=(), dense_bytes=0, budget=budget,
+                                   n_slots=int(n))
+        layers = {}
+        for layer, (call, biased) in self.calls.items():      # what the cache reads of a layer
+            stacks = [expert_ref(self.file, buf, layer, p, self.file.n_experts)
+                      for p in ("w_gate", "w_up", "w_down")]
+            layers[layer] = SimpleNamespace(ffn=SimpleNamespace(
+                w_gate=stacks[0], w_up=stacks[1], w_down=stacks[2], threads=threads,
+                activations=activations, biased_experts=call if biased else None,
+                experts_hook=None, _experts=call))
+        shim = SimpleNamespace(file=self.file, buffer=buf, layers=layers)
+        cache = ExpertCache(shim, plan)
+        for layer in self.calls:                  # run() calls through the cache now
+            hook = layers[layer].ffn.experts_hook
+            biased = self.calls[layer][1]
+            self.calls[layer] = (_CachedCall(hook), biased)
+        return cache
+
+    def cache_stats(self) -> dict | None:
+        """The shard's expert cache counters (ExpertCache.stats()), or None without one."""
+        return None if self.cache is None else self.cache.stats()
 
     def ready(self) -> int:
         """The actor's process id, once its shard is mapped."""
@@ -245,14 +321,15 @@ class ExpertShards:
     model: the driver's Model; n: shards; owner: plan()'s table or None (round-robin);
     threads: kernel threads per actor (None: its node's physical cores); num_cpus: Ray CPUs
     each actor reserves (default threads, 1 when None); timeout: seconds a call may take;
-    latency: seconds each actor sleeps per call (an injected network delay, for measuring).
+    latency: seconds each actor sleeps per call (an injected network delay, for measuring);
+    memory_budget: bytes each actor's experts may hold (ShardWorker), None: no limit.
     Ray must be initialised (colibri.load does it).
     """
 
     def __init__(self, model, n: int, *, owner: np.ndarray | None = None,
                  threads: int | None = None, num_cpus: float | None = None,
                  timeout: float = DEFAULT_TIMEOUT, max_restarts: int = -1,
-                 latency: float = 0.0):
+                 latency: float = 0.0, memory_budget: int | None = None):
         import ray
         self._ray = ray
         f = model.file
@@ -275,7 +352,7 @@ class ExpertShards:
             owned = {layer: np.flatnonzero(self.owner[j] == s).tolist()
                      for j, layer in enumerate(layers)}
             self.actors.append(worker.remote(path, self.version, owned, t, model.activations,
-                                             s, latency))
+                                             s, latency, memory_budget))
         self.pids = self._get([a.ready.remote() for a in self.actors], "start")
         self._suspect: set[int] = set()       # shards whose last call failed
         self._model = model
@@ -405,14 +482,16 @@ class ExpertShards:
 
 def shard_experts(model, n: int, *, ray_address: str | None = None,
                   threads: int | None = None, counts: np.ndarray | None = None,
-                  timeout: float = DEFAULT_TIMEOUT, latency: float = 0.0) -> ExpertShards:
+                  timeout: float = DEFAULT_TIMEOUT, latency: float = 0.0,
+                  memory_budget: int | None = None) -> ExpertShards:
     """Spread `model`'s experts over n Ray actors and route its MoE layers through them.
 
     ray_address: the Ray cluster to join ("auto", "HOST:PORT"); None: the running Ray of
     this process, else a new local instance bound to loopback (colibri.ray_local).
     threads: kernel threads per actor (None: the driver model's count); counts: int (M, E)
     routing counts to balance the shards by (a Trace's expert_counts), else round-robin;
-    timeout: seconds a layer's call may take; latency: an injected per-call delay (seconds).
+    timeout: seconds a layer's call may take; latency: an injected per-call delay (seconds);
+    memory_budget: bytes of experts each actor may hold (an expert cache per actor).
     A model with shards already attached has them closed first.
     """
     from .extras import require_extra
@@ -421,6 +500,9 @@ def shard_experts(model, n: int, *, ray_address: str | None = None,
     if not model.moe_layers:
         raise ValueError(f"{model.file.path}: the model has no MoE layers to shard")
     owner = plan(len(model.moe_layers), model.file.n_experts, n, counts)
+    if memory_budget is not None:
+        from .expert_cache import memory_plan
+        budget_check(owner, memory_plan(model.file).slot_bytes, memory_budget)
     if getattr(model, "expert_shards", None) is not None:
         model.expert_shards.close()
     if not ray.is_initialized():
@@ -431,6 +513,6 @@ def shard_experts(model, n: int, *, ray_address: str | None = None,
         else:
             ray.init(address=ray_address)
     shards = ExpertShards(model, n, owner=owner, threads=threads or model.threads,
-                          timeout=timeout, latency=latency)
+                          timeout=timeout, latency=latency, memory_budget=memory_budget)
     model.expert_shards = shards
     return shards

@@ -167,7 +167,9 @@ class Model:
         self._tokenizer = None
         self._tokenizer_loaded = False
         # a memory budget (colibri.expert_cache): checked before anything is read
-        self._plan = None if memory_budget is None else memory_plan(self.file, memory_budget)
+        # (with expert_shards the budget is each shard's: its experts' cache)
+        self._plan = (None if memory_budget is None or expert_shards
+                      else memory_plan(self.file, memory_budget))
         self._mapped = bool(mmap)
         self.memory_locked = False
         self._build()
@@ -179,12 +181,10 @@ class Model:
         # the experts on Ray actors (colibri.expert_shards), the dense part here
         self.expert_shards = None
         if expert_shards:
-            if memory_budget is not None:
-                raise ValueError("memory_budget with expert_shards: the budget is the "
-                                 "shards' (shard_memory_budget), not the driver's")
             from .expert_shards import shard_experts   # Ray: only when asked for
             self.expert_shards = shard_experts(self, expert_shards, ray_address=ray_address,
-                                               threads=shard_threads, counts=shard_counts)
+                                               threads=shard_threads, counts=shard_counts,
+                                               memory_budget=memory_budget)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:

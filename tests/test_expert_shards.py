@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
+from colibri.expert_cache import MemoryBudgetError, memory_plan  # noqa: E402
 from colibri.expert_shards import ExpertShardError, plan, shard_experts  # noqa: E402
 from colibri.ray_local import start_local_ray  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
@@ -130,8 +131,27 @@ def test_refusals_name_the_problem(local_ray, colibri_file):
     with pytest.raises(ValueError, match=r"expert_shards must be an integer in 1..4 \(the "
                                          r"model has 4 experts per layer\), got 5"):
         colibri.load(path, threads=1, expert_shards=5)
-    with pytest.raises(ValueError, match="memory_budget with expert_shards"):
-        colibri.load(path, threads=1, expert_shards=2, memory_budget=1 << 30)
+    slot = memory_plan(colibri.ColibriFile(path)).slot_bytes
+    with pytest.raises(MemoryBudgetError,
+                       match=rf"memory budget {slot} bytes per expert shard is below what "
+                             rf"shard 0 needs: its largest layer's experts, {2 * slot} bytes"):
+        colibri.load(path, threads=1, expert_shards=2, memory_budget=slot)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_each_shard_under_a_memory_budget_gives_the_same_logits(local_ray, colibri_file,
+                                                                family):
+    """Two shards, each with room for 3 of its 4 experts (2 layers x 2 owned): blocks are
+    read in and evicted, and the logits stay those of one process without a budget."""
+    path = colibri_file(family)
+    with colibri.load(path, threads=1) as one, \
+            colibri.load(path, threads=1, expert_shards=2, shard_threads=1,
+                         memory_budget=3 * memory_plan(
+                             one.file).slot_bytes) as sharded:
+        for a, b in zip(_run(one, one.vocab_size), _run(sharded, one.vocab_size)):
+            np.testing.assert_array_equal(a, b)
+        stats = [ray.get(a.cache_stats.remote()) for a in sharded.expert_shards.actors]
+        assert all(s["misses"] > 4 and s["hits"] > 0 for s in stats)    # evictions happened
 
 
 def test_an_actor_killed_mid_call_fails_that_call_cleanly_and_the_next_succeeds(
