@@ -84,6 +84,14 @@ class MemoryPlan:
         return self.dense_bytes + self.n_experts * self.slot_bytes
 
 
+def check_memory_budget(budget) -> None:
+    """ValueError unless `budget` is None or a whole number of bytes >= 0."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(
+            budget, (int, np.integer)) or budget < 0):
+        raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
+                         f"{budget!r}")
+
+
 def memory_plan(f: ColibriFile, budget: int | None = None) -> MemoryPlan:
     """The plan of `f` for `budget` bytes (None: only the sizes). MemoryBudgetError when the
     budget is below MemoryPlan.minimum."""

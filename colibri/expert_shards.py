@@ -30,8 +30,6 @@ N shards.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 import threading
 import time
@@ -39,29 +37,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ColibriError
-from .format import ColibriFile
+from .shard_worker import ExpertShardError, ShardWorker, fingerprint
 
 __all__ = ["DEFAULT_TIMEOUT", "MAX_SHARDS", "ExpertShardError", "ExpertShards", "ShardWorker",
            "budget_check", "fingerprint", "plan", "shard_experts"]
 
 MAX_SHARDS = 256
+TRANSPORTS = ("graph", "call")   # Ray's compiled graph (the faster: docs/serving.md), actor calls
 DEFAULT_TIMEOUT = 300.0          # seconds a layer's call may take (a restart reloads a shard)
-
-
-class ExpertShardError(ColibriError, RuntimeError):
-    """An expert shard failed a call (its actor died, timed out or raised)."""
-
-
-def fingerprint(f: ColibriFile) -> str:
-    """What the file holds, comparable across machines (the driver's and an actor's copy):
-    its size and every tensor's name, offset, size and CRC."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(str(f.file_size).encode())
-    for name in f.tensors:
-        info = f.info(name)
-        h.update(f"{name}:{info.offset}:{info.nbytes}:{info.crc32};".encode())
-    return h.hexdigest()
 
 
 def plan(n_layers: int, n_experts: int, n_shards: int,
@@ -98,36 +81,6 @@ def plan(n_layers: int, n_experts: int, n_shards: int,
     return owner
 
 
-def _expert_calls(f: ColibriFile, buf: np.ndarray, layer: int, threads: int,
-                  activations: str):
-    """The routed-expert call of one MoE layer as Model builds it: (call, biased), call(x,
-    ids, weights, out) over the mapping; biased: a moe.BiasedExperts (else the fused kernel)."""
-    from . import kernels
-    from .moe import BiasedExperts
-    from .weights import expert_ref, vector
-    c = f.model_config
-    mlp = ("w_gate", "w_up", "w_down")
-    stacks = [expert_ref(f, buf, layer, n, c.num_experts) for n in mlp]
-    if c.expert_bias or c.expert_activation != "silu":
-        p = f"layers.{layer}."
-        biases = ([vector(f, f"{p}moe.b_{n[2:]}") for n in mlp] if c.expert_bias
-                  else [None] * 3)
-        return BiasedExperts(*stacks, *biases, c.expert_activation, c.swiglu_alpha,
-                             c.swiglu_limit, threads, activations), True
-    return kernels.prepare_expert_ffn(*stacks, threads=threads, activations=activations), False
-
-
-class _CachedCall:
-    """An expert cache's layer hook as the worker calls a layer's experts (the many=
-    argument of BiasedExperts is the cache's business: it forwards T rows as they are)."""
-
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __call__(self, x, ids, weights, out, many: bool = False):
-        self.hook(x, ids, weights, out)
-
-
 def _first_line(e: BaseException) -> str:
     """The error's type and first line, and its last line when that differs (Ray puts the
     actor's own exception there)."""
@@ -141,10 +94,8 @@ def _first_line(e: BaseException) -> str:
 def budget_check(owner: np.ndarray, slot_bytes: int, budget: int) -> None:
     """MemoryBudgetError unless `budget` bytes hold, on every shard, the most experts it
     owns in one layer (owner: plan()'s table; slot_bytes: one expert block, page-rounded)."""
-    from .expert_cache import MemoryBudgetError
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
-                         f"{budget!r}")
+    from .expert_cache import MemoryBudgetError, check_memory_budget
+    check_memory_budget(budget)
     for s in range(int(owner.max()) + 1):
         need = int((owner == s).sum(axis=1).max()) * slot_bytes
         if budget < need:
@@ -152,116 +103,6 @@ def budget_check(owner: np.ndarray, slot_bytes: int, budget: int) -> None:
                 f"memory budget {budget} bytes per expert shard is below what shard {s} "
                 f"needs: its largest layer's experts, {need} bytes "
                 f"({need // slot_bytes} x {slot_bytes})")
-
-
-class ShardWorker:
-    """One shard's experts (the body of a Ray actor; usable in process too).
-
-    path: the .colibri file on this node; version: the driver's fingerprint of it (a
-    different file is refused); owned: {MoE layer number: the experts this shard owns};
-    threads, activations: as the driver's model (the same kernels, the same bits);
-    latency: seconds slept before each run() (an injected network delay, for measuring;
-    at most 10). memory_budget: bytes this shard's experts may hold (None: the page cache
-    decides): an expert cache (colibri.expert_cache's arena) of budget // block slots;
-    at least the most experts it owns in one layer (a prefill may use them all).
-    """
-
-    def __init__(self, path: str, version: str, owned: dict[int, list[int]], threads: int,
-                 activations: str, index: int = 0, latency: float = 0.0,
-                 memory_budget: int | None = None):
-        if not 0 <= latency <= 10:
-            raise ValueError(f"latency must be in [0, 10] seconds, got {latency!r}")
-        self.latency = float(latency)
-        from .expert_cache import weights_buffer
-        self.index = index
-        self.file = ColibriFile(path)
-        found = fingerprint(self.file)
-        if found != version:
-            raise ExpertShardError(f"expert shard {index}: {path} on this node is not the "
-                                   f"driver's model file (fingerprint {found}, the driver's "
-                                   f"{version})")
-        buf = weights_buffer(self.file, None, True)
-        self.owned = {int(k): np.asarray(v, np.int32) for k, v in owned.items()}
-        self.calls = {layer: _expert_calls(self.file, buf, layer, threads, activations)
-                      for layer in self.owned}
-        self.cache = None
-        if memory_budget is not None:
-            self.cache = self._expert_cache(buf, threads, activations, int(memory_budget))
-        self.pid = os.getpid()
-
-    def _expert_cache(self, buf, threads: int, activations: str, budget: int):
-        """An ExpertCache over this shard's experts: their blocks in an arena of
-        budget // block slots (the dense part is the driver's: none of the budget)."""
-        from types import SimpleNamespace
-
-        from .expert_cache import ExpertCache, MemoryBudgetError, memory_plan
-        from .weights import expert_ref
-        sizes = memory_plan(self.file)
-        need = max(len(v) for v in self.owned.values()) * sizes.slot_bytes
-        if budget < need:
-            raise MemoryBudgetError(
-                f"expert shard {self.index}: memory budget {budget} bytes is below its "
-                f"largest layer's experts, {need} bytes")
-        n = min(budget // sizes.slot_bytes, sum(len(v) for v in self.owned.values()))
-        plan = dataclasses.replace(sizes, dense_ranges=(), dense_bytes=0, budget=budget,
-                                   n_slots=int(n))
-        layers = {}
-        for layer, (call, biased) in self.calls.items():      # what the cache reads of a layer
-            stacks = [expert_ref(self.file, buf, layer, p, self.file.n_experts)
-                      for p in ("w_gate", "w_up", "w_down")]
-            layers[layer] = SimpleNamespace(ffn=SimpleNamespace(
-                w_gate=stacks[0], w_up=stacks[1], w_down=stacks[2], threads=threads,
-                activations=activations, biased_experts=call if biased else None,
-                experts_hook=None, _experts=call))
-        shim = SimpleNamespace(file=self.file, buffer=buf, layers=layers)
-        cache = ExpertCache(shim, plan)
-        for layer in self.calls:                  # run() calls through the cache now
-            hook = layers[layer].ffn.experts_hook
-            biased = self.calls[layer][1]
-            self.calls[layer] = (_CachedCall(hook), biased)
-        return cache
-
-    def cache_stats(self) -> dict | None:
-        """The shard's expert cache counters (ExpertCache.stats()), or None without one."""
-        return None if self.cache is None else self.cache.stats()
-
-    def ready(self) -> int:
-        """The actor's process id, once its shard is mapped."""
-        return self.pid
-
-    def run(self, layer: int, x: np.ndarray, slots: np.ndarray, ids: np.ndarray,
-            K: int) -> np.ndarray:
-        """The outputs of the slots this shard owns, each with routing weight 1.
-
-        x float32 (T, D): the layer's input rows; slots int64 (S,) ascending, t * K + k;
-        ids int32 (S,) their experts (this shard's) -> float32 (S, D), row s = expert
-        ids[s] of token slots[s] // K, computed as the single process's kernel computes it:
-        with T = 1 one call per slot (the one-token path), else one call over the slots'
-        token rows with one expert each (each expert sees the same tokens, in the same
-        order, as in the single call over all slots).
-        """
-        if self.latency:
-            time.sleep(self.latency)
-        call, biased = self.calls[layer]
-        if not np.isin(ids, self.owned[layer]).all():
-            raise ExpertShardError(f"expert shard {self.index}: layer {layer} asked for "
-                                   f"experts it does not own")
-        T, D = x.shape
-        S = slots.shape[0]
-        out = np.empty((S, D), np.float32)
-        ones = np.ones((1, 1), np.float32)
-        if T == 1:
-            for s in range(S):
-                call(x, ids[s:s + 1].reshape(1, 1), ones, out[s:s + 1])
-            return out
-        rows = np.ascontiguousarray(x[slots // K])
-        ids2 = np.ascontiguousarray(ids.reshape(S, 1))
-        w = np.ones((S, 1), np.float32)
-        if biased:                 # the many-token path even when S == 1 (its bits)
-            call(rows, ids2, w, out, many=True)
-        else:
-            call(rows, ids2, w, out)
-        return out
 
 
 @dataclass
@@ -322,15 +163,23 @@ class ExpertShards:
     threads: kernel threads per actor (None: its node's physical cores); num_cpus: Ray CPUs
     each actor reserves (default threads, 1 when None); timeout: seconds a call may take;
     latency: seconds each actor sleeps per call (an injected network delay, for measuring);
-    memory_budget: bytes each actor's experts may hold (ShardWorker), None: no limit.
-    Ray must be initialised (colibri.load does it).
+    memory_budget: bytes each actor's experts may hold (ShardWorker), None: no limit;
+    transport: "graph" (default) sends each layer's call to every shard at once through a
+    Ray compiled graph (shared-memory channels; each shard picks its own slots), "call" one
+    actor call per shard that owns a chosen expert (scripts/bench_expert_shards.py measures
+    both). Ray must be initialised (colibri.load does it).
     """
 
     def __init__(self, model, n: int, *, owner: np.ndarray | None = None,
                  threads: int | None = None, num_cpus: float | None = None,
                  timeout: float = DEFAULT_TIMEOUT, max_restarts: int = -1,
-                 latency: float = 0.0, memory_budget: int | None = None):
+                 latency: float = 0.0, memory_budget: int | None = None,
+                 transport: str = "graph"):
         import ray
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got "
+                             f"{transport!r}")
+        self.transport = transport
         self._ray = ray
         f = model.file
         layers = list(model.moe_layers)
@@ -355,6 +204,7 @@ class ExpertShards:
                                              s, latency, memory_budget))
         self.pids = self._get([a.ready.remote() for a in self.actors], "start")
         self._suspect: set[int] = set()       # shards whose last call failed
+        self._graph = self._compile() if transport == "graph" else None
         self._model = model
         self._hooked = []
         self.attach(model)
@@ -375,6 +225,13 @@ class ExpertShards:
         """Send layer `layer`'s (MoE index j) input x (T, D) and ids (T, K) to the shards
         owning the chosen experts; returns what finish() needs."""
         T, K = ids.shape
+        if self.transport == "graph":
+            if self._graph is None:              # torn down by a failure: the shards back
+                for s in range(self.n):
+                    self._await_restart(s)
+                self._graph = self._compile()
+            refs = self._graph.execute((layer, x, ids))
+            return "graph", refs, T * K, x.shape[1], layer, time.perf_counter()
         flat = ids.reshape(-1)
         owner = self.owner[j][flat]                                      # (T*K,)
         xr = x if T == 1 else self._ray.put(x)
@@ -385,7 +242,7 @@ class ExpertShards:
             slots = np.flatnonzero(owner == s)
             calls.append((s, slots, self.actors[s].run.remote(layer, xr, slots, flat[slots],
                                                               K)))
-        return calls, T * K, x.shape[1], layer, time.perf_counter()
+        return "call", calls, T * K, x.shape[1], layer, time.perf_counter()
 
     def _result(self, s: int, ref, layer: int, deadline: float) -> np.ndarray:
         """Shard s's answer to ref; ExpertShardError when its actor died (or was
@@ -428,7 +285,9 @@ class ExpertShards:
 
     def finish(self, pending) -> np.ndarray:
         """The slot outputs float32 (T*K, D) of a start()."""
-        calls, TK, D, layer, t0 = pending
+        kind, calls, TK, D, layer, t0 = pending
+        if kind == "graph":
+            return self._finish_graph(calls, TK, D, layer, t0)
         deadline = t0 + self.timeout
         og = np.empty((TK, D), np.float32)
         st = self.stats_
@@ -447,6 +306,59 @@ class ExpertShards:
         if error is not None:
             raise error
         return og
+
+    def _compile(self):
+        """The compiled graph: (layer, x, ids) to every shard's run_owned, all answers back."""
+        from ray.dag import InputNode, MultiOutputNode
+        with InputNode() as inp:
+            node = MultiOutputNode([a.run_owned.bind(inp) for a in self.actors])
+        return node.experimental_compile()
+
+    def _finish_graph(self, refs, TK: int, D: int, layer: int, t0: float) -> np.ndarray:
+        ray = self._ray
+        og = np.empty((TK, D), np.float32)
+        st = self.stats_
+        for s, ref in enumerate(refs):
+            try:
+                slots, out = ray.get(ref, timeout=max(0.0, t0 + self.timeout
+                                                      - time.perf_counter()))
+            except Exception as e:   # noqa: BLE001 - the graph's errors are many: all end it
+                self._graph_failed(layer, e)
+            og[slots] = out
+            dt = time.perf_counter() - t0
+            if slots.size:
+                with st.lock:
+                    st.calls[s] += 1
+                    st.slots[s] += slots.size
+                    st.seconds[s] += dt
+        return og
+
+    def _graph_failed(self, layer: int, e: BaseException):
+        """A graph call failed: find the shards that do not answer, tear the graph down
+        (the next call waits for them and compiles it again), raise ExpertShardError."""
+        ray = self._ray
+        graph, self._graph = self._graph, None
+        try:
+            graph.teardown()
+        except Exception:            # noqa: BLE001,S110 - a dead actor's graph: gone anyway
+            pass
+        bad = []                     # the shards that died (a new pid) or do not answer
+        for s, a in enumerate(self.actors):
+            try:
+                pid = ray.get(a.ready.remote(), timeout=5)
+            except ray.exceptions.RayError:
+                bad.append(s)
+                continue
+            if pid != self.pids[s]:
+                bad.append(s)
+                self.pids[s] = pid
+        with self.stats_.lock:
+            for s in bad:
+                self.stats_.failures[s] += 1
+        who = (f"expert shard {bad[0]}" if len(bad) == 1 else
+               f"expert shards {', '.join(map(str, bad))}" if bad else "the expert shards")
+        raise ExpertShardError(f"{who} failed layer {layer}: {_first_line(e)} (Ray restarts "
+                               f"a dead actor; later calls reach it)") from None
 
     # -- the model's side -----------------------------------------------------------------------
     def attach(self, model) -> None:
@@ -472,6 +384,12 @@ class ExpertShards:
         for moe in self._hooked:
             moe.experts_hook = None
         self._hooked = []
+        graph, self._graph = getattr(self, "_graph", None), None
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception:        # noqa: BLE001,S110 - Ray already shut down
+                pass
         for a in self.actors:
             try:
                 self._ray.kill(a, no_restart=True)
@@ -483,7 +401,8 @@ class ExpertShards:
 def shard_experts(model, n: int, *, ray_address: str | None = None,
                   threads: int | None = None, counts: np.ndarray | None = None,
                   timeout: float = DEFAULT_TIMEOUT, latency: float = 0.0,
-                  memory_budget: int | None = None) -> ExpertShards:
+                  memory_budget: int | None = None, transport: str = "graph"
+                  ) -> ExpertShards:
     """Spread `model`'s experts over n Ray actors and route its MoE layers through them.
 
     ray_address: the Ray cluster to join ("auto", "HOST:PORT"); None: the running Ray of
@@ -491,7 +410,8 @@ def shard_experts(model, n: int, *, ray_address: str | None = None,
     threads: kernel threads per actor (None: the driver model's count); counts: int (M, E)
     routing counts to balance the shards by (a Trace's expert_counts), else round-robin;
     timeout: seconds a layer's call may take; latency: an injected per-call delay (seconds);
-    memory_budget: bytes of experts each actor may hold (an expert cache per actor).
+    memory_budget: bytes of experts each actor may hold (an expert cache per actor);
+    transport: "graph" (Ray's compiled graph, the default) or "call" (ExpertShards).
     A model with shards already attached has them closed first.
     """
     from .extras import require_extra
@@ -513,6 +433,7 @@ def shard_experts(model, n: int, *, ray_address: str | None = None,
         else:
             ray.init(address=ray_address)
     shards = ExpertShards(model, n, owner=owner, threads=threads or model.threads,
-                          timeout=timeout, latency=latency, memory_budget=memory_budget)
+                          timeout=timeout, latency=latency, memory_budget=memory_budget,
+                          transport=transport)
     model.expert_shards = shards
     return shards

@@ -38,7 +38,9 @@ import numpy as np
 from . import kernels, quant
 from .attention import Attention, build_mask
 from .decode_layer import compile_layers, python_layers
-from .expert_cache import DEFAULT_POLICY, hold_weights, memory_plan, weights_buffer
+from .expert_cache import (DEFAULT_POLICY, check_memory_budget, hold_weights, memory_plan,
+                           weights_buffer)
+from .expert_shards import shard_experts
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
 from .generate import generate
@@ -141,10 +143,7 @@ class Model:
         if not isinstance(file, (str, os.PathLike, ColibriFile)):
             raise TypeError(f"the model must be a path (str or os.PathLike) or a ColibriFile, "
                             f"got {type(file).__name__}")
-        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(
-                memory_budget, (int, np.integer)) or memory_budget < 0):
-            raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got "
-                             f"{memory_budget!r}")
+        check_memory_budget(memory_budget)
         self.activations = activations
         self.file = file if isinstance(file, ColibriFile) else ColibriFile(file)
         self.file.check_unchanged()      # an already-open file rewritten in place: refuse
@@ -166,8 +165,7 @@ class Model:
         self.warned_past_context = False     # guards.warn_past_context warns once per model
         self._tokenizer = None
         self._tokenizer_loaded = False
-        # a memory budget (colibri.expert_cache): checked before anything is read
-        # (with expert_shards the budget is each shard's: its experts' cache)
+        # a memory budget (colibri.expert_cache; with expert_shards, each shard's), checked first
         self._plan = (None if memory_budget is None or expert_shards
                       else memory_plan(self.file, memory_budget))
         self._mapped = bool(mmap)
@@ -179,12 +177,10 @@ class Model:
                                          policy=cache_policy, mode=cache_mode,
                                          prefetch=prefetch)
         # the experts on Ray actors (colibri.expert_shards), the dense part here
-        self.expert_shards = None
-        if expert_shards:
-            from .expert_shards import shard_experts   # Ray: only when asked for
-            self.expert_shards = shard_experts(self, expert_shards, ray_address=ray_address,
-                                               threads=shard_threads, counts=shard_counts,
-                                               memory_budget=memory_budget)
+        self.expert_shards = (shard_experts(self, expert_shards, ray_address=ray_address,
+                                            threads=shard_threads, counts=shard_counts,
+                                            memory_budget=memory_budget)
+                              if expert_shards else None)
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -579,11 +575,10 @@ class Model:
         return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def close(self) -> None:
-        if self.expert_shards is not None:
-            self.expert_shards.close()
-            self.expert_shards = None
-        if self.expert_cache is not None:
-            self.expert_cache.close()
+        for part in (self.expert_shards, self.expert_cache):    # the actors first
+            if part is not None:
+                part.close()
+        self.expert_shards = None
         self.file.close()
 
     def __enter__(self) -> "Model":

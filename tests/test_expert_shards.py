@@ -43,10 +43,18 @@ FORMATS = {"q4": (dict(dtype="f32", quant="q4"), "int16"), "f32": (dict(dtype="f
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(tmp_path_factory):
+    """A local Ray started away from the checkout: Ray puts the driver's working folder on
+    its workers' sys.path, where the source colibri (without its compiled kernels) would
+    shadow the installed one."""
     if ray.is_initialized():
         ray.shutdown()
-    start_local_ray(num_cpus=8)
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray"))
+    try:
+        start_local_ray(num_cpus=8)
+    finally:
+        os.chdir(here)
     yield
     ray.shutdown()
 
