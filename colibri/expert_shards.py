@@ -193,6 +193,7 @@ class ExpertShards:
         worker = ray.remote(ShardWorker).options(
             num_cpus=(threads or 1) if num_cpus is None else num_cpus,
             max_restarts=max_restarts, max_task_retries=0,
+            scheduling_strategy="SPREAD",      # one shard per node while nodes last
             runtime_env={"env_vars": {"COLIBRI_NUM_THREADS": str(threads)}} if threads else None)
         path = os.path.abspath(f.path)
         t = threads or model.threads
@@ -203,6 +204,7 @@ class ExpertShards:
             self.actors.append(worker.remote(path, self.version, owned, t, model.activations,
                                              s, latency, memory_budget))
         self.pids = self._get([a.ready.remote() for a in self.actors], "start")
+        self.nodes = self._get([a.node.remote() for a in self.actors], "start")  # host/node id
         self._suspect: set[int] = set()       # shards whose last call failed
         self._graph = self._compile() if transport == "graph" else None
         self._model = model
@@ -369,11 +371,12 @@ class ExpertShards:
             self._hooked.append(moe)
 
     def stats(self) -> dict:
-        """Per shard: experts owned, actor pid, calls, slots, seconds waited, failures."""
+        """Per shard: experts owned, actor pid, "host/Ray node id" where it started, calls,
+        slots, seconds waited, failures."""
         st = self.stats_
         with st.lock:
             return {"shards": self.n, "per_shard": [
-                {"shard": s, "pid": int(self.pids[s]),
+                {"shard": s, "pid": int(self.pids[s]), "node": self.nodes[s],
                  "experts": int((self.owner == s).sum()),
                  "calls": int(st.calls[s]), "slots": int(st.slots[s]),
                  "seconds": float(st.seconds[s]), "failures": int(st.failures[s])}

@@ -138,6 +138,16 @@ class ShardWorker:
         """The actor's process id, once its shard is mapped."""
         return self.pid
 
+    def node(self) -> str:
+        """The host name and Ray node id this shard runs on ("" for the id outside Ray)."""
+        import socket
+        try:
+            import ray
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        except ImportError:
+            node = ""
+        return f"{socket.gethostname()}/{node}"
+
     def run_owned(self, call: tuple) -> tuple[np.ndarray, np.ndarray]:
         """The compiled graph's call: call = (layer, x (T, D), ids int32 (T, K)), the same
         for every shard -> (slots int64 (S,) this shard owns, their outputs (S, D))."""

@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{'identical' if toks == want else 'DIFFER'}; overhead per MoE layer and "
               f"step, us, B=1/4/16: " + " / ".join(f"{per_layer[B]:.0f}" for B in per_layer))
         m.close()
+    if 2 in rows:                     # the other transport, for the same decode
+        m = colibri.load(a.model, threads=1)
+        shard_experts(m, 2, threads=1, transport="call")
+        tps, toks = decode(m, prompt, a.gen)
+        m.close()
+        print(f"N=2 over plain actor calls: {tps:.1f} tok/s ({tps / base:.2f}x one process), "
+              f"tokens {'identical' if toks == want else 'DIFFER'}")
 
     print("\n3. memory per actor (PSS after the run) against its share of the expert bytes")
     expert_bytes = memory_plan(one.file).slot_bytes * M * E
@@ -166,16 +173,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n4. a model of decode tokens/s across machines, from the figures above")
     t_tok = 1 / base                                  # one process, one token
-    t_rpc = tr[1][0] * 1e-6                           # one actor call on loopback, no wire
+    # the software cost per MoE layer: what N=2 added per layer at B=1 (call, combine, the
+    # driver's waits) on loopback, without a wire; else one compiled-graph round trip
+    t_rpc = rows[2][1][1] * 1e-6 if 2 in rows else tr[1][1] * 1e-6
     # the experts' share of a token's time, from the one-process stage timings
     one.timings.reset()
     decode(one, prompt, a.gen)
     sec = one.timings.seconds
     f_exp = sec.get("experts", 0.0) / max(sum(sec.values()), 1e-12)
     t_exp, t_dense = t_tok * f_exp, t_tok * (1 - f_exp)
-    print("t(token) = t_dense + t_experts / min(N, K) + M * (t_rpc + rtt + bytes / bw)")
+    print("t(token) = t_dense + t_experts / min(N, K) + M * (o + rtt + bytes / bw)")
     print(f"  measured: t_dense {t_dense * 1e3:.2f} ms, t_experts {t_exp * 1e3:.2f} ms "
-          f"(one process), t_rpc {t_rpc * 1e6:.0f} us, M {M}; bytes per layer = "
+          f"(one process), o {t_rpc * 1e6:.0f} us (N=2's overhead per layer), M {M}; "
+          f"bytes per layer = "
           f"(1 + K) * D * 4 = {(1 + K) * D * 4} (x out, K rows back; the shards in parallel)")
     links = {"10GbE": (10e9 / 8, 50e-6), "25GbE": (25e9 / 8, 30e-6), "100GbE": (100e9 / 8, 15e-6)}
     print("  stated network: round trip 50 / 30 / 15 us, 10 / 25 / 100 Gbit/s")
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     got, _ = decode(m, prompt, max(4, a.gen // 4))
     m.close()
     # on one machine the two actors share its cores: their expert work does not overlap
-    want_tps = 1 / (t_dense + t_exp + M * (t_rpc + lat))
+    want_tps = 1 / (t_tok + M * (t_rpc + lat))
     print(f"  check, N=2 on loopback with {a.latency_ms:g} ms injected per call: model "
           f"{want_tps:.1f} tok/s (no parallel speed-up on one machine), measured {got:.1f} "
           f"({got / want_tps:.2f}x the model)")

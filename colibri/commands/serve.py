@@ -97,7 +97,8 @@ def register(subparsers, parents=()) -> None:
                    help="Ray Serve replicas with --ray (default: %(default)s)")
     p.add_argument("--expert-shards", type=int, default=0, metavar="N",
                    help="put the experts of every MoE layer on N Ray actors (the ray extra; "
-                        "implies --ray): this server keeps the dense part, each actor maps "
+                        "not with --workers / --replicas): this server keeps the dense part, "
+                        "each actor maps "
                         "MODEL from its node's disk and holds 1/N of the experts "
                         "(docs/serving.md#experts-on-several-machines)")
     p.add_argument("--shard-threads", type=int, default=None, metavar="N",
