@@ -190,7 +190,8 @@ def _shard_processes() -> list:
 
 def test_serve_expert_shards_answers_as_one_process_and_survives_a_killed_actor(colibri_file):
     """`colibri serve MODEL --expert-shards 2` with the official openai client: the greedy
-    completion of one process, per-shard figures in /metrics; an actor killed between
+    completion of one process, each shard under --shard-memory-budget (its experts in a
+    cache of one layer's share), per-shard figures in /metrics; an actor killed between
     requests costs at most the next request (a clean 500, no hang), the one after answers."""
     from server_helpers import ServerProcess, client, request
     path = colibri_file("olmoe")
@@ -198,7 +199,10 @@ def test_serve_expert_shards_answers_as_one_process_and_survives_a_killed_actor(
         want = one.generate(np.arange(3, 11), max_new_tokens=12).tolist()
     if ray.is_initialized():
         ray.shutdown()
-    server = ServerProcess(str(path), "--expert-shards", "2", "--shard-threads", "1")
+    with colibri.load(path, threads=1) as one:         # the least a shard may hold: one layer's
+        budget = memory_plan(one.file).slot_bytes * -(-one.file.n_experts // 2)
+    server = ServerProcess(str(path), "--expert-shards", "2", "--shard-threads", "1",
+                           "--shard-memory-budget", str(budget))
     try:
         api = client(server.url)
 

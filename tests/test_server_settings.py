@@ -60,6 +60,17 @@ def test_cli_flags_become_settings():
             s.pid_file, s.max_body, s.threads, s.activations, s.model_name) == \
         ("m.colibri", "::1", 0, 8, 512, 6 * 2**30, 3, "k" * 10, "p", 65536, 2, "f32", "tiny")
     assert settings_from_args(build_parser().parse_args(["serve"])).model is None  # shipped
+    s = settings_from_args(build_parser().parse_args(
+        ["serve", "--expert-shards", "2", "--shard-memory-budget", "3MiB"]))
+    assert (s.expert_shards, s.shard_memory_budget) == (2, 3 * 2**20)
+
+
+@pytest.mark.parametrize("fields", [{"shard_memory_budget": 2**20},      # without shards
+                                    {"expert_shards": 2, "shard_memory_budget": -1},
+                                    {"expert_shards": 2, "shard_memory_budget": "1MiB"}])
+def test_shard_memory_budget_needs_shards_and_bytes(fields):
+    with pytest.raises(ColibriError, match="shard_memory_budget .*expert_shards"):
+        Settings(**fields).check()
 
 
 def test_cli_refuses_an_open_host_without_a_key(capsys):

@@ -103,6 +103,9 @@ def register(subparsers, parents=()) -> None:
                         "(docs/serving.md#experts-on-several-machines)")
     p.add_argument("--shard-threads", type=int, default=None, metavar="N",
                    help="kernel threads per expert shard (default: --threads)")
+    p.add_argument("--shard-memory-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="with --expert-shards: bytes of experts each shard may hold, e.g. "
+                        "2GiB (an expert cache per shard; default: no limit)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="the Ray cluster to join with --ray or --expert-shards (default: "
                         "start a local one)")
@@ -148,6 +151,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     draft=args.draft, draft_tokens=args.draft_tokens,
                     webui=args.webui, expert_shards=args.expert_shards,
                     ray_address=args.ray_address, shard_threads=args.shard_threads,
+                    shard_memory_budget=args.shard_memory_budget,
                     defaults={k: getattr(args, k) for k in SAMPLING_DEFAULTS
                               if getattr(args, k) is not None})
 

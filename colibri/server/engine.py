@@ -144,7 +144,8 @@ class ModelHolder:
         s = self.settings
         return Engine(Model(file, threads=s.threads, activations=s.activations,
                             kv_dtype=s.kv_dtype, expert_shards=s.expert_shards,
-                            ray_address=s.ray_address, shard_threads=s.shard_threads), s)
+                            ray_address=s.ray_address, shard_threads=s.shard_threads,
+                            memory_budget=s.shard_memory_budget), s)
 
     def start(self) -> None:
         """Start the current engine's scheduler thread (idempotent)."""

@@ -81,7 +81,8 @@ class Settings:
     webui: serve the chat and routing page at / (webui.py); False: / is a 404.
     expert_shards: N > 0 puts the experts on N Ray actors (colibri.expert_shards), joining
         the cluster at ray_address (None: a local instance on loopback); shard_threads:
-        kernel threads per actor (None: threads).
+        kernel threads per actor (None: threads); shard_memory_budget: bytes of experts
+        each actor may hold (an expert cache per actor; None: no limit; needs expert_shards).
     defaults: the sampling values of the fields a request leaves out, as llama-server's
         --temp / --top-k / -n set them (serve's flags): keys of SAMPLING_DEFAULTS; without a
         key, the OpenAI default. max_tokens -1: the rest of the context.
@@ -113,6 +114,7 @@ class Settings:
     expert_shards: int = 0
     ray_address: str | None = None
     shard_threads: int | None = None
+    shard_memory_budget: int | None = None
     defaults: dict = field(default_factory=dict)
 
     def model_path(self) -> Path:
@@ -142,6 +144,11 @@ class Settings:
                                f"(0..256; 0: the experts in this process)")
         if self.shard_threads is not None and not 1 <= self.shard_threads <= 1024:
             raise ColibriError(f"shard_threads {self.shard_threads} is out of range (1..1024)")
+        if self.shard_memory_budget is not None and (not self.expert_shards or isinstance(
+                self.shard_memory_budget, bool) or not isinstance(self.shard_memory_budget, int)
+                or self.shard_memory_budget < 0):
+            raise ColibriError(f"shard_memory_budget {self.shard_memory_budget!r}: a number of "
+                               f"bytes >= 0, with expert_shards (here {self.expert_shards})")
         if self.draft_tokens > 32:
             raise ColibriError(f"draft_tokens {self.draft_tokens} is out of range (1..32)")
         if self.draft is not None and self.draft != "prompt-lookup" and not Path(
