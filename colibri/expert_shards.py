@@ -40,7 +40,7 @@ import numpy as np
 from .shard_worker import ExpertShardError, ShardWorker, fingerprint
 
 __all__ = ["DEFAULT_TIMEOUT", "MAX_SHARDS", "ExpertShardError", "ExpertShards", "ShardWorker",
-           "budget_check", "fingerprint", "plan", "shard_experts"]
+           "budget_check", "capacity_check", "fingerprint", "plan", "shard_experts"]
 
 MAX_SHARDS = 256
 TRANSPORTS = ("graph", "call")   # Ray's compiled graph (the faster: docs/serving.md), actor calls
@@ -89,6 +89,24 @@ def _first_line(e: BaseException) -> str:
     if len(lines) > 1:
         text += f" ... {lines[-1][:300]}"
     return f"{type(e).__name__}: {text}"
+
+
+def capacity_check(nodes: list[dict], n: int, cpus: float) -> None:
+    """Refuse, before any actor starts, n shards of `cpus` Ray CPUs each that the cluster's
+    alive nodes (ray.nodes()) cannot hold even when idle: Ray would leave the rest pending
+    until the start timeout, saying nothing. Each node holds floor(its CPUs / cpus)."""
+    if cpus <= 0:
+        return
+    alive = [nd for nd in nodes if nd.get("Alive")]
+    fits = sum(int(nd.get("Resources", {}).get("CPU", 0) // cpus) for nd in alive)
+    if fits < n:
+        per_node = ", ".join(f"{nd.get('NodeManagerAddress', '?')}: "
+                             f"{nd.get('Resources', {}).get('CPU', 0):g}" for nd in alive)
+        raise ExpertShardError(
+            f"expert shards: {n} shards of {cpus:g} Ray CPU(s) each do not fit the cluster, "
+            f"which holds {fits} (CPUs per node: {per_node or 'no alive node'}); add nodes "
+            f"(ray start --address ... --num-cpus T), or lower the shards or the threads per "
+            f"shard (--shard-threads)")
 
 
 def budget_check(owner: np.ndarray, slot_bytes: int, budget: int) -> None:
@@ -190,8 +208,10 @@ class ExpertShards:
         self.version = fingerprint(f)
         self.stats_ = ShardStats.zeros(self.n)
         self.K = model.config.num_experts_per_tok
+        cpus = (threads or 1) if num_cpus is None else num_cpus
+        capacity_check(ray.nodes(), self.n, cpus)
         worker = ray.remote(ShardWorker).options(
-            num_cpus=(threads or 1) if num_cpus is None else num_cpus,
+            num_cpus=cpus,
             max_restarts=max_restarts, max_task_retries=0,
             scheduling_strategy="SPREAD",      # one shard per node while nodes last
             runtime_env={"env_vars": {"COLIBRI_NUM_THREADS": str(threads)}} if threads else None)

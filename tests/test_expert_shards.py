@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.expert_cache import MemoryBudgetError, memory_plan  # noqa: E402
-from colibri.expert_shards import ExpertShardError, plan, shard_experts  # noqa: E402
+from colibri.expert_shards import ExpertShardError, capacity_check, plan, shard_experts  # noqa: E402
 from colibri.ray_local import start_local_ray  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import FAMILY_NAMES, OTHER_FAMILY_NAMES  # noqa: E402
@@ -132,6 +132,22 @@ def test_plan_round_robin_and_balanced_by_counts():
     with pytest.raises(ValueError, match=r"routing counts have shape \(2, 8\), expected "
                                          r"\(1, 8\)"):
         plan(1, 8, 2, np.zeros((2, 8)))
+
+
+def test_capacity_counts_whole_shards_per_alive_node():
+    def node(ip, cpus, alive=True):
+        return {"Alive": alive, "NodeManagerAddress": ip, "Resources": {"CPU": cpus}}
+    nodes = [node("10.0.0.1", 0), node("10.0.0.2", 3), node("10.0.0.3", 2),
+             node("10.0.0.4", 8, alive=False)]
+    capacity_check(nodes, 2, 2)                       # 3 // 2 + 2 // 2 = 2 shards fit
+    capacity_check(nodes, 5, 1)
+    with pytest.raises(ExpertShardError, match=r"3 shards of 2 Ray CPU\(s\) each do not fit "
+                       r"the cluster, which holds 2 \(CPUs per node: 10.0.0.1: 0, 10.0.0.2: 3, "
+                       r"10.0.0.3: 2\)"):
+        capacity_check(nodes, 3, 2)                   # the dead node's 8 CPUs do not count
+    with pytest.raises(ExpertShardError, match="no alive node"):
+        capacity_check([], 1, 1)
+    capacity_check([], 1, 0)                          # zero-CPU actors: Ray places them
 
 
 def test_refusals_name_the_problem(local_ray, colibri_file):

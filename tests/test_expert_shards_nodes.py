@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 
 import colibri  # noqa: E402
 from colibri.api import default_model_path  # noqa: E402
+from colibri.expert_shards import ExpertShardError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +53,18 @@ def test_two_shards_on_two_nodes_give_one_process_logits_and_tokens(two_nodes):
             sharded.generate(prompt[0].tolist(), max_new_tokens=12, temperature=0), want_tokens)
         per_shard = sharded.expert_shards.stats()["per_shard"]
         assert all(s["calls"] > 0 and s["failures"] == 0 for s in per_shard), per_shard
+
+
+def test_more_shards_than_the_nodes_hold_are_refused_at_once(two_nodes):
+    """Three 1-CPU shards on two 1-CPU nodes: refused before any actor starts, naming the
+    count and each node's CPUs, not left pending until the start timeout."""
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(ExpertShardError, match=r"3 shards of 1 Ray CPU.*holds 2"):
+        colibri.load(default_model_path(), threads=1, expert_shards=3, shard_threads=1,
+                     ray_address=two_nodes.address)
+    assert time.perf_counter() - t0 < 60
+    deadline = time.perf_counter() + 60                     # nothing left reserved (the
+    while ray.available_resources().get("CPU", 0) < 2:      # last test's actors go async)
+        assert time.perf_counter() < deadline, ray.available_resources()
+        time.sleep(0.2)
