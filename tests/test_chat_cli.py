@@ -75,7 +75,8 @@ def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(chat_model):
     child.expect_exact("[stopped]", timeout=20)
     child.expect_exact(PROMPT)
     child.send("half a line")                              # Ctrl-C at the prompt drops it
-    child.sendintr()
+    child.expect_exact("half a line")      # typed, as a person sees it, before the Ctrl-C (a
+    child.sendintr()                       # ^C flushes the tty's queues: unread keys are lost)
     child.expect_exact(PROMPT)
     child.sendline("/help")
     child.expect_exact("/reset")                           # still running
