@@ -82,7 +82,11 @@ class TokenEvent:
     logprob: log-probability of token under the penalised logits (None unless asked);
     top_logprobs: [(id, logprob), ...] best first (None unless logprobs > 0);
     routing: int32 (M, K), the experts the token was routed to per MoE layer (None unless asked);
-    finish_reason: None while running, else "stop" | "length" | "cancelled" | "error".
+    finish_reason: None while running, else "stop" | "length" | "cancelled" | "error";
+    stop_token: on a final event (token -1) ended by a stop token, its id (else -1), with its
+    logprob / top_logprobs when asked: not part of the text or the counts, but what echo
+    reports after the prompt (vLLM's and OpenAI's legacy completions list it; lm-eval's
+    local-completions drops the last entry as the generated one).
     """
     token: int
     text: str
@@ -90,6 +94,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
     routing: np.ndarray | None = None
     finish_reason: str | None = None
+    stop_token: int = -1
 
 
 class RequestHandle:
@@ -439,13 +444,14 @@ class Scheduler:
     def _take(self, r: _Request, tok: int, x: np.ndarray, ended: bool) -> None:
         """r's next token, drawn from x (V,) (ended: it closed the grammar): stop or emit."""
         p = r.params
-        if ended or tok in r.stop_ids:
-            self._end(r, TokenEvent(-1, r.text_tail(), finish_reason="stop"))
-            return
         lp = top = None
         if p.logprobs is not None:
             row = log_softmax(x)
             lp, top = float(row[tok]), top_logprobs(row, p.logprobs) if p.logprobs > 0 else None
+        if ended or tok in r.stop_ids:
+            self._end(r, TokenEvent(-1, r.text_tail(), lp, top, finish_reason="stop",
+                                    stop_token=tok))
+            return
         r.generated.append(tok)
         r.history.append(tok)
         r.handle.completion_tokens += 1

@@ -23,37 +23,42 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ColibriError
+from .sampling import top_ids
 
 __all__ = ["logits_rows", "take_prompt_logprobs"]
 
 _ROWS = 64                 # rows per float64 log-softmax block (V * 8 bytes each)
 
 
-def _log_softmax_rows(x: np.ndarray) -> np.ndarray:
-    """float64 log-softmax of each row of float32 (R, V), as sampling.log_softmax per row
-    (the same error for a row whose largest logit is not finite)."""
-    x = x.astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
+def _score_rows(x: np.ndarray, targets: np.ndarray, k: int
+                ) -> tuple[list[float], list | None]:
+    """Of each row of float32 logits x (R, V): log p(targets[r]) and, for k > 0, the k most
+    likely (id, log p), best first, ties lower id first; each the same bits as
+    sampling.log_softmax and sampling.top_logprobs on that row alone (the same error for a
+    row whose largest logit is not finite). Only the per-row log-sum-exp is taken in float64
+    over the whole row; the few values answered are then z - lse, as the full row would
+    hold them, and the ranking is the float32 logits' (the float64 conversion keeps order)."""
+    R = x.shape[0]
+    m = x.max(axis=1)                                                        # (R,) float32
     if not np.isfinite(m).all():
         bad = float(m[~np.isfinite(m)][0])
         raise ColibriError(f"cannot take a log-softmax: the largest logit is {bad}")
-    x -= m
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    m64 = m.astype(np.float64)[:, None]
+    z = np.subtract(x, m64, dtype=np.float64)                               # (R, V)
+    np.exp(z, out=z)
+    lse = np.log(z.sum(axis=1))                                              # (R,)
 
+    def lp(cols: np.ndarray) -> np.ndarray:       # z - lse at int cols (R, c): float64 (R, c)
+        picked = np.take_along_axis(x, cols, axis=1).astype(np.float64)
+        return (picked - m64) - lse[:, None]
 
-def _top_rows(lp: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
-    """sampling.top_logprobs of each row of float64 (R, V): the k most likely, best first,
-    ties lower id first (k = 1: the first argmax, which is that)."""
-    k = min(int(k), lp.shape[1])
-    if k == 1:
-        best = lp.argmax(axis=1)
-        return [[(int(i), float(v))] for i, v in zip(best, lp[np.arange(lp.shape[0]), best])]
-    part = np.argpartition(-lp, k - 1, axis=1)[:, :k]
-    out = []
-    for row, cand in zip(lp, part):
-        order = cand[np.lexsort((cand, -row[cand]))]
-        out.append([(int(i), float(row[i])) for i in order])
-    return out
+    chosen = lp(np.asarray(targets, dtype=np.int64)[:, None])[:, 0].tolist()
+    if not k:
+        return chosen, None
+    ids = (x.argmax(axis=1)[:, None] if k == 1                 # top_ids' k = 1, at once
+           else np.array([top_ids(row, k) for row in x], dtype=np.int64).reshape(R, -1))
+    vals = lp(ids).tolist()
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals)]
 
 
 def _wants(r, ids) -> bool:
@@ -86,8 +91,7 @@ def take_prompt_logprobs(segments, rows: list[np.ndarray], logits: np.ndarray) -
         n = min(len(ids), len(r.prompt) - a - 1)   # not the row predicting the generated token
         targets = np.asarray(r.prompt[a + 1:a + 1 + n], dtype=np.int64)
         for b in range(0, n, _ROWS):
-            lp = _log_softmax_rows(block[b:b + _ROWS][:n - b])
-            chosen = lp[np.arange(lp.shape[0]), targets[b:b + lp.shape[0]]]
-            tops = _top_rows(lp, k) if k else [None] * lp.shape[0]
-            h.prompt_logprobs.extend(zip(chosen.tolist(), tops))
+            rows_x = block[b:min(b + _ROWS, n)]
+            chosen, tops = _score_rows(rows_x, targets[b:b + rows_x.shape[0]], k)
+            h.prompt_logprobs.extend(zip(chosen, tops or [None] * len(chosen)))
     return last

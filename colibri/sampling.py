@@ -259,12 +259,21 @@ def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, log-probability) of a row (V,), best first (ties: lower id
     first)."""
     lp = _check_row(logprobs)
-    k = min(int(k), lp.shape[0])
+    return [(i, float(lp[i])) for i in top_ids(lp, k)]
+
+
+def top_ids(row: np.ndarray, k: int) -> list[int]:
+    """The ids of the k largest values of a row (V,), best first; of equal values the lower
+    ids, also where the tie straddles the k-th place (argpartition alone picks any)."""
+    k = min(int(k), row.shape[0])
     if k <= 0:
         return []
-    part = np.argpartition(-lp, k - 1)[:k]
-    order = part[np.lexsort((part, -lp[part]))]
-    return [(int(i), float(lp[i])) for i in order]
+    if k == 1:
+        return [int(np.argmax(row))]                       # the first largest
+    kth = row[np.argpartition(-row, k - 1)[k - 1]]          # the k-th largest value
+    above = np.flatnonzero(row > kth)
+    pick = np.concatenate([above, np.flatnonzero(row == kth)[:k - above.size]])
+    return pick[np.lexsort((pick, -row[pick]))].tolist()
 
 
 def greedy(logits: np.ndarray) -> int:

@@ -9,6 +9,7 @@ import pytest
 from colibri.sampling import log_softmax
 from colibri.server import Settings
 from colibri.server.schemas import MAX_PROMPTS
+from colibri.stops import default_stop_ids
 
 from server_helpers import KEY, client, request, running_server
 
@@ -172,3 +173,35 @@ def test_the_served_openapi_document_states_the_models_bounds(served):
     maxima = [b.get("maximum") for b in comp["properties"]["max_tokens"]["anyOf"]]
     assert CTX - 1 in maxima
     assert {"/tokenize", "/detokenize", "/tokenizer_info"} <= set(doc["paths"])
+
+
+def test_a_choice_a_stop_token_ended_lists_that_token_last(served):
+    """lm-eval's local-completions reads token_logprobs[len(context):-1] as the continuation,
+    the last entry being the generated token: a choice that stopped on EOS at once lists the
+    EOS there (as vLLM does), so no prompt token is dropped. Its text is not echoed."""
+    url, engine = served
+    model, tok = engine.model, engine.tokenizer
+    stops = set(default_stop_ids(model))
+    V = model.vocab_size
+
+    def greedy_next(prompts):                        # argmax of each prompt's next token
+        return model.forward_ragged([(model.new_cache(ctx=4), p) for p in prompts]).argmax(1)
+
+    u = next(i for i, g in enumerate(greedy_next([[i] for i in range(V)])) if g in stops)
+    t = next(i for i, g in enumerate(greedy_next([[i, u] for i in range(V)])) if g in stops)
+    eos = int(greedy_next([[t, u]])[0])
+    status, _, body = post(url, "/v1/completions", {"prompt": [[t, u]], "echo": True,
+                                                    "logprobs": 1, "max_tokens": 1,
+                                                    "temperature": 0})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop" and choice["text"] == tok.decode([t, u])
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.token_text(t), tok.token_text(u), tok.token_text(eos)]
+    logits = model.forward(np.array([t, u, eos]))
+    want = [log_softmax(logits[0])[u], log_softmax(logits[1])[eos]]
+    assert lp["token_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, atol=2e-3)
+    assert list(lp["top_logprobs"][2]) == [tok.token_text(eos)]          # it was the greedy one
+    assert lp["text_offset"][2] == len(choice["text"])
+    assert body["usage"]["completion_tokens"] == 0

@@ -254,7 +254,8 @@ class _Route:
             scored = [gen.handles[p * k].prompt_logprobs for p in range(len(prompts))]
             tok = gen.engine.tokenizer
             add_echo(out, texts, prompts, scored, body.n, body.logprobs, tok,
-                     tok.token_text if tok is not None else (lambda t: f"token_id:{t}"))
+                     tok.token_text if tok is not None else (lambda t: f"token_id:{t}"),
+                     {c.index: c.stop for c in chosen if c.stop is not None})
         headers = {VERSION_HEADER: gen.engine.version}
         if not body.stream:
             return JSONResponse(out, headers=headers)

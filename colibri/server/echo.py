@@ -13,6 +13,10 @@ legacy completions shape (as vLLM and OpenAI's echo give it):
                      lengths of the token texts before it; the generated ones after the
                      echoed prompt text, as without echo
 
+A choice that a stop token (EOS) ended lists that token last (its text is not echoed), as
+vLLM and OpenAI's legacy completions do: lm-eval reads `token_logprobs[len(context):-1]`
+as the continuation, taking the last entry for the generated token.
+
 The prompt's log-probabilities come from its prefill (colibri.prompt_logprobs: the raw
 logits, float64 log-softmax), taken by the first choice of each prompt and shared by its
 others. `max_tokens: 0` scores the prompt without generating. The text echoed is the prompt
@@ -58,10 +62,14 @@ def _prompt_part(ids: list[int], scored: list | None, k: int, text: Callable[[in
 
 def add_echo(body: dict, prompts: list[str | list[int]], prompt_ids: list[list[int]],
              scored: list[list | None], n: int, k: int | None, tokenizer,
-             text: Callable[[int], str]) -> dict:
+             text: Callable[[int], str], stops: dict | None = None) -> dict:
     """Put the prompt before each choice of a completion body (choice i answers prompt i // n),
     and, when logprobs were asked (k not None), its scored tokens before the generated ones
-    in the choice's logprobs. scored: the prompt_logprobs of each prompt. Returns body."""
+    in the choice's logprobs. scored: the prompt_logprobs of each prompt; stops: choice index
+    -> the final TokenEvent of a choice a stop token ended, whose token closes its logprobs
+    (lm-eval takes the last entry for the generated token: without it, a choice that stopped
+    on EOS at once would lose its last prompt token instead). Returns body."""
+    stops = stops or {}
     cache: dict[int, str] = {}
 
     def cached(t: int) -> str:
@@ -80,9 +88,16 @@ def add_echo(body: dict, prompts: list[str | list[int]], prompt_ids: list[list[i
         if p not in parts:
             parts[p] = _prompt_part(prompt_ids[p], scored[p], k, cached)
         tokens, token_lp, top, offsets = parts[p]
-        choice["logprobs"] = {
+        choice["logprobs"] = out = {
             "tokens": tokens + lp["tokens"],
             "token_logprobs": token_lp + lp["token_logprobs"],
             "top_logprobs": top + lp["top_logprobs"],
             "text_offset": offsets + [len(echoed) + o for o in lp["text_offset"]]}
+        stop = stops.get(choice["index"])
+        if stop is not None:
+            out["tokens"].append(cached(stop.stop_token))
+            out["token_logprobs"].append(stop.logprob)
+            out["top_logprobs"].append({cached(t): v for t, v in stop.top_logprobs}
+                                       if stop.top_logprobs is not None else None)
+            out["text_offset"].append(len(choice["text"]))
     return body

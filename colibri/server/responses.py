@@ -62,11 +62,14 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.events: list[TokenEvent] = []       # events that carried a token
         self.offsets: list[int] = []             # text_offset of each such token
+        self.stop: TokenEvent | None = None      # the final event, when a stop token ended it
 
     def add(self, ev: TokenEvent) -> None:
         if ev.token >= 0:
             self.events.append(ev)
             self.offsets.append(self.chars)
+        elif ev.stop_token >= 0:
+            self.stop = ev
         self.text.append(ev.text)
         self.chars += len(ev.text)
         if ev.finish_reason is not None:
