@@ -155,6 +155,7 @@ class _Request:
         self.kv_bytes = kv_bytes                   # reserved while admitted
         self.cache: KVCache | None = None
         self.prefilled = 0                         # prompt tokens in the cache
+        self.kept_rows = None                      # prompt_logprobs: blocks' last rows (KeptRows)
         self.history = list(prompt)                # prompt + generated (repetition penalty)
         self.generated: list[int] = []
         self.feed: int | None = None               # the token the next pass consumes

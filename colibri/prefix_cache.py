@@ -23,6 +23,11 @@ size. A hit is copied into the request's own contiguous cache (the attention ker
 one (P, Dh) plane per head), which is a memory copy instead of a prefill: rows are the
 exact bits the first request computed.
 
+A block a request asking for prompt log-probabilities stored also carries its rows' scores
+(colibri.prompt_logprobs.BlockScores, counted in its bytes), so a later such request with
+the same prefix takes them with the keys and values (match's `scored`): lm-eval's choices
+of one question share their context this way.
+
 Bounds: the bytes of all blocks stay within `capacity`, and within a `limit` the caller
 gives (the Scheduler gives what its KV budget does not hold for admitted requests: the two
 share one budget, batching.Scheduler). A block to store that does not fit evicts the least
@@ -48,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,16 +70,20 @@ DEFAULT_BLOCK_TOKENS = 16                  # vLLM's default block size
 class Block:
     """One cached block: digest (16 bytes, chained over the tokens before it), tokens int64
     (block,), k (layers, Hkv, block, Dh) and v (layers, Hkv, block, Dv) in the storage
-    dtype, refs (running requests holding it)."""
+    dtype, refs (running requests holding it), scores (its rows' prompt log-probabilities
+    when a request asking for them stored it: colibri.prompt_logprobs.BlockScores, with k
+    and nbytes; None otherwise)."""
     digest: bytes
     tokens: np.ndarray
     k: np.ndarray
     v: np.ndarray
     refs: int = 0
+    scores: object | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (0 if self.scores is None
+                                                else self.scores.nbytes)
 
 
 @dataclass
@@ -216,11 +225,12 @@ class PrefixCache:
 
     # -- lookups --------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], chain: list[bytes] | None = None,
-              count: bool = True) -> PrefixMatch:
+              count: bool = True, scored: int | None = None) -> PrefixMatch:
         """The longest run of cached whole blocks `tokens` starts with, leaving at least its
         last token uncached (there must be logits to sample from); touched as used.
         chain: tokens' digests when the caller has them (chain(tokens)); count: add to the
-        hits / misses counters (a request counts once, at admission)."""
+        hits / misses counters (a request counts once, at admission); scored: only blocks
+        whose scores keep at least that many tops (a request asking prompt_logprobs)."""
         ids = np.asarray(tokens, dtype=np.int64)
         out = PrefixMatch(block_tokens=self.block_tokens)
         if not self.enabled or ids.size == 0:
@@ -236,6 +246,8 @@ class PrefixCache:
             for i, digest in enumerate(chain[:usable]):
                 b = self._blocks.get(digest)
                 if b is None or not np.array_equal(b.tokens, ids[i * bs:(i + 1) * bs]):
+                    break
+                if scored is not None and (b.scores is None or b.scores.k < scored):
                     break
                 out.blocks.append(b)
             self._touch(out.blocks)
@@ -307,12 +319,15 @@ class PrefixCache:
         return cache.length
 
     def store(self, tokens: Sequence[int], cache: KVCache, limit: int | None = None,
-              chain: list[bytes] | None = None) -> list[Block]:
+              chain: list[bytes] | None = None,
+              scores: Callable[[int], object | None] | None = None) -> list[Block]:
         """Keep the whole blocks of `tokens` whose keys and values `cache` holds (its first
         min(len(tokens), cache.length) slots, which must be those tokens at positions 0, 1,
         ... without padding), the ones already cached touched; the chain's blocks, in order
         (shorter when a block did not fit: capacity, and `limit` bytes in all when given).
-        A cache with padding or other positions stores nothing."""
+        A cache with padding or other positions stores nothing. scores: block index -> its
+        rows' scores (or None), given to a block that has none or keeps fewer tops, when
+        they fit the same bounds."""
         if not self.enabled:
             return []
         self._check_cache(cache)
@@ -337,9 +352,20 @@ class PrefixCache:
                     self.stored += 1
                 elif not np.array_equal(b.tokens, ids[i * bs:(i + 1) * bs]):
                     break                                # a digest collision: keep the first
+                if scores is not None:
+                    self._score(b, scores(i), bound, keep=out)
                 out.append(b)
             self._touch(out)
         return out
+
+    def _score(self, b: Block, s, bound: int, keep: list[Block]) -> None:
+        """Give b the scores s when it has none or keeps fewer tops, within bound bytes."""
+        if s is None or (b.scores is not None and b.scores.k >= s.k):
+            return
+        grow = s.nbytes - (0 if b.scores is None else b.scores.nbytes)
+        if self.shrink(bound - grow, keep=[*keep, b]):
+            b.scores = s
+            self.nbytes += grow
 
     def _copy_out(self, digest: bytes, tokens: np.ndarray, cache: KVCache, a: int) -> Block:
         bs = self.block_tokens

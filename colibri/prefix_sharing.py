@@ -3,12 +3,16 @@ prefill for requests that share a prefix at the same time.
 
   - admit: a request's cache starts with the longest cached prefix of its prompt (copied,
     colibri.prefix_cache), the blocks held until its prefill is done; a request asking for
-    prompt_logprobs is not served from the cache (it needs every prompt row's logits);
+    prompt_logprobs = k takes only blocks that carry their rows' scores with at least k
+    tops (colibri.prompt_logprobs: scored blocks), its handle's entries with them, and
+    keeps each block's last row's logits while it prefills so its own blocks carry scores;
   - ready (each step, before a request gets a prompt chunk): blocks stored since its
     admission extend its prefix; and when a request admitted before it is computing the
     very next block of the same prefix (n > 1 choices of one prompt, the same system prompt
-    arriving together), it waits for that block instead of computing it too: the earliest
-    of such requests never waits, so every wait ends;
+    arriving together, the choices of one multiple-choice question) and will store it in a
+    form this one can take (scored with enough tops, if it asks for prompt_logprobs), it
+    waits for that block instead of computing it too: the earliest of such requests never
+    waits, so every wait ends;
   - after_chunk: the whole blocks of the prompt its cache now holds are stored (and held
     while it prefills, so a follower finds them);
   - end: prompt and generated tokens the cache holds are stored (the next chat turn starts
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .prefix_cache import PrefixCache, model_namespace
+from .prompt_logprobs import KeptRows, entries_of_block, scores_of_block
 
 __all__ = ["PrefixSharing", "scheduler_cache"]
 
@@ -48,10 +53,12 @@ def scheduler_cache(model, pc, budget: int) -> PrefixCache:
 @dataclass
 class _Prefix:
     """A running request's use of the cache: chain (digests of its prompt's usable blocks),
-    held (blocks held while it prefills), cached (prompt tokens copied from the cache)."""
+    held (blocks held while it prefills), cached (prompt tokens copied from the cache),
+    scored (its prompt_logprobs: the tops its blocks need; None when it asks none)."""
     chain: list[bytes] = field(default_factory=list)
     held: list = field(default_factory=list)
     cached: int = 0
+    scored: int | None = None
 
 
 class PrefixSharing:
@@ -85,24 +92,36 @@ class PrefixSharing:
         """r's cache starts with the cached prefix of its prompt."""
         if not self._on:
             return
-        pc, st = self.cache, _Prefix()
+        pc, st = self.cache, _Prefix(scored=r.params.prompt_logprobs)
         self._of[r] = st
-        if r.params.prompt_logprobs is None:          # those need every prompt row's logits
-            usable = (len(r.prompt) - 1) // pc.block_tokens * pc.block_tokens
-            st.chain = pc.chain(r.prompt[:usable])
-            self._extend(r, st)
+        if st.scored is not None:
+            r.kept_rows = KeptRows(pc.block_tokens)
+        usable = (len(r.prompt) - 1) // pc.block_tokens * pc.block_tokens
+        st.chain = pc.chain(r.prompt[:usable])
+        self._extend(r, st)
 
     def _extend(self, r, st: _Prefix) -> None:
-        pc = self.cache
-        hit = pc.match(r.prompt, st.chain, count=False)
+        pc, bs = self.cache, self.cache.block_tokens
+        hit = pc.match(r.prompt, st.chain, count=False, scored=st.scored)
         if hit.tokens <= r.prefilled:
             return
-        new = hit.blocks[r.prefilled // pc.block_tokens:]
+        new = hit.blocks[r.prefilled // bs:]
         pc.acquire(new)
         st.held.extend(new)
+        if st.scored is not None:                  # the handle's entries for those tokens
+            h = r.handle
+            if h.prompt_logprobs is None:
+                h.prompt_logprobs = [None]
+            for i, b in enumerate(new, start=r.prefilled // bs):
+                h.prompt_logprobs.extend(
+                    entries_of_block(b.scores, r.prompt[(i + 1) * bs], st.scored))
         pc.load(r.cache, hit)
         st.cached += hit.tokens - r.prefilled
         r.prefilled = hit.tokens
+
+    def _takes_from(self, st: _Prefix, so: _Prefix) -> bool:
+        """Whether blocks the request of `so` stores are ones the request of `st` takes."""
+        return st.scored is None or (so.scored is not None and so.scored >= st.scored)
 
     def ready(self, r, running: list) -> bool:
         """Whether prefilling r may compute its next chunk now (after extending it)."""
@@ -120,7 +139,8 @@ class PrefixSharing:
                 return True
             so = self._of.get(o)
             if (so is not None and o.prefilling and len(so.chain) > j
-                    and so.chain[j] == st.chain[j] and o.prefilled < (j + 1) * bs):
+                    and so.chain[j] == st.chain[j] and o.prefilled < (j + 1) * bs
+                    and self._takes_from(st, so)):
                 return False
         return True
 
@@ -130,7 +150,10 @@ class PrefixSharing:
         if st is None:
             return
         pc = self.cache
-        kept = pc.store(r.prompt[:r.prefilled], r.cache, limit=self.room())
+        kept = pc.store(r.prompt[:r.prefilled], r.cache, limit=self.room(),
+                        scores=None if st.scored is None else self._scores(r, st))
+        if st.scored is not None:                  # rows of blocks now behind it are done
+            r.kept_rows.rows = {p: x for p, x in r.kept_rows.rows.items() if p >= r.prefilled}
         if r.prefilling:
             held = {id(b) for b in st.held}
             new = [b for b in kept if id(b) not in held]
@@ -140,6 +163,18 @@ class PrefixSharing:
         pc.count(st.cached, len(r.prompt) - st.cached)
         pc.release(st.held)
         st.held = []
+
+    def _scores(self, r, st: _Prefix):
+        """block index -> the scores of r's rows of that block, None for a block it took
+        from the cache (it has them) or whose last row it did not compute."""
+        bs, entries, rows = self.cache.block_tokens, r.handle.prompt_logprobs, r.kept_rows.rows
+
+        def of(i: int):
+            last = rows.get((i + 1) * bs - 1)
+            if last is None or entries is None or len(entries) < (i + 1) * bs:
+                return None
+            return scores_of_block(entries[i * bs + 1:(i + 1) * bs], last, st.scored)
+        return of
 
     def cached_tokens(self, r) -> int:
         """Prompt tokens of r copied from the cache (0 when off)."""

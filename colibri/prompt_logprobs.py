@@ -17,15 +17,26 @@ token and stays the sampler's.
 
 Each handle's prompt_logprobs is then [None, (logprob, top or None), ...], one entry per
 prompt token, complete once the request's first event comes.
+
+Scored blocks (colibri.prefix_sharing): a prompt block of B tokens at a kept in the prefix
+cache may carry its rows' scores, so that a later request with the same prefix takes them
+instead of computing them. Rows a..a+B-2 predict tokens inside the block: their entries are
+kept as they are (BlockScores, at most k tops each). Row a+B-1 predicts the token after the
+block, which another prompt may choose differently: its float32 logits are kept and scored
+for the asking prompt's next token (entries_of_block). While such a request prefills, the
+logits of those last rows are kept on it (KeptRows) until its blocks are stored.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import ColibriError
 from .sampling import top_ids
 
-__all__ = ["logits_rows", "take_prompt_logprobs"]
+__all__ = ["logits_rows", "take_prompt_logprobs", "KeptRows", "BlockScores", "scores_of_block",
+           "entries_of_block"]
 
 _ROWS = 64                 # rows per float64 log-softmax block (V * 8 bytes each)
 
@@ -61,6 +72,62 @@ def _score_rows(x: np.ndarray, targets: np.ndarray, k: int
     return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals)]
 
 
+@dataclass
+class KeptRows:
+    """The float32 logits (V,) of the rows at prompt positions p with (p + 1) % every == 0
+    (each whole block's last row), by p; a request's `kept_rows` while it prefills."""
+    every: int
+    rows: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class BlockScores:
+    """A cached prompt block's scores (module docstring): k, the tops each entry keeps;
+    chosen float64 (B-1,), the logprob of each of the block's tokens after its first;
+    top_ids int64 (B-1, k') and top_lps float64 (B-1, k') with k' = min(k, V), their tops
+    (k = 0: none); last float32 (V,), the logits of the block's last row."""
+    k: int
+    chosen: np.ndarray
+    top_ids: np.ndarray
+    top_lps: np.ndarray
+    last: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return (self.chosen.nbytes + self.top_ids.nbytes + self.top_lps.nbytes
+                + self.last.nbytes)
+
+
+def scores_of_block(entries: list, last: np.ndarray, k: int) -> BlockScores:
+    """BlockScores from a handle's entries for a block's tokens after its first (B-1 of
+    (logprob, top or None)) and the logits of its last row; k: the request's
+    prompt_logprobs."""
+    chosen = np.array([e[0] for e in entries], dtype=np.float64)
+    if k:
+        top_ids = np.array([[t for t, _ in e[1]] for e in entries], dtype=np.int64)
+        top_lps = np.array([[v for _, v in e[1]] for e in entries], dtype=np.float64)
+    else:
+        top_ids = np.empty((len(entries), 0), np.int64)
+        top_lps = np.empty((len(entries), 0), np.float64)
+    return BlockScores(int(k), chosen, top_ids.reshape(len(entries), -1),
+                       top_lps.reshape(len(entries), -1), np.array(last, dtype=np.float32))
+
+
+def entries_of_block(s: BlockScores, next_token: int, k: int) -> list:
+    """The B entries a block's rows give a prompt asking prompt_logprobs = k <= s.k whose
+    token after the block is next_token: the kept ones (their first k tops: top_ids ranks
+    best first, ties lower id first, so a shorter list is a prefix of a longer one) and the
+    last row scored now; the same bits as scoring the rows where they were computed."""
+    chosen = s.chosen.tolist()
+    if k:
+        tops = [list(zip(i, v)) for i, v in zip(s.top_ids[:, :k].tolist(),
+                                                s.top_lps[:, :k].tolist())]
+    else:
+        tops = [None] * len(chosen)
+    last_chosen, last_top = _score_rows(s.last[None], np.array([next_token]), k)
+    return list(zip(chosen, tops)) + [(last_chosen[0], (last_top or [None])[0])]
+
+
 def _wants(r, ids) -> bool:
     return r.params.prompt_logprobs is not None and r.prefilled < len(r.prompt)
 
@@ -89,6 +156,10 @@ def take_prompt_logprobs(segments, rows: list[np.ndarray], logits: np.ndarray) -
         if h.prompt_logprobs is None:
             h.prompt_logprobs = [None]
         n = min(len(ids), len(r.prompt) - a - 1)   # not the row predicting the generated token
+        kept = getattr(r, "kept_rows", None)
+        if kept is not None:                       # each whole block's last row, for the cache
+            for j in range((-(a + 1)) % kept.every, n, kept.every):
+                kept.rows[a + j] = block[j].copy()
         targets = np.asarray(r.prompt[a + 1:a + 1 + n], dtype=np.int64)
         for b in range(0, n, _ROWS):
             rows_x = block[b:min(b + _ROWS, n)]

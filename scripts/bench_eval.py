@@ -16,11 +16,16 @@ the fastest of each:
   - rolling: --windows sequences of --pp tokens, every row scored (loglikelihood_rolling);
   - server: the mc pairs sent to `colibri serve` as lm-eval's local-completions sends them
     (token ids, {"echo": true, "logprobs": 1, "max_tokens": 1}, one request per question
-    with its --choices prompts), one request at a time.
+    with its --choices prompts), one request at a time. Each rep sends questions of its own
+    (the same shapes, other ids): the server's prefix cache keeps the scored contexts of a
+    question, and a question sent twice would be served from it the second time. The
+    log-likelihoods it returns for the in-process questions, sent once more untimed, are
+    checked against mc whole's (--tol).
 Tokens/s counts the tokens of the pairs (context + continuation), whatever a path runs, so a
 path that runs fewer tokens (shared) shows as faster. Printed ratios: mc whole / pp and
-rolling / pp (target >= 0.9), server / mc whole (target >= 0.7), mc shared / mc whole (the
-saving), each next to `uptime`. The server runs in a subprocess with the same threads,
+rolling / pp (target >= 0.9), server / mc whole (target >= 0.7), server / mc shared (the
+server against ColibriLM's own path), mc shared / mc whole (the saving), each next to
+`uptime`. The server runs in a subprocess with the same threads,
 activations and KV dtype (--no-server skips it).
 """
 from __future__ import annotations
@@ -49,8 +54,8 @@ def uptime() -> str:
 
 
 def mc_items(model, items: int, ctx: int, choices: int, cont: int, seed: int):
-    """[(context ids, [continuation ids] * choices)] of random ids."""
-    rng = np.random.default_rng(seed)
+    """[(context ids, [continuation ids] * choices)] of random ids (seed < 0: the warm-up's)."""
+    rng = np.random.default_rng([abs(seed), int(seed < 0)])
     V = model.vocab_size
     return [(rng.integers(0, V, ctx).tolist(),
              [rng.integers(0, V, cont).tolist() for _ in range(choices)]) for _ in range(items)]
@@ -153,8 +158,8 @@ def bench_model(path: str, args) -> dict:
         time_pp(model, args.pp, rng)                                   # warm-up, untimed
         time_score(model, pairs[:2], True, args.batch_tokens)
         if server is not None:
-            server.time_items(items[:1])
-        for _ in range(args.reps):
+            server.time_items(mc_items(model, 1, args.ctx, args.choices, args.cont, -1))
+        for rep in range(args.reps):
             best["pp"] = min(best["pp"], time_pp(model, args.pp, rng))
             dt, whole = time_score(model, pairs, False, args.batch_tokens)
             best["whole"] = min(best["whole"], dt)
@@ -163,8 +168,11 @@ def bench_model(path: str, args) -> dict:
             best["rolling"] = min(best["rolling"],
                                   time_score(model, windows, False, args.batch_tokens)[0])
             if server is not None:
-                dt, served = server.time_items(items)
-                best["server"] = min(best["server"], dt)
+                fresh = mc_items(model, args.items, args.ctx, args.choices, args.cont,
+                                 args.seed + 1 + rep)
+                best["server"] = min(best["server"], server.time_items(fresh)[0])
+        if server is not None:
+            served = server.time_items(items)[1]
     finally:
         if server is not None:
             server.stop()
@@ -201,6 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-server", action="store_true")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.add_argument("--tol", type=float, default=5e-3,
+                   help="largest |difference| of a log-likelihood from mc whole's, shared "
+                        "and server (default: %(default)s: an f16 cache and other batches' "
+                        "summation order)")
     args = p.parse_args(argv)
     paths = args.models or [str(default_model_path())]
     print(f"# before: {uptime()}")
@@ -208,8 +220,8 @@ def main(argv=None) -> int:
           f"continuation {args.cont} tokens; pp/rolling {args.pp} tokens; "
           f"activations {args.activations}, kv {args.kv_dtype}; best of {args.reps}")
     print("| model | threads | pp t/s | mc whole t/s | mc shared t/s | rolling t/s | "
-          "server t/s | whole/pp | rolling/pp | server/whole | shared/whole |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "server t/s | whole/pp | rolling/pp | server/whole | server/shared | shared/whole |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for path in paths:
         r = bench_model(path, args)
@@ -217,10 +229,12 @@ def main(argv=None) -> int:
         srv = r.get("server_tps")
         srv_tps = "-" if srv is None else f"{srv:.0f}"
         srv_ratio = "-" if srv is None else f"{srv / r['whole_tps']:.2f}"
+        srv_shared = "-" if srv is None else f"{srv / r['shared_tps']:.2f}"
         print(f"| {r['model']} | {r['threads']} | {r['pp_tps']:.0f} | {r['whole_tps']:.0f} | "
               f"{r['shared_tps']:.0f} | {r['rolling_tps']:.0f} | {srv_tps} | "
               f"{r['whole_tps'] / r['pp_tps']:.2f} | {r['rolling_tps'] / r['pp_tps']:.2f} | "
-              f"{srv_ratio} | {r['shared_tps'] / r['whole_tps']:.2f} |", flush=True)
+              f"{srv_ratio} | {srv_shared} | {r['shared_tps'] / r['whole_tps']:.2f} |",
+              flush=True)
     print(f"# after: {uptime()}")
     for r in rows:
         print(f"# {r['model']}: shared vs whole log-likelihoods max |diff| "
@@ -229,7 +243,14 @@ def main(argv=None) -> int:
                  if "server_vs_whole_max_diff" in r else ""))
     if args.json:
         print(json.dumps(rows, indent=1))
-    return 0
+    off = [(r["model"], name, r[key]) for r in rows
+           for name, key in (("shared", "shared_vs_whole_max_diff"),
+                             ("server", "server_vs_whole_max_diff"))
+           if r.get(key, 0.0) > args.tol]
+    for model, name, diff in off:
+        print(f"error: {model}: {name} log-likelihoods differ from mc whole's by {diff:.2e} "
+              f"(> --tol {args.tol:g})", file=sys.stderr)
+    return 1 if off else 0
 
 
 if __name__ == "__main__":

@@ -267,17 +267,91 @@ def test_scheduler_keeps_the_cache_inside_the_kv_budget(shipped):
     assert s["prefix_cache"]["hits"] >= 8 * 80 and s["kv_bytes_in_use"] == 0
 
 
-def test_prompt_logprobs_requests_are_not_served_from_the_cache(shipped):
-    prompt = list(range(10, 60))
-    on, off = Scheduler(shipped, parallel=1), Scheduler(shipped, parallel=1, prefix_cache=0)
-    _run(on, [prompt], max_tokens=2)
-    h_on = on.submit(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
-    h_off = off.submit(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
-    while on.step() or off.step():
+def _scored(sched, prompts, k):
+    hs = [sched.submit(p, SamplingParams(max_tokens=1, prompt_logprobs=k)) for p in prompts]
+    while sched.step():
         pass
-    list(h_on), list(h_off)
-    assert h_on.prompt_logprobs == h_off.prompt_logprobs
-    assert on.stats()["prefix_cache"]["hits"] == 0
+    for h in hs:
+        list(h)
+    return [h.prompt_logprobs for h in hs]
+
+
+def _close(got, want, tol):
+    """Entries equal in ids, their logprobs within tol (None where want has None)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert abs(g[0] - w[0]) <= tol
+        assert (g[1] is None) == (w[1] is None)
+        if w[1] is not None:
+            assert [i for i, _ in g[1]] == [i for i, _ in w[1]]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g[1], w[1])) <= tol
+
+
+def test_prompt_logprobs_requests_share_scored_blocks(shipped):
+    """The choices of a multiple-choice question (one context, four continuations) score the
+    context once: its entries the bits of a request computing it all, the continuations'
+    within the cold tolerance; blocks a plain request stored carry no scores and serve none;
+    fewer tops come from blocks that keep more, more tops are computed and kept."""
+    rng = np.random.default_rng(7)
+    ctx = [int(t) for t in rng.integers(3, shipped.vocab_size, 128)]
+    choices = [ctx + [int(t) for t in rng.integers(3, shipped.vocab_size, 8)]
+               for _ in range(4)]
+    off = Scheduler(shipped, parallel=4, prefix_cache=0)
+    want = [_scored(off, [c], 1)[0] for c in choices]
+    on = Scheduler(shipped, parallel=4)
+    pc = on.prefix_cache
+    _run(on, [ctx + [5]], max_tokens=1)                 # a plain request: KV, no scores
+    assert len(pc) == 8 and all(b.scores is None for b in pc._blocks.values())
+    hits = pc.hits
+    got = _scored(on, choices, 1)
+    assert pc.hits - hits == 3 * 128                    # the first computes, three take
+    assert on.stats()["tokens_in"] == 129 + 136 + 3 * 8
+    for g, w in zip(got, want):
+        assert g[:129] == w[:129]                       # the context: the same bits
+        _close(g, w, 1e-4)
+    assert all(b.scores is not None and b.scores.k == 1 for b in pc._blocks.values())
+    assert pc.nbytes == sum(b.nbytes for b in pc._blocks.values()) > 8 * pc.block_bytes
+    # no tops, from blocks keeping one: the same logprobs
+    hits = pc.hits
+    (none,) = _scored(on, [choices[0]], 0)
+    assert pc.hits - hits == 128
+    assert none[1:] == [(w[0], None) for w in want[0][1:]]
+    # three tops: not in the blocks, computed (and kept); then two tops come from them
+    hits = pc.hits
+    (three,) = _scored(on, [choices[1]], 3)
+    assert pc.hits == hits and all(b.scores.k == 3 for b in pc._blocks.values())
+    (two,) = _scored(on, [choices[2]], 2)
+    assert pc.hits - hits == 128
+    (ref,) = _scored(off, [choices[2]], 2)
+    assert two[:129] == ref[:129]
+    _close(two, ref, 1e-4)
+    assert three[1][1][:2] == _scored(off, [choices[1]], 2)[0][1][1]
+
+
+def test_scores_are_bounded_with_the_blocks(shipped):
+    """Scores count in a block's bytes; a block's scores that do not fit are not kept (its
+    keys and values stay)."""
+    from colibri.prompt_logprobs import BlockScores
+    bs = 16
+    tokens = list(range(3, 3 + 2 * bs + 1))
+    cache = shipped.new_cache(ctx=64)
+    shipped.forward(np.array(tokens), cache=cache)
+
+    def scores(i):
+        return BlockScores(1, np.zeros(bs - 1), np.zeros((bs - 1, 1), np.int64),
+                           np.zeros((bs - 1, 1)), np.zeros(shipped.vocab_size, np.float32))
+    size = scores(0).nbytes
+    pc = PrefixCache.for_model(shipped, capacity=0)
+    pc.capacity = 2 * pc.block_bytes + size
+    blocks = pc.store(tokens, cache, scores=scores)
+    assert len(blocks) == 2 and blocks[0].scores is not None and blocks[1].scores is None
+    assert pc.nbytes == 2 * pc.block_bytes + size <= pc.capacity
+    hit = pc.match(tokens, scored=1)
+    assert len(hit.blocks) == 1 and len(pc.match(tokens).blocks) == 2
+    assert len(pc.match(tokens, scored=2).blocks) == 0
 
 
 def test_iter_steps_leaves_a_given_cache_alone(shipped):
