@@ -1,7 +1,8 @@
 """colibri.prefix_cache and its users: a cached prefix gives the bits of the cache it was
 copied from (random tiny models of several families: MLA, a sliding window), the same
 greedy tokens as a cold run; LRU order (tails first, referenced blocks kept), the byte bound
-alone and inside the Scheduler's KV budget, n > 1 prefilled once, model versions apart."""
+alone and inside the Scheduler's KV budget, n > 1 prefilled once, model versions apart;
+prompt log-probabilities served from scored blocks."""
 from __future__ import annotations
 
 import shutil
