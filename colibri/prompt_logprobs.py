@@ -156,7 +156,7 @@ def take_prompt_logprobs(segments, rows: list[np.ndarray], logits: np.ndarray) -
         if h.prompt_logprobs is None:
             h.prompt_logprobs = [None]
         n = min(len(ids), len(r.prompt) - a - 1)   # not the row predicting the generated token
-        kept = getattr(r, "kept_rows", None)
+        kept = r.kept_rows
         if kept is not None:                       # each whole block's last row, for the cache
             for j in range((-(a + 1)) % kept.every, n, kept.every):
                 kept.rows[a + j] = block[j].copy()
