@@ -21,6 +21,21 @@ the fastest of each:
     question, and a question sent twice would be served from it the second time. The
     log-likelihoods it returns for the in-process questions, sent once more untimed, are
     checked against mc whole's (--tol).
+With --gguf (one GGUF per model: the same weights, e.g. scripts/bench_llama_cpp.py's Q4_0
+of the model's HF folder) and llama.cpp's llama-perplexity (--llama-perplexity, or
+$LLAMA_PERPLEXITY, or on PATH), a second table times one multiple-choice workload on three
+engines: --items questions per rep of text (random lowercase words, about --ctx tokens of
+question and --cont of each of --choices answers; each rep its own), tokenized as
+llama-perplexity tokenizes them (question + " " + answer with the special tokens; the tokens
+all answers share are the context). colibri scores them in process (mc shared) and through
+the server, llama.cpp with `llama-perplexity --multiple-choice` over a task file of the same
+questions (scripts/llama_mc.py; its "total time": after loading the model, to the end).
+Printed: tasks/s of each,
+the tokens each counted (equal when the two tokenizers agree), and how often llama.cpp
+picks colibri's answer (the highest mean log-probability of an answer's tokens, llama.cpp's
+rule: colibri's pick is written as the correct label, so llama.cpp's accuracy is the
+agreement; random weights make near ties, where q4 and Q4_0 rounding may pick differently).
+
 Tokens/s counts the tokens of the pairs (context + continuation), whatever a path runs, so a
 path that runs fewer tokens (shared) shows as faster. Printed ratios: mc whole / pp and
 rolling / pp (target >= 0.9), server / mc whole (target >= 0.7), server / mc shared (the
@@ -37,11 +52,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 import colibri
+import llama_mc
 from colibri.api import default_model_path
 from colibri.scoring import DEFAULT_BATCH_TOKENS, score
 
@@ -59,6 +76,49 @@ def mc_items(model, items: int, ctx: int, choices: int, cont: int, seed: int):
     V = model.vocab_size
     return [(rng.integers(0, V, ctx).tolist(),
              [rng.integers(0, V, cont).tolist() for _ in range(choices)]) for _ in range(items)]
+
+
+def text_tasks(tok, items: int, ctx: int, choices: int, cont: int, seed: int
+               ) -> list[tuple[str, list[str]]]:
+    """[(question, [answer] * choices)] of random lowercase words, the question about ctx
+    tokens long and each answer about cont (tok: the model's tokenizer)."""
+    rng = np.random.default_rng([seed, 2])
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+    def words(n_tokens: int) -> str:
+        text = ""
+        while len(tok.encode(text, add_special_tokens=False)) < n_tokens:
+            text += "".join(" " + "".join(rng.choice(letters, rng.integers(2, 9)))
+                            for _ in range(4))
+        return text.strip()
+    return [(words(ctx), [words(cont) for _ in range(choices)]) for _ in range(items)]
+
+
+def tokenized(tok, tasks) -> list[tuple[list[int], list[list[int]]]]:
+    """Each task as llama-perplexity tokenizes it: (the tokens all its answers share,
+    [the rest of each])."""
+    out = []
+    for question, answers in tasks:
+        seqs = [tok.encode(question + " " + a) for a in answers]
+        n = 0
+        while all(len(q) > n for q in seqs) and len({q[n] for q in seqs}) == 1:
+            n += 1
+        if n == 0 or any(len(q) == n for q in seqs):
+            raise ValueError(f"task {question[:40]!r}...: no shared context or an answer "
+                             "the others start with")
+        out.append((seqs[0][:n], [q[n:] for q in seqs]))
+    return out
+
+
+def picks(items, lls: list[float]) -> list[int]:
+    """The answer of each item with the highest mean log-probability per token (first on
+    ties), from the pairs' summed log-likelihoods in pairs_of order."""
+    out, at = [], 0
+    for _, conts in items:
+        means = [lls[at + j] / len(k) for j, k in enumerate(conts)]
+        at += len(conts)
+        out.append(int(np.argmax(means)))
+    return out
 
 
 def pairs_of(items) -> list[tuple[list[int], list[int]]]:
@@ -141,7 +201,42 @@ class Server:
                 self.proc.wait()
 
 
-def bench_model(path: str, args) -> dict:
+def bench_text(model, server: Server | None, gguf: str, binary: str, args) -> dict:
+    """The three-engine table's row (module docstring): best tasks/s of each over the reps."""
+    tok = model.tokenizer
+    best = {k: float("inf") for k in ("shared", "server", "llama")}
+    agree = n_tasks = 0
+    tokens = {"colibri": 0, "llama": 0}
+    text_tasks(tok, 1, args.ctx, args.choices, args.cont, 10_000)   # the tokenizer's warm-up
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            tasks = text_tasks(tok, args.items, args.ctx, args.choices, args.cont,
+                               args.seed + 100 + rep)
+            items = tokenized(tok, tasks)
+            dt, lls = time_score(model, pairs_of(items), True, args.batch_tokens)
+            best["shared"] = min(best["shared"], dt)
+            if server is not None:
+                best["server"] = min(best["server"], server.time_items(items)[0])
+            mine = picks(items, lls)
+            task_file = os.path.join(tmp, f"tasks-{rep}.bin")
+            llama_mc.write_tasks(task_file, [(q, a, c) for (q, a), c in zip(tasks, mine)])
+            r = llama_mc.run(binary, gguf, task_file, len(tasks), model.threads,
+                             extra=args.llama_args.split())
+            print(f"# llama-perplexity rep {rep}: {r['total_s']:.3f} s (its prompt eval "
+                  f"time {r['eval_s']:.3f} s)", file=sys.stderr)
+            best["llama"] = min(best["llama"], r["total_s"])
+            agree += sum(r["correct"])
+            n_tasks += len(tasks)
+            tokens["llama"] = r["tokens"]
+            tokens["colibri"] = sum(len(c) + sum(map(len, k)) for c, k in items)
+    return {"gguf": os.path.basename(gguf), "tasks": args.items,
+            "shared_tasks_s": args.items / best["shared"],
+            "server_tasks_s": (args.items / best["server"] if server is not None else None),
+            "llama_tasks_s": args.items / best["llama"], "tokens_colibri": tokens["colibri"],
+            "tokens_llama": tokens["llama"], "agree": agree / n_tasks}
+
+
+def bench_model(path: str, args, gguf: str | None = None, binary: str | None = None) -> dict:
     model = colibri.load(path, threads=args.threads, activations=args.activations,
                          kv_dtype=args.kv_dtype)
     rng = np.random.default_rng(args.seed)
@@ -173,6 +268,7 @@ def bench_model(path: str, args) -> dict:
                 best["server"] = min(best["server"], server.time_items(fresh)[0])
         if server is not None:
             served = server.time_items(items)[1]
+        text = None if gguf is None else bench_text(model, server, gguf, binary, args)
     finally:
         if server is not None:
             server.stop()
@@ -185,6 +281,8 @@ def bench_model(path: str, args) -> dict:
     if server is not None:
         row["server_tps"] = pair_tokens / best["server"]
         row["server_vs_whole_max_diff"] = float(np.max(np.abs(np.subtract(served, whole))))
+    if text is not None:
+        row["text"] = text
     return row
 
 
@@ -213,8 +311,28 @@ def main(argv=None) -> int:
                    help="largest |difference| of a log-likelihood from mc whole's, shared "
                         "and server (default: %(default)s: an f16 cache and other batches' "
                         "summation order)")
+    p.add_argument("--gguf", default=None,
+                   help="comma-separated GGUF files, one per model (the same weights): adds "
+                        "the llama.cpp table")
+    p.add_argument("--llama-perplexity", default=None,
+                   help="llama.cpp's llama-perplexity (default: $LLAMA_PERPLEXITY, PATH)")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-perplexity arguments, e.g. '-np 32' (default: none)")
     args = p.parse_args(argv)
     paths = args.models or [str(default_model_path())]
+    ggufs = [None] * len(paths)
+    binary = None
+    if args.gguf:
+        ggufs = args.gguf.split(",")
+        binary = llama_mc.find_binary(args.llama_perplexity)
+        if len(ggufs) != len(paths):
+            p.error(f"--gguf names {len(ggufs)} files for {len(paths)} models")
+        if binary is None:
+            p.error("--gguf needs llama-perplexity: --llama-perplexity PATH, "
+                    "$LLAMA_PERPLEXITY or on PATH")
+        for g in ggufs:
+            if not os.path.isfile(g):
+                p.error(f"--gguf: no file {g}")
     print(f"# before: {uptime()}")
     print(f"# mc: {args.items} questions x {args.choices} choices, context {args.ctx}, "
           f"continuation {args.cont} tokens; pp/rolling {args.pp} tokens; "
@@ -223,8 +341,8 @@ def main(argv=None) -> int:
           "server t/s | whole/pp | rolling/pp | server/whole | server/shared | shared/whole |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
-    for path in paths:
-        r = bench_model(path, args)
+    for path, gguf in zip(paths, ggufs):
+        r = bench_model(path, args, gguf, binary)
         rows.append(r)
         srv = r.get("server_tps")
         srv_tps = "-" if srv is None else f"{srv:.0f}"
@@ -235,6 +353,22 @@ def main(argv=None) -> int:
               f"{r['whole_tps'] / r['pp_tps']:.2f} | {r['rolling_tps'] / r['pp_tps']:.2f} | "
               f"{srv_ratio} | {srv_shared} | {r['shared_tps'] / r['whole_tps']:.2f} |",
               flush=True)
+    texts = [r for r in rows if "text" in r]
+    if texts:
+        print(f"\n# the same text questions on three engines: tasks/s, best of {args.reps}; "
+              f"llama-perplexity {' '.join(args.llama_args.split()) or 'defaults'}")
+        print("| model | gguf | tokens colibri / llama.cpp | colibri in process | "
+              "colibri server | llama.cpp | in process / llama.cpp | server / llama.cpp | "
+              "same answer |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in texts:
+            t = r["text"]
+            srv, lcpp = t["server_tasks_s"], t["llama_tasks_s"]
+            srv_s, srv_r = ("-", "-") if srv is None else (f"{srv:.1f}", f"{srv / lcpp:.2f}")
+            print(f"| {r['model']} | {t['gguf']} | {t['tokens_colibri']} / {t['tokens_llama']} "
+                  f"| {t['shared_tasks_s']:.1f} | {srv_s} | {lcpp:.1f} | "
+                  f"{t['shared_tasks_s'] / lcpp:.2f} | {srv_r} | {100 * t['agree']:.0f}% |",
+                  flush=True)
     print(f"# after: {uptime()}")
     for r in rows:
         print(f"# {r['model']}: shared vs whole log-likelihoods max |diff| "
