@@ -6,7 +6,8 @@ this; it also runs on its own).
     python scripts/bench_llama_cpp.py bench OUT/mixtral-mini-Q4_0.gguf --threads 1,2
 
 Needs the optional `bench` extra: llama-cpp-python built from source (its sdist vendors the
-llama.cpp tree), torch (the converter imports it).
+llama.cpp tree), torch and sentencepiece (the converter imports them); the quantizing step
+also runs with only a `llama-quantize` executable built from that tree.
 
 How the GGUF files are made (the same weights, stated bits per weight):
 1. SRC is the llama.cpp tree of the llama-cpp-python sdist, the same commit the installed
@@ -19,7 +20,8 @@ How the GGUF files are made (the same weights, stated bits per weight):
    its pre-tokenizer is byte-level BPE with the GPT-2 split regex, so an unknown hash is
    mapped to "gpt-2". This touches tokenizer metadata only, never a weight.
 3. BF16 -> Q4_0 and Q8_0 with llama.cpp's quantizer (llama_model_quantize through the
-   binding, default parameters, as `llama-quantize` does): Q4_0 is 4.5 bits per weight
+   binding, default parameters, as `llama-quantize` does; without the binding, the
+   `llama-quantize` executable of SRC/build/bin, $LLAMA_QUANTIZE or PATH): Q4_0 is 4.5 bits per weight
    (32 4-bit codes + an f16 scale per block), Q8_0 8.5; llama.cpp keeps the output head of a
    Q4_0 file at Q6_K and the routers at f32 (see the bytes per token it reports).
 
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import time
@@ -83,8 +86,24 @@ def _convert_in_process(src: Path, hf: Path, out: Path) -> None:
     runpy.run_path(str(src / "convert_hf_to_gguf.py"), run_name="__main__")
 
 
-def quantize(src_gguf: Path, dst: Path, gguf_type: str, threads: int = 2) -> None:
-    import llama_cpp
+def quantize(src_gguf: Path, dst: Path, gguf_type: str, threads: int = 2,
+             src: Path | None = None) -> None:
+    """BF16 GGUF -> gguf_type through the binding; without it, through the `llama-quantize`
+    executable (SRC/build/bin, $LLAMA_QUANTIZE or PATH): the same llama_model_quantize."""
+    try:
+        import llama_cpp
+    except ImportError:
+        exe = next((str(c) for c in (os.environ.get("LLAMA_QUANTIZE"),
+                                     src and src / "build" / "bin" / "llama-quantize")
+                    if c and Path(c).is_file()), None) or shutil.which("llama-quantize")
+        if exe is None:
+            raise RuntimeError("quantizing needs llama-cpp-python or a llama-quantize "
+                               "executable (SRC/build/bin, $LLAMA_QUANTIZE or PATH)") from None
+        tmp = dst.with_suffix(".gguf.tmp")
+        subprocess.run([exe, str(src_gguf), str(tmp), gguf_type, str(threads)], check=True,
+                       stdout=subprocess.DEVNULL)
+        tmp.rename(dst)
+        return
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}")
     params.nthread = threads
@@ -109,7 +128,7 @@ def make_gguf(hf: Path, out_dir: Path, src: Path, quants=("q4", "q8", "bf16"),
         tmp.rename(bf16)
     for q, path in files.items():
         if q != "bf16" and not path.exists():
-            quantize(bf16, path, GGUF_TYPES[q], threads)
+            quantize(bf16, path, GGUF_TYPES[q], threads, src)
     return files
 
 
