@@ -533,17 +533,38 @@ static colibri_igemm_fn colibri_igemm_for(int isa, int fmt, int wide)
     return NULL;
 }
 
+static int colibri_cpu_is_amd(void)
+{
+#if COLIBRI_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+#else
+    return 0;
+#endif
+}
+
+/* AMD's AVX-512 (Zen 4: 512-bit instructions on 256-bit units) keeps the small-M row
+ * kernels (smallm.h) ahead for longer in a whole model: mixtral-mini q4, 2 threads, one
+ * forward of T tokens after 64 cached, crossover 4 / 8 / 16 / none, best of 6 alternated
+ * (scripts/bench_crossover.py): T = 4 16.6 / 11.3 / 11.5 / 11.3 ms, T = 8 29.6 / 23.1 /
+ * 20.7 / 20.4, T = 32 75.6 / 69.8 / 64.4 / 68.4, T = 128 (int8) 149 / 145 / 142 / 179;
+ * int16 and int8 alike. One expert or attention matrix alone crosses at 5-8 there
+ * (scripts/bench_igemm.py, 2 threads); why the model's calls cross later is not profiled.
+ * Intel's avx512vnni keeps its measured 4. */
+#define COLIBRI_IGEMM_CROSSOVER_AMD 16
+
 /* From how many tokens per matrix the integer GEMM body of (isa, wide) beats the idot row
  * kernel, measured (docs/performance.md change 25: mixtral-mini's expert shapes, 1 thread,
- * scripts/bench_igemm.py); 0: at no token count measured (the AVX2 body, on the avx2 and
- * avx512 paths: vpmaddubsw + vpmaddwd on 8-row vectors with 16 registers do no fewer
+ * scripts/bench_igemm.py; on AMD CPUs COLIBRI_IGEMM_CROSSOVER_AMD, measured in a whole
+ * model, above); 0: at no token count measured (the AVX2 body, on the avx2 and avx512 paths: vpmaddubsw + vpmaddwd on 8-row vectors with 16 registers do no fewer
  * instructions per multiply-add than the row kernel, which decodes q4 cheaply; AVX-VNNI
  * int16, 16 steps per block in 16 registers). The path's default unless
  * runtime.igemm_min_tokens forces one number for every path. */
 static ptrdiff_t colibri_igemm_crossover(int isa, int wide)
 {
     isa = colibri_isa_int_base(isa);      /* the AMX bodies run avx512vnni's below their own */
-    if (isa == COLIBRI_ISA_AVX512VNNI) return 4;
+    if (isa == COLIBRI_ISA_AVX512VNNI)
+        return colibri_cpu_is_amd() ? COLIBRI_IGEMM_CROSSOVER_AMD : 4;
     if (isa == COLIBRI_ISA_AVXVNNI) return wide ? 0 : 6;
     return 0;
 }

@@ -302,20 +302,25 @@ cdef inline Py_ssize_t _gcd(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return a
 
 
+cdef inline Py_ssize_t _ffn_gemm_min(const Wmat *g, const Wmat *u, const Wmat *d) noexcept nogil:
+    """The fewest tokens of one expert from which any of its matrices takes a GEMM path
+    (f32 activations: csrc/gemm.h; int8 / int16 codes: csrc/igemm.h), gate / up only with
+    one on each kind (they share the row-kernel pass)."""
+    cdef Py_ssize_t n_min = _gemm_min_for(d)
+    if g.iact == u.iact and _gemm_min_for(g) < n_min:
+        n_min = _gemm_min_for(g)
+    return n_min
+
+
 cdef inline Py_ssize_t _ffn_gemm_bytes(Py_ssize_t TK, const Wmat *g, const Wmat *u,
                                        const Wmat *d, int threads, int *nth_gemm) noexcept nogil:
     """The team of an expert_ffn call by its positions TK (into nth_gemm) and the bytes of
-    its GEMM scratch (0: the row kernels)."""
+    its GEMM scratch (0: the row kernels), for TK tokens on one expert at most."""
     cdef Py_ssize_t I = g.rows, D = g.cols
     cdef Py_ssize_t bytes_gu = I * (g.row_stride + u.row_stride), bytes_dn = D * d.row_stride
     # the team size _ffn_run will use (work = weight bytes x positions, summed over experts)
     nth_gemm[0] = _team(<double>(bytes_gu + bytes_dn) * TK, threads)
-    # a GEMM path serves every matrix (f32 activations: csrc/gemm.h; int8 / int16 codes:
-    # csrc/igemm.h) but gate / up with one on each kind (they share the row-kernel pass)
-    cdef Py_ssize_t n_min = _gemm_min_for(d)
-    if g.iact == u.iact and _gemm_min_for(g) < n_min:
-        n_min = _gemm_min_for(g)
-    return _gemm_bytes(TK, nth_gemm[0], n_min)
+    return _gemm_bytes(TK, nth_gemm[0], _ffn_gemm_min(g, u, d))
 
 
 cdef Py_ssize_t _ffn_bytes(Py_ssize_t T, Py_ssize_t K, const Wmat *g, const Wmat *u,
@@ -387,10 +392,6 @@ cdef void _ffn_core(const float *x, const int32_t *ids, const float *weights, Py
     # tiles of w_down, a few rows of every active expert, would stream each h once per row or
     # two; here once per tile)
     cdef Py_ssize_t align_gu = d.group if sd > 0 else (32 if d.iact else 1), align_dn = 1
-    if gbytes > 0 and gemm_gu:
-        align_gu = align_gu * nr_gu // _gcd(align_gu, nr_gu)
-    if gbytes > 0 and gemm_dn:
-        align_dn = COLIBRI_IGEMM_NR if d.iact else COLIBRI_GEMM_NR
     _count_sort(ids, TK, E, offsets, slots, cursor)
     for p in range(TK):
         pos[slots[p]] = p
@@ -405,6 +406,17 @@ cdef void _ffn_core(const float *x, const int32_t *ids, const float *weights, Py
     nth = _team(work, threads)
     if gbytes > 0 and nth > nth_gemm:    # (equal: work == (bytes_gu + bytes_dn) TK)
         nth = nth_gemm
+    # the tiles are a GEMM path's only when some expert has the tokens to take one: the
+    # scratch is sized before routing, by TK, but a call whose experts all stay under the
+    # crossover (T tokens spread over E experts: a short prefill, a batched or speculative
+    # step, top-8 decode) runs the row kernels, on row-kernel tiles (GEMM-sized down tiles
+    # measured 1.5x slower at T = 8 on mixtral-mini's experts)
+    if gbytes > 0 and max_tokens < _ffn_gemm_min(g, u, d):
+        gbytes = 0
+    if gbytes > 0 and gemm_gu:
+        align_gu = align_gu * nr_gu // _gcd(align_gu, nr_gu)
+    if gbytes > 0 and gemm_dn:
+        align_dn = COLIBRI_IGEMM_NR if d.iact else COLIBRI_GEMM_NR
     f.offsets, f.slots, f.pos, f.active, f.n_active = offsets, slots, pos, active, n_active
     if one:                              # decode: every position reads x[0]
         f.xg, f.xg_stride, f.ssg, f.ssu = <float *>f.x, 0, 0, 0
