@@ -251,7 +251,7 @@ GEMM_MIN_TOKENS = Knob("gemm_min_tokens", None, 4, 1,
 # tokens per matrix it takes the integer GEMM path (csrc/igemm.h: a panel of rows decoded
 # once per K-chunk into vpdpbusd / vpdpwssd order, docs/performance.md change 25) instead of
 # the idot row kernel. 0, the default: each ISA path's measured crossover
-# (igemm_crossover: avx512vnni 4; avxvnni int8 6; none on avx2 / avx512,
+# (igemm_crossover: avx512vnni 4, 16 on AMD CPUs; avxvnni int8 6; none on avx2 / avx512,
 # whose GEMM body measured no faster than the row kernel); another value applies to every
 # path. Both paths sum each block exactly in integers; the f32 parts differ in order.
 IGEMM_MIN_TOKENS = Knob("igemm_min_tokens", None, 0, 0,
