@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .prefix_cache import PrefixCache, model_namespace
-from .prompt_logprobs import KeptRows, entries_of_block, scores_of_block
+from .prompt_logprobs import KeptRows, entries_of_blocks, scores_of_block
 
 __all__ = ["PrefixSharing", "scheduler_cache"]
 
@@ -112,9 +112,10 @@ class PrefixSharing:
             h = r.handle
             if h.prompt_logprobs is None:
                 h.prompt_logprobs = [None]
-            for i, b in enumerate(new, start=r.prefilled // bs):
-                h.prompt_logprobs.extend(
-                    entries_of_block(b.scores, r.prompt[(i + 1) * bs], st.scored))
+            first = r.prefilled // bs
+            h.prompt_logprobs.extend(entries_of_blocks(
+                [b.scores for b in new],
+                [r.prompt[(i + 1) * bs] for i in range(first, first + len(new))], st.scored))
         pc.load(r.cache, hit)
         st.cached += hit.tokens - r.prefilled
         r.prefilled = hit.tokens

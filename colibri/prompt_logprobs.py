@@ -23,7 +23,7 @@ cache may carry its rows' scores, so that a later request with the same prefix t
 instead of computing them. Rows a..a+B-2 predict tokens inside the block: their entries are
 kept as they are (BlockScores, at most k tops each). Row a+B-1 predicts the token after the
 block, which another prompt may choose differently: its float32 logits are kept and scored
-for the asking prompt's next token (entries_of_block). While such a request prefills, the
+for the asking prompt's next token (entries_of_blocks). While such a request prefills, the
 logits of those last rows are kept on it (KeptRows) until its blocks are stored.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .errors import ColibriError
 from .sampling import top_ids
 
 __all__ = ["logits_rows", "take_prompt_logprobs", "KeptRows", "BlockScores", "scores_of_block",
-           "entries_of_block"]
+           "entries_of_blocks"]
 
 _ROWS = 64                 # rows per float64 log-softmax block (V * 8 bytes each)
 
@@ -113,19 +113,27 @@ def scores_of_block(entries: list, last: np.ndarray, k: int) -> BlockScores:
                        top_lps.reshape(len(entries), -1), np.array(last, dtype=np.float32))
 
 
-def entries_of_block(s: BlockScores, next_token: int, k: int) -> list:
-    """The B entries a block's rows give a prompt asking prompt_logprobs = k <= s.k whose
-    token after the block is next_token: the kept ones (their first k tops: top_ids ranks
-    best first, ties lower id first, so a shorter list is a prefix of a longer one) and the
-    last row scored now; the same bits as scoring the rows where they were computed."""
-    chosen = s.chosen.tolist()
-    if k:
-        tops = [list(zip(i, v)) for i, v in zip(s.top_ids[:, :k].tolist(),
-                                                s.top_lps[:, :k].tolist())]
-    else:
-        tops = [None] * len(chosen)
-    last_chosen, last_top = _score_rows(s.last[None], np.array([next_token]), k)
-    return list(zip(chosen, tops)) + [(last_chosen[0], (last_top or [None])[0])]
+def entries_of_blocks(blocks: list[BlockScores], next_tokens: list[int], k: int) -> list:
+    """The entries the rows of consecutive cached blocks give a prompt asking
+    prompt_logprobs = k <= each block's k, next_tokens[j] the prompt's token after block j:
+    per block its B entries, the kept ones (their first k tops: top_ids ranks best first,
+    ties lower id first, so a shorter list is a prefix of a longer one) and its last row
+    scored now, all the blocks' last rows in one _score_rows call; the same bits as scoring
+    the rows where they were computed."""
+    if not blocks:
+        return []
+    last_chosen, last_tops = _score_rows(np.stack([s.last for s in blocks]),
+                                         np.asarray(next_tokens, dtype=np.int64), k)
+    out = []
+    for j, s in enumerate(blocks):
+        chosen = s.chosen.tolist()
+        if k:
+            out.extend(zip(chosen, [list(zip(i, v)) for i, v in zip(
+                s.top_ids[:, :k].tolist(), s.top_lps[:, :k].tolist())]))
+        else:
+            out.extend((c, None) for c in chosen)
+        out.append((last_chosen[j], None if last_tops is None else last_tops[j]))
+    return out
 
 
 def _wants(r, ids) -> bool:
