@@ -7,8 +7,8 @@ by rep in one process, the best of --reps each.
         [--crossovers 0,8,16,off] [--activations int16] [--threads 2] [--reps 6]
 
 Crossover 0 is the ISA path's default (runtime.igemm_crossover, printed), "off" keeps the
-row kernels at every token count. Prints ms per pass and each setting's ratio to the
-default, beside `uptime` before and after (rerun when the load was not ~0).
+row kernels at every token count. Prints ms per pass and the default's time over each
+setting's (below 1: the default is faster), beside `uptime` before and after (rerun when the load was not ~0).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
           f"best of {args.reps}")
     names = ["default" if c == 0 else "off" if c == OFF else str(c) for c in settings]
     print("| T | " + " | ".join(f"{n} ms" for n in names) + " | "
-          + " | ".join(f"default / {n}" for n in names[1:]) + " |")
+          + " | ".join(f"time default / {n}" for n in names[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(names) - 1))
     try:
         for T in [int(t) for t in args.tokens.split(",")]:
