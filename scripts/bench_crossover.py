@@ -8,7 +8,8 @@ by rep in one process, the best of --reps each.
 
 Crossover 0 is the ISA path's default (runtime.igemm_crossover, printed), "off" keeps the
 row kernels at every token count. Prints ms per pass and the default's time over each
-setting's (below 1: the default is faster), beside `uptime` before and after (rerun when the load was not ~0).
+setting's (below 1: the default is faster), beside `uptime` before and after (rerun
+when the load was not ~0).
 """
 from __future__ import annotations
 
