@@ -30,11 +30,11 @@ llama-perplexity tokenizes them (question + " " + answer with the special tokens
 all answers share are the context). colibri scores them in process (mc shared) and through
 the server, llama.cpp with `llama-perplexity --multiple-choice` over a task file of the same
 questions (scripts/llama_mc.py; its "total time": after loading the model, to the end).
-Printed: tasks/s of each,
-the tokens each counted (equal when the two tokenizers agree), and how often llama.cpp
-picks colibri's answer (the highest mean log-probability of an answer's tokens, llama.cpp's
-rule: colibri's pick is written as the correct label, so llama.cpp's accuracy is the
-agreement; random weights make near ties, where q4 and Q4_0 rounding may pick differently).
+Printed: tasks/s of each, the tokens each counted (equal when the two tokenizers agree),
+and how often llama.cpp picks colibri's answer (the highest mean log-probability of an
+answer's tokens, llama.cpp's rule: colibri's pick is written as the correct label, so
+llama.cpp's accuracy is the agreement; random weights make near ties, where q4 and Q4_0
+rounding may pick differently).
 
 Tokens/s counts the tokens of the pairs (context + continuation), whatever a path runs, so a
 path that runs fewer tokens (shared) shows as faster. Printed ratios: mc whole / pp and

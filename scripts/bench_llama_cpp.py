@@ -21,9 +21,10 @@ How the GGUF files are made (the same weights, stated bits per weight):
    mapped to "gpt-2". This touches tokenizer metadata only, never a weight.
 3. BF16 -> Q4_0 and Q8_0 with llama.cpp's quantizer (llama_model_quantize through the
    binding, default parameters, as `llama-quantize` does; without the binding, the
-   `llama-quantize` executable of SRC/build/bin, $LLAMA_QUANTIZE or PATH): Q4_0 is 4.5 bits per weight
-   (32 4-bit codes + an f16 scale per block), Q8_0 8.5; llama.cpp keeps the output head of a
-   Q4_0 file at Q6_K and the routers at f32 (see the bytes per token it reports).
+   `llama-quantize` executable of $LLAMA_QUANTIZE, SRC/build/bin or PATH): Q4_0 is 4.5
+   bits per weight (32 4-bit codes + an f16 scale per block), Q8_0 8.5; llama.cpp keeps
+   the output head of a Q4_0 file at Q6_K and the routers at f32 (see the bytes per token
+   it reports).
 
 Timings (same definitions as llama-bench and colibri bench): pp{P} = one decode call over P
 random ids into an empty context, t/s = P / s; tg{N} = N single-token decode calls from an
@@ -89,7 +90,7 @@ def _convert_in_process(src: Path, hf: Path, out: Path) -> None:
 def quantize(src_gguf: Path, dst: Path, gguf_type: str, threads: int = 2,
              src: Path | None = None) -> None:
     """BF16 GGUF -> gguf_type through the binding; without it, through the `llama-quantize`
-    executable (SRC/build/bin, $LLAMA_QUANTIZE or PATH): the same llama_model_quantize."""
+    executable ($LLAMA_QUANTIZE, SRC/build/bin or PATH): the same llama_model_quantize."""
     try:
         import llama_cpp
     except ImportError:
@@ -98,7 +99,7 @@ def quantize(src_gguf: Path, dst: Path, gguf_type: str, threads: int = 2,
                     if c and Path(c).is_file()), None) or shutil.which("llama-quantize")
         if exe is None:
             raise RuntimeError("quantizing needs llama-cpp-python or a llama-quantize "
-                               "executable (SRC/build/bin, $LLAMA_QUANTIZE or PATH)") from None
+                               "executable ($LLAMA_QUANTIZE, SRC/build/bin or PATH)") from None
         tmp = dst.with_suffix(".gguf.tmp")
         subprocess.run([exe, str(src_gguf), str(tmp), gguf_type, str(threads)], check=True,
                        stdout=subprocess.DEVNULL)

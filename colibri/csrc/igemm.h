@@ -556,7 +556,8 @@ static int colibri_cpu_is_amd(void)
 /* From how many tokens per matrix the integer GEMM body of (isa, wide) beats the idot row
  * kernel, measured (docs/performance.md change 25: mixtral-mini's expert shapes, 1 thread,
  * scripts/bench_igemm.py; on AMD CPUs COLIBRI_IGEMM_CROSSOVER_AMD, measured in a whole
- * model, above); 0: at no token count measured (the AVX2 body, on the avx2 and avx512 paths: vpmaddubsw + vpmaddwd on 8-row vectors with 16 registers do no fewer
+ * model, above); 0: at no token count measured (the AVX2 body, on the avx2 and avx512
+ * paths: vpmaddubsw + vpmaddwd on 8-row vectors with 16 registers do no fewer
  * instructions per multiply-add than the row kernel, which decodes q4 cheaply; AVX-VNNI
  * int16, 16 steps per block in 16 registers). The path's default unless
  * runtime.igemm_min_tokens forces one number for every path. */

@@ -409,8 +409,8 @@ cdef void _ffn_core(const float *x, const int32_t *ids, const float *weights, Py
     # the tiles are a GEMM path's only when some expert has the tokens to take one: the
     # scratch is sized before routing, by TK, but a call whose experts all stay under the
     # crossover (T tokens spread over E experts: a short prefill, a batched or speculative
-    # step, top-8 decode) runs the row kernels, on row-kernel tiles (GEMM-sized down tiles
-    # measured 1.5x slower at T = 8 on mixtral-mini's experts)
+    # step, top-8 decode) runs the row kernels, so it takes row-kernel tiles (the speed of
+    # this alone was not measured apart from the crossover's, docs/performance.md change 35)
     if gbytes > 0 and max_tokens < _ffn_gemm_min(g, u, d):
         gbytes = 0
     if gbytes > 0 and gemm_gu:
