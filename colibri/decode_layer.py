@@ -1,15 +1,15 @@
-"""The layers of a decode step, two ways: from Python, one kernel call at a time
-(python_layers, the specification), and compiled, every layer in one call without the GIL
-(CompiledLayers).
+"""The layers of a decode step compiled: every layer in one call without the GIL
+(CompiledLayers), instead of the one layer loop (colibri.layer_loop.run_layers over a
+TokenStep, its specification).
 
-python_layers is Model._step's loop: per layer about eleven calls into the compiled module
+That loop makes per layer about eleven calls into the compiled module
 (RMSNorm rows, the fused q|k|v projection, q/k norms, RoPE, the cache write and attention,
 the output projection, the residual add, RMSNorm, the router, top-k, the experts, the
 shared expert, the add), each with its argument checks and the GIL taken back in between.
 colibri._kernels.DecodeLayers holds every layer's weights and settings, checked once when
 the model is built; DecodeBinding binds them to one cache and its RunState and runs all
 layers in one nogil call, through the same C functions in the same order
-(pyx/decode_layer.pxi). So its results are the Python step's, bit for bit, on every weight
+(pyx/decode_layer.pxi). So its results are the loop's, bit for bit, on every weight
 format, activation setting, cache dtype, thread count and ISA path (the sigmoid of
 Qwen2-MoE's shared-expert gate calls NumPy's own float32 exp loop: libm's expf differs from
 it in the last bit for ~40 % of arguments). DeepSeek's latent attention (MLA.decode: the q
@@ -19,7 +19,7 @@ kernels.prepare_mla_absorbed) and GPT-OSS's attention sinks and biased swigluoai
 DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
 (pyx/decode_families.pxi).
 
-What the compiled layers do not do, python_layers does (the fallback), chosen when the
+What the compiled layers do not do, the loop does (the fallback), chosen when the
 model is built (`uncovered`: the reason, or None): a norm other than RMSNorm / LayerNorm,
 q / k / v that are not one fused projection, an expert activation other than silu / swigluoai, a shared-expert gate
 where NumPy's exp loop is not found; or per step (two cheap checks, no exception handling): a
@@ -28,50 +28,20 @@ experts_hook (an expert cache, the residency telemetry).
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from . import _kernels
 from .attention import Attention
-from .guards import layer_nan_error, run_moe
+from .guards import layer_nan_error
 from .mla import LATENT_NORM_EPS, MLA
 from .moe import DenseMLP, MoE
-from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
 from .weights import WeightRef
 
-__all__ = ["python_layers", "CompiledLayers", "compile_layers", "uncovered"]
+__all__ = ["CompiledLayers", "compile_layers", "uncovered"]
 
 _STAGES = _kernels.STAGE_NAMES      # the stages of DecodeBinding.seconds (Model.timings keys)
-
-
-def python_layers(model, state: RunState, cos: np.ndarray, sin: np.ndarray, cache,
-                  trace: RoutingTrace | None) -> None:
-    """The layers of Model._step from Python (Model._step_layers): the token in state.h
-    (1, D) at the position of cos / sin (Rope.cos_sin_one, (Dr/2,)) through every layer,
-    its key and value to slot cache.length; its routing appended to trace when given."""
-    tm, eps, h, xa, xf = model.timings, state.eps, state.h, state.xa, state.xf
-    norm, rm = model.norm_rows_into, model.residual_mult
-    t0 = time.perf_counter()
-    for i, layer in enumerate(model.layers):
-        norm(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
-        o = layer.attn.decode(xa, cos, sin, cache, i, state)
-        if rm is not None:
-            np.multiply(o, rm, out=o)
-        np.add(h, o, out=h)
-        norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
-        t0 = tm.add("attention", t0)
-        if isinstance(layer.ffn, MoE):
-            y, ids, wts, gate = run_moe(i, layer.ffn, xf, tm, xa, o, out=state.y)
-            if trace is not None:
-                trace_layer(trace, i, layer.ffn, xf, ids, wts, gate, 1, 1, model.threads)
-        else:
-            y = layer.ffn(xf, tm)
-        if rm is not None:
-            np.multiply(y, rm, out=y)
-        np.add(h, y, out=h)
-        t0 = time.perf_counter()
 
 
 _MLA_PROJECTIONS = ("wq", "wq_a", "wq_b", "wkv_a", "wo")

@@ -4,25 +4,23 @@ Nothing is copied at load time: dense matrices and expert stacks become WeightRe
 offsets into the mapping) that the kernels read in place, whatever their format (f32, f16,
 bf16, q8, q4); norm weights and biases are small float32 views. Every dimension and rule
 comes from the typed config (Model.config, a colibri.config.ModelConfig). The forward pass
-reads top to bottom in data-flow order:
+is written once, in colibri.layer_loop:
 
     embed -> per layer [RMSNorm -> attention -> + -> RMSNorm -> MoE or dense MLP -> +]
-          -> RMSNorm -> head (kernels.linear) -> float32 logits
+          -> RMSNorm -> head -> float32 logits
 
-It runs one of three ways:
-  - the general path: any B and S, padding, masks, with or without a cache; NumPy
-    attention over the whole batch (colibri.attention), new arrays per layer;
-  - the decode step (Model._step): one new token of one sequence through a cache without
-    padding, what every generation step is. The same operations specialised to T = 1, every
-    per-layer vector in the cache's RunState: all layers in one compiled call where
-    colibri.decode_layer covers them, else layer by layer (_step_layers, its specification:
-    norms, RoPE and the attention over the cache as compiled row operations, projections
-    and experts as prepared kernel calls). A plain call (token ids, no mask) gets there
-    directly, without the general input checks; any other such step (input_embeds, a mask
-    of ones, explicit positions) after the checks.
-  - the ragged step (Model.forward_ragged, colibri.ragged): several sequences of different
-    lengths, each through its own cache, their rows concatenated for the projections, the
-    MoE and the head, attention per sequence; what continuous batching runs.
+over rows of the residual stream; what the rows are is one of three descriptions:
+  - PaddedBatch (Model._general): any B and S, padding, masks, with or without a cache;
+    NumPy attention over the whole batch (colibri.attention);
+  - TokenStep (Model._step): one new token of one sequence through a cache without
+    padding, what every generation step is; every vector in the cache's RunState, and all
+    layers in one compiled call where colibri.decode_layer covers them (the loop is its
+    specification). A plain call (token ids, no mask) gets there directly (decode_call),
+    without the general input checks; any other such step (input_embeds, a mask of ones,
+    explicit positions) after the checks;
+  - RaggedBatch (Model.forward_ragged, colibri.ragged): several sequences of different
+    lengths, each through its own cache, attention per sequence; what continuous batching
+    runs.
 q, k and v, adjacent in the file, are one kernel call (one WeightRef over the three matrices).
 Shapes as in the package docstring.
 """
@@ -36,24 +34,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels, quant
-from .attention import Attention, build_mask
-from .decode_layer import compile_layers, python_layers
+from .attention import Attention
+from .decode_layer import compile_layers
 from .expert_cache import (DEFAULT_POLICY, check_memory_budget, hold_weights, memory_plan,
                            weights_buffer)
 from .expert_shards import shard_experts
 from .format import ColibriFile, QuantizedTensor, router_name
 from .validation import check_loadable
 from .generate import generate
-from .guards import check_logits, run_moe, warn_past_context
+from .guards import warn_past_context
 from .inputs import check_inputs
+from .layer_loop import PaddedBatch, TokenStep, forward_pass, tracer
 from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
-from .norms import layer_norm, rms_norm
+from .norms import layer_norm
 from .prefix_cache import PrefixCache
 from .ragged import forward_ragged
 from .rope import Rope
-from .routing import RoutingTrace, drop_batch, trace_layer
+from .routing import RoutingTrace, drop_batch
 from .run_state import RunState
 from .runtime import MAX_THREADS, Timings, blas_on_one_thread, default_threads
 from .tokenizer import tokenizer_from_files
@@ -275,17 +274,10 @@ class Model:
         return _Layer(vector(f, p + "attn_norm"), attn, vector(f, p + "ffn_norm"), ffn, *biases)
 
     # -- the norms and multipliers some families add -------------------------------------------
-    def _norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
-              eps: float) -> np.ndarray:
-        """The model's norm (config.norm) of x float32 (..., D), a new array."""
-        if self._layer_norm:
-            return layer_norm(x, weight, bias, eps)
-        return rms_norm(x, weight, eps)
-
     def norm_rows_into(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
                         eps: np.float32, out: np.ndarray) -> None:
-        """The model's norm of rows x float32 (N, D) into out (N, D), compiled for RMSNorm:
-        what the decode step and the ragged step use."""
+        """The model's norm of rows x float32 (N, D) into out (N, D) (may be x), compiled
+        for RMSNorm (NumPy's operations and summation order: norms.rms_norm's bits)."""
         if self._layer_norm:
             layer_norm(x, weight, bias, eps, out=out)
         else:
@@ -293,7 +285,7 @@ class Model:
 
     def head_into(self, x: np.ndarray, logits: np.ndarray) -> np.ndarray:
         """The head of normed rows x float32 (N, D) into logits float32 (N, V), scaled as
-        the family asks (what the decode step and the ragged step use)."""
+        the family asks."""
         self._head(x, logits)
         return self._scale_logits(logits)
 
@@ -449,26 +441,10 @@ class Model:
         `position`, through every layer and the head, its key and value written to the
         cache's next slot, which is committed. Logits float32 (1, V), a new array; the
         routing appended to trace (shaped (1, 1, ...)) when given. t0: the step's start."""
-        tm, eps, h, xa = self.timings, state.eps, state.h, state.xa          # eps: float32
-        if self.embedding_mult is not None:
-            np.multiply(h, self.embedding_mult, out=h)
         cos, sin = self.rope.cos_sin_one(position)                               # (Dr/2,)
-        t0 = tm.add("embed", t0)
-        fast = self.compiled_step       # (colibri.decode_layer; _step_layers: its specification)
-        if fast is None or trace is not None or not fast.run(state, cache, cos, sin, tm):
-            self._step_layers(state, cos, sin, cache, trace)
-        t0 = time.perf_counter()
-        logits = np.empty((1, self.config.vocab_size), dtype=np.float32)
-        self.norm_rows_into(h, self.final_norm, self.final_norm_bias, eps, xa)
-        self.head_into(xa, logits)
-        check_logits(logits, self.n_layers, h, xa)
-        tm.add("head", t0)
-        cache.commit_one(position)
-        return logits
-
-    # the layers of a decode step from Python, one kernel call at a time (the specification
-    # of the compiled ones, and what runs where they do not): colibri.decode_layer
-    _step_layers = python_layers
+        step = TokenStep(cache, state, position, cos, sin)
+        record = None if trace is None else tracer(trace, 1, 1, self.threads)
+        return forward_pass(self, step, state.h, t0, record)
 
     def _forward(self, input_ids, cache, positions, return_routing, input_embeds,
                  attention_mask, last_only):
@@ -500,51 +476,14 @@ class Model:
                  last_only: bool) -> np.ndarray:
         """The general path: ids int64 (B, S) or embeddings float32 (B, S, D) -> logits
         float32 (B, S, V) ((B, 1, V) with last_only); valid bool (B, S), pos int64 (B, S)."""
-        tm = self.timings
         t0 = time.perf_counter()
         B, S = valid.shape
-        D, eps = self.config.hidden_size, self.config.rms_norm_eps
-        h = self.embed(data) if data.dtype == np.int64 else data.copy()       # (B, S, D)
-        if self.embedding_mult is not None:
-            h *= self.embedding_mult
-        rm = self.residual_mult
-        # keys visible to the new tokens: the cache's slots, then the new ones
-        all_valid = valid if cache is None else np.concatenate(
-            [cache.valid[:, :cache.length], valid], axis=1)                  # (B, L)
-        masks: dict = {}
-        cos, sin = self.rope.cos_sin(pos)                                     # (B, 1, S, Dr/2)
-        t0 = tm.add("embed", t0)
-        for i, layer in enumerate(self.layers):
-            w = layer.attn.window
-            if w not in masks:
-                masks[w] = build_mask(all_valid, S, w)                        # (B, S, L)
-            a = self._norm(h, layer.attn_norm, layer.attn_norm_bias, eps)
-            o = layer.attn(a, cos, sin, masks[w], cache, i)
-            h = h + (o if rm is None else o * rm)
-            x = self._norm(h, layer.ffn_norm, layer.ffn_norm_bias, eps).reshape(B * S, D)  # (T, D)
-            t0 = tm.add("attention", t0)
-            if isinstance(layer.ffn, MoE):
-                y, ids, wts, gate = run_moe(i, layer.ffn, x, tm, a, o)
-                if trace is not None:
-                    trace_layer(trace, i, layer.ffn, x, ids, wts, gate, B, S, self.threads)
-            else:
-                y = layer.ffn(x, tm)
-            h = h + (y if rm is None else y * rm).reshape(B, S, D)
-            t0 = time.perf_counter()
-        if last_only:
-            h = h[:, -1:]
-        hn = self._norm(h, self.final_norm, self.final_norm_bias, eps)
-        n = hn.shape[1]
-        logits = kernels.linear(np.ascontiguousarray(hn.reshape(B * n, D)), self.head,
-                                self.head_bias, threads=self.threads,
-                                activations=self.activations
-                                ).reshape(B, n, self.config.vocab_size)
-        self._scale_logits(logits)
-        check_logits(logits, self.n_layers, h, hn)
-        tm.add("head", t0)
-        if cache is not None:
-            cache.commit(valid, pos)
-        return logits
+        D, V = self.config.hidden_size, self.config.vocab_size
+        h = (self.embed(data) if data.dtype == np.int64 else data.copy()).reshape(B * S, D)
+        batch = PaddedBatch.of(self, valid, pos, cache)
+        record = None if trace is None else tracer(trace, B, S, self.threads)
+        rows = np.arange(S - 1, B * S, S) if last_only else None      # each sequence's last
+        return forward_pass(self, batch, h, t0, record, rows).reshape(B, -1, V)
 
     def forward_ragged(self, segments, return_routing: bool = False, logits_rows=None):
         """Several sequences of different lengths in one step, each through its own cache

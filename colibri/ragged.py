@@ -23,7 +23,7 @@ import numpy as np
 from .attention import Segment
 from .guards import ForeignCacheError
 from .kv_cache import KVCache
-from .moe import MoE
+from .layer_loop import RaggedBatch, forward_pass
 from .runtime import blas_on_one_thread
 
 __all__ = ["forward_ragged", "check_segments", "ROW_ATTENTION_MAX"]
@@ -149,52 +149,21 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False,
 
 
 def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None):
-    tm, c = model.timings, model.config
     t0 = time.perf_counter()
     segs = _segments(model, checked)
     ids = np.concatenate([i for _, i in checked])                                  # (T,)
-    T, D = ids.size, c.hidden_size
-    eps = np.float32(c.rms_norm_eps)
     h = np.ascontiguousarray(model.embed(ids[None])[0], dtype=np.float32)        # (T, D)
-    if model.embedding_mult is not None:                                    # Granite's muP
-        h *= model.embedding_mult
-    rm = model.residual_mult
-    xa = np.empty((T, D), dtype=np.float32)
-    xf = np.empty((T, D), dtype=np.float32)
     routing = []                                              # per MoE layer: ids (T, K)
-    t0 = tm.add("embed", t0)
-    for i, layer in enumerate(model.layers):
-        model.norm_rows_into(h, layer.attn_norm, layer.attn_norm_bias, eps, xa)
-        o = layer.attn.forward_segments(xa, segs, i)
-        h += o if rm is None else o * rm
-        model.norm_rows_into(h, layer.ffn_norm, layer.ffn_norm_bias, eps, xf)
-        t0 = tm.add("attention", t0)
-        if isinstance(layer.ffn, MoE):
-            y, chosen, _, _ = layer.ffn(xf, tm)
-            if return_routing:
-                routing.append(chosen)
-        else:
-            y = layer.ffn(xf, tm)
-        h += y if rm is None else y * rm
-        t0 = time.perf_counter()
+    record = (lambda i, moe, x, chosen, weights, gate: routing.append(chosen)) \
+        if return_routing else None
     if logits_rows is None:
-        last = np.array([s.start + s.n - 1 for s in segs])                         # (N,)
+        rows = np.array([s.start + s.n - 1 for s in segs])                         # (N,)
     else:
-        last = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
-    hl = np.ascontiguousarray(h[last])                                            # (N, D)
-    model.norm_rows_into(hl, model.final_norm, model.final_norm_bias, eps, hl)
-    logits = np.empty((last.size, c.vocab_size), dtype=np.float32)
-    if last.size:
-        model.head_into(hl, logits)
-    tm.add("head", t0)
-    for s in segs:
-        if s.decode:
-            s.cache.commit_one(int(s.positions[0]))
-        else:
-            s.cache.commit(np.ones((1, s.n), dtype=bool), s.positions[None])
+        rows = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
+    logits = forward_pass(model, RaggedBatch(segs), h, t0, record, rows)
     if not return_routing:
         return logits
-    K = c.num_experts_per_tok
+    K = model.config.num_experts_per_tok
     stacked = (np.stack(routing).astype(np.int32, copy=False) if routing
-               else np.zeros((0, T, K), dtype=np.int32))                          # (M, T, K)
+               else np.zeros((0, ids.size, K), dtype=np.int32))                   # (M, T, K)
     return logits, [stacked[:, s.start:s.start + s.n] for s in segs]

@@ -1,5 +1,6 @@
 """The compiled decode step (colibri.decode_layer: every layer of one token in one call)
-against the Python step it replaces (Model._step_layers, its specification).
+against the Python step it replaces (layer_loop.run_layers over a TokenStep, its
+specification).
 
 The compiled layers run the same C functions in the same order as the Python step, so a
 decode through them gives the same bits: logits and every cache plane, step after step
@@ -26,14 +27,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
-from colibri import _kernels, runtime  # noqa: E402
+from colibri import _kernels, layer_loop, runtime  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.decode_layer import compile_layers, uncovered  # noqa: E402
 from colibri.guards import NonFiniteError  # noqa: E402
 from colibri.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
-from test_decode import count_calls  # noqa: E402
 from test_family_gpt_oss import _mxfp4_checkpoint  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -255,8 +255,17 @@ def test_two_caches_decoding_at_once(converted, case):
 # ---------------------------------------------------------------------------------------------
 
 def _python_steps(m, monkeypatch) -> list:
-    """Record each decode step that runs the Python layer loop (Model._step_layers)."""
-    return count_calls(m, "_step_layers", monkeypatch)
+    """Record each decode step that runs the Python layer loop (layer_loop.run_layers over
+    a TokenStep) instead of the compiled layers."""
+    taken, real = [], layer_loop.run_layers
+
+    def counted(model, batch, *args):
+        if model is m and isinstance(batch, layer_loop.TokenStep):
+            taken.append(1)
+        return real(model, batch, *args)
+
+    monkeypatch.setattr(layer_loop, "run_layers", counted)
+    return taken
 
 
 def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
