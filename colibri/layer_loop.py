@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -34,7 +35,26 @@ from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
 
 __all__ = ["PaddedBatch", "RaggedBatch", "TokenStep", "forward_pass", "run_layers",
-           "tracer", "Record"]
+           "tracer", "Record", "unpadded", "is_token_step", "AttentionLayer"]
+
+class AttentionLayer(Protocol):
+    """What a layer's attention gives the loop (attention.Attention, mla.MLA): one method
+    per description of the rows; each writes the new rows' keys and values to the cache at
+    its length (the description commits them after the pass)."""
+    window: int | None                  # sliding window in slots, None: full attention
+
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mask: np.ndarray,
+                 cache=None, layer: int = 0) -> np.ndarray:
+        """PaddedBatch: x float32 (B, S, D), mask bool (B, S, L) -> (B, S, D)."""
+
+    def forward_segments(self, x: np.ndarray, segments: list[Segment], layer: int
+                         ) -> np.ndarray:
+        """RaggedBatch: x float32 (T, D) -> (T, D), attention per segment."""
+
+    def decode(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache, layer: int,
+               state: RunState) -> np.ndarray:
+        """TokenStep: x float32 (1, D) -> (1, D) (state.o)."""
+
 
 # record(i, moe, x (T, D), ids (T, K), weights (T, K), shared gate (T,) or None): what a pass
 # keeps of MoE layer i's routing (None: nothing)
@@ -67,7 +87,7 @@ class PaddedBatch:
         T = self.rows
         return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
 
-    def attend(self, attn, x: np.ndarray, layer: int) -> np.ndarray:
+    def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         """Layer `layer`'s attention of the normed rows x (T, D) -> (T, D)."""
         B, S = self.valid.shape
         w = attn.window
@@ -103,7 +123,7 @@ class RaggedBatch:
         T = self.rows
         return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
 
-    def attend(self, attn, x: np.ndarray, layer: int) -> np.ndarray:
+    def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         return attn.forward_segments(x, self.segments, layer)
 
     def run_compiled(self, model) -> bool:
@@ -138,7 +158,7 @@ class TokenStep:
         s = self.state
         return s.xa, s.xf, s.y
 
-    def attend(self, attn, x: np.ndarray, layer: int) -> np.ndarray:
+    def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         return attn.decode(x, self.cos, self.sin, self.cache, layer, self.state)
 
     def run_compiled(self, model) -> bool:
@@ -150,6 +170,20 @@ class TokenStep:
 
     def commit(self) -> None:
         self.cache.commit_one(self.position)
+
+
+def unpadded(cache) -> bool:
+    """Whether every slot of a cache of one sequence holds a real token (no padding)."""
+    n = cache.length
+    return np.count_nonzero(cache.valid[0, :n]) == n
+
+
+def is_token_step(cache, rows: int) -> bool:
+    """Whether `rows` new rows through `cache` make a TokenStep: one row, a cache of one
+    sequence with room for it and no padding. The one place that decides it (Model.forward,
+    its fast entry Model.decode_call, the ragged step's segments)."""
+    return (rows == 1 and cache is not None and cache.batch == 1
+            and cache.length < cache.ctx and unpadded(cache))
 
 
 def tracer(trace: RoutingTrace, B: int, S: int, threads: int) -> Record:

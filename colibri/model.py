@@ -44,7 +44,7 @@ from .validation import check_loadable
 from .generate import generate
 from .guards import warn_past_context
 from .inputs import check_inputs
-from .layer_loop import PaddedBatch, TokenStep, forward_pass, tracer
+from .layer_loop import PaddedBatch, TokenStep, forward_pass, is_token_step, tracer
 from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .mla import MLA, softmax_scale
 from .moe import BiasedExperts, DenseMLP, MoE
@@ -410,13 +410,12 @@ class Model:
         """
         ids = input_ids
         if (not isinstance(ids, np.ndarray) or ids.size != 1 or ids.ndim not in (1, 2)
-                or ids.dtype.kind not in "iu" or cache.batch != 1 or cache.length >= cache.ctx
-                or cache.owner is not self.identity
+                or ids.dtype.kind not in "iu" or cache.owner is not self.identity
                 or (cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.value_dim)
-                != self.cache_dims):
+                != self.cache_dims or not is_token_step(cache, 1)):
             return None
         token, n = int(ids.reshape(-1)[0]), cache.length
-        if not 0 <= token < self.config.vocab_size or np.count_nonzero(cache.valid[0, :n]) != n:
+        if not 0 <= token < self.config.vocab_size:
             return None
         position = int(np.maximum.reduce(cache.pos[0, :n])) + 1 if n else 0   # no padding
         if positions is not None:
@@ -454,8 +453,7 @@ class Model:
                                                  positions, attention_mask)
         trace = RoutingTrace([], [], []) if return_routing else None
         B, S = valid.shape
-        if (B == 1 and S == 1 and cache is not None and valid[0, 0]
-                and cache.valid[0, :cache.length].all()):
+        if B == 1 and valid[0, 0] and is_token_step(cache, S):
             t0 = time.perf_counter()
             state = self._run_state(cache)
             if data.dtype == np.int64:

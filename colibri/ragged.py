@@ -23,7 +23,7 @@ import numpy as np
 from .attention import Segment
 from .guards import ForeignCacheError
 from .kv_cache import KVCache
-from .layer_loop import RaggedBatch, forward_pass
+from .layer_loop import RaggedBatch, forward_pass, is_token_step, unpadded
 from .runtime import blas_on_one_thread
 
 __all__ = ["forward_ragged", "check_segments", "ROW_ATTENTION_MAX"]
@@ -80,16 +80,15 @@ def _segments(model, checked: list[tuple[KVCache, np.ndarray]]) -> list[Segment]
     segs, row = [], 0
     for cache, ids in checked:
         n, past = ids.size, cache.length
-        padded = past and np.count_nonzero(cache.valid[0, :past]) != past
         first = int(cache.next_positions()[0])
         positions = np.arange(first, first + n, dtype=np.int64)
-        decode = n == 1 and not padded
+        decode = is_token_step(cache, n)
         tables = None
         if decode:
             cos, sin = model.rope.cos_sin_one(first)                            # (Dr/2,)
         else:
             cos, sin = model.rope.cos_sin(positions[None])               # (1, 1, S, Dr/2)
-            if past and not padded and n <= ROW_ATTENTION_MAX and past + n <= cache.ctx:
+            if past and n <= ROW_ATTENTION_MAX and past + n <= cache.ctx and unpadded(cache):
                 tables = [model.rope.cos_sin_one(int(p)) for p in positions]
         segs.append(Segment(cache, row, n, positions, decode, cos, sin, row_tables=tables))
         row += n
