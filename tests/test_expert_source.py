@@ -15,7 +15,6 @@ from colibri.telemetry import ExpertTelemetry
 from colibri.tools.bench import format_markdown, run_bench
 from colibri.tools.cache_sim import simulate
 from colibri.tools.trace import trace
-from test_decode import count_calls
 
 TOKENS = [5, 7, 9, 11, 3, 5, 7, 100, 200, 300, 5, 7, 9, 41, 42]
 POLICY = "lru"
@@ -24,6 +23,17 @@ POLICY = "lru"
 def _decode(model) -> list[np.ndarray]:
     cache = model.new_cache()
     return [model.forward(np.array([t]), cache=cache) for t in TOKENS]
+
+
+def _python_steps(model, monkeypatch) -> list:
+    """One entry per decode step that runs the Python layers (Model._step_layers)."""
+    taken, real = [], model._step_layers
+
+    def counted(*args):
+        taken.append(1)
+        return real(*args)
+    monkeypatch.setattr(model, "_step_layers", counted)
+    return taken
 
 
 def _sources(model) -> list:
@@ -43,7 +53,7 @@ def test_telemetry_over_the_budgeted_cache_composes(monkeypatch):
         cache = m.expert_cache
         cached = _sources(m)
         assert all(isinstance(s, CachedExperts) for s in cached)
-        python_steps = count_calls(m, "_step_layers", monkeypatch)
+        python_steps = _python_steps(m, monkeypatch)
         with ExpertTelemetry(m) as rec:
             assert cache.telemetry is rec
             assert all(isinstance(s, WatchedExperts) and s.inner is c
