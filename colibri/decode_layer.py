@@ -21,13 +21,14 @@ DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
 
 What the compiled layers do not do, the loop does (the fallback), chosen when the
 model is built (`uncovered`: the reason, or None): a norm other than RMSNorm / LayerNorm,
-q / k / v that are not one fused projection, an expert activation other than silu / swigluoai, a shared-expert gate
-where NumPy's exp loop is not found; or per step (two cheap checks, no exception handling): a
-step that records its routing (return_routing), a model whose MoE layers have an
-experts_hook (an expert cache, the residency telemetry).
+q / k / v that are not one fused projection, an expert activation other than silu /
+swigluoai, a shared-expert gate where NumPy's exp loop is not found; or per step (two cheap checks, no exception handling): a
+step that records its routing (return_routing), a model whose MoE layers' expert sources
+(colibri.expert_source: an expert cache, remote shards, the residency telemetry) it cannot
+run; it asks each source (compiled_reason) and keeps the answer (CompiledLayers.declined),
+and decode_path says which path a decode step takes and why (colibri bench prints it).
 """
 from __future__ import annotations
-
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from .moe import DenseMLP, MoE
 from .run_state import RunState
 from .weights import WeightRef
 
-__all__ = ["CompiledLayers", "compile_layers", "uncovered"]
+__all__ = ["CompiledLayers", "compile_layers", "uncovered", "decode_path"]
 
 _STAGES = _kernels.STAGE_NAMES      # the stages of DecodeBinding.seconds (Model.timings keys)
 
@@ -129,8 +130,11 @@ class CompiledLayers:
 
     run(state, cache, cos, sin, timings) runs every layer on the token in state.h (1, D),
     its key and value going to slot cache.length, as Model._step's loop does; False (nothing
-    done) when this step must take the Python loop.
+    done) when this step must take the Python loop: an MoE layer's expert source the
+    compiled step cannot run (only the mapping's kernel call, which it calls itself), the
+    reason then in `declined` (None after a compiled step).
     """
+    declined: str | None = None
 
     def __init__(self, model):
         c = model.config
@@ -157,10 +161,20 @@ class CompiledLayers:
                 self.layers, state, cache.k, cache.v)
         return b
 
-    def run(self, state: RunState, cache, cos: np.ndarray, sin: np.ndarray, timings) -> bool:
+    def sources_reason(self) -> str | None:
+        """Why the compiled step cannot run the MoE layers' expert sources as they are now
+        (the first one's reason it cannot), or None when it can."""
         for moe in self._moes:
-            if moe.experts_hook is not None:
-                return False
+            why = moe.expert_source.compiled_reason
+            if why is not None:
+                return why
+        return None
+
+    def run(self, state: RunState, cache, cos: np.ndarray, sin: np.ndarray, timings) -> bool:
+        why = self.sources_reason()
+        self.declined = why
+        if why is not None:
+            return False
         b = self._binding(state, cache)
         bad = b.step(cache.k, cache.v, cache.length, cos, sin)
         seconds = timings.seconds
@@ -169,6 +183,17 @@ class CompiledLayers:
         if bad >= 0:
             raise layer_nan_error(bad, state.xa, state.o, state.xf)
         return True
+
+
+def decode_path(model) -> str:
+    """Which layers a decode step of `model` runs now, and why not the compiled ones:
+    "compiled layers" or "Python layers (<reason>)" (a step recording its routing always
+    takes the Python layers)."""
+    fast = getattr(model, "compiled_step", None)
+    why = uncovered(model) if fast is None else fast.sources_reason()
+    if fast is None and why is None:
+        why = "the compiled step is off: model.compiled_step is None"
+    return "compiled layers" if why is None else f"Python layers ({why})"
 
 
 def compile_layers(model) -> CompiledLayers | None:

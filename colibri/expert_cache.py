@@ -37,6 +37,7 @@ import numpy as np
 from . import kernels, residency
 from .errors import ColibriError
 from .eviction import SlotTable, make_policy
+from .expert_source import CachedExperts, WatchedExperts, without
 from .format import ColibriFile
 from .format.spec import PROJS
 from .prefetch import Prefetcher
@@ -187,8 +188,9 @@ class _Reader:
 class ExpertCache:
     """The expert blocks of `model` held in `plan.n_slots` slots (see the module docstring).
 
-    Installs itself as every MoE layer's experts_hook. Counters: stats(). telemetry: an
-    ExpertTelemetry the cache reports each layer call to (set by it), or None.
+    Puts a CachedExperts (colibri.expert_source) over every MoE layer's expert source;
+    close() takes them out. Counters: stats(). telemetry: the ExpertTelemetry watching the
+    cache's layers (a WatchedExperts over them), or None.
     """
 
     def __init__(self, model, plan: MemoryPlan, *, policy: str = DEFAULT_POLICY,
@@ -203,10 +205,8 @@ class ExpertCache:
         self.model, self.plan, self.mode = model, plan, mode
         f = model.file
         self.layers = list(plan.layers)
-        self._index = {layer: j for j, layer in enumerate(self.layers)}
         self.table = SlotTable(plan.n_slots, make_policy(policy, len(self.layers), f.n_experts))
         self.policy = policy
-        self.telemetry = None
         self.lock = threading.Lock()
         self._ready = [threading.Event() for _ in range(plan.n_slots)]
         self._blocks = [[f.expert_block(layer, e) for e in range(f.n_experts)]
@@ -221,15 +221,18 @@ class ExpertCache:
             self.arena = np.frombuffer(self._arena, np.uint8)
             if mlock:
                 self.locked = residency.lock(self.arena, 0, len(self.arena))
-            self._kernels = [self._arena_kernels(layer) for layer in self.layers]
+            arena_calls = [self._arena_kernels(layer) for layer in self.layers]
         else:
             self.arena = None
+            arena_calls = [None] * len(self.layers)     # madvise: the mapping's own calls
         if mode == "madvise":
             self._evict_file_pages()
         self.prefetcher = None
-        for layer in self.layers:
+        self._sources = []
+        for j, layer in enumerate(self.layers):
             moe = model.layers[layer].ffn
-            moe.experts_hook = self._hook(self._index[layer], moe)
+            moe.expert_source = CachedExperts(self, j, arena_calls[j], moe.expert_source)
+            self._sources.append((moe, moe.expert_source))
         if prefetch:
             self.prefetcher = Prefetcher(self, prefetch)
 
@@ -268,24 +271,30 @@ class ExpertCache:
                 residency.advise(buf, off, size, residency.DONTNEED)
             residency.drop_file_range(self._reader.fd, off, size)
 
-    # -- the layer calls ----------------------------------------------------------------------------
-    def _hook(self, j: int, moe):
-        run_arena = self.mode == "arena"
-
-        def hook(x, ids, weights, y):
-            slots = self.ensure(j, ids)
-            if self.prefetcher is not None:
-                self.prefetcher.after_layer(j, x, ids)
-            if run_arena:
-                self._kernels[j](x, ids, slots, weights, y)
-            else:
-                moe._experts(x, ids, weights, y)
-        return hook
+    # -- the layer calls (CachedExperts) ---------------------------------------------------------
+    @property
+    def telemetry(self):
+        """The ExpertTelemetry watching this cache's layers (colibri.telemetry), or None:
+        the owner of a WatchedExperts above the cache's source of its first layer."""
+        for moe, mine in self._sources[:1]:
+            s = moe.expert_source
+            while s is not None and s is not mine:
+                if isinstance(s, WatchedExperts) and s.owner is not None:
+                    return s.owner
+                s = s.inner
+        return None
 
     def ensure(self, j: int, ids: np.ndarray) -> np.ndarray:
         """Make layer j's blocks for ids int (T, K) resident; -> their slots int32 (T, K).
         A missing block is read by this thread; a block a prefetch is reading is waited for
         (that block only)."""
+        return self.ensure_counted(j, ids)[0]
+
+    def ensure_counted(self, j: int, ids: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ensure, and what it found: (slots int32 (T, K), hit bool (T, K): the block was
+        resident, nbytes int64 (T,): bytes read for each token's blocks, the prefetch's
+        reads since the last call on the first), the counters updated."""
         table = self.table
         with self.lock:
             if j == 0:
@@ -312,9 +321,7 @@ class ExpertCache:
         self.hits += n_hit
         self.misses += hit.size - n_hit
         self.bytes_read += int(nbytes.sum()) - pending
-        if self.telemetry is not None:
-            self.telemetry.record(self.layers[j], hit, nbytes)
-        return slots
+        return slots, hit, nbytes
 
     def _load(self, slot: int, block: int, evicted: int) -> int:
         """Read block into slot (arena) or advise it in (madvise, after the evicted block's
@@ -372,8 +379,9 @@ class ExpertCache:
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
-        for layer in self.layers:
-            self.model.layers[layer].ffn.experts_hook = None
+        for moe, source in self._sources:
+            moe.expert_source = without(moe.expert_source, source)
+        self._sources = []
         self._reader.close()
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .expert_source import ShardedExperts, without
 from .shard_worker import ExpertShardError, ShardWorker, fingerprint
 
 __all__ = ["DEFAULT_TIMEOUT", "MAX_SHARDS", "ExpertShardError", "ExpertShards", "ShardWorker",
@@ -139,23 +140,6 @@ class ShardStats:
                    np.zeros(n, np.int64))
 
 
-class _LayerExperts:
-    """moe.MoE's experts_hook for one layer: start() sends the calls, finish() combines."""
-
-    def __init__(self, shards: "ExpertShards", layer: int, j: int, biased: bool):
-        self.shards, self.layer, self.j, self.biased = shards, layer, j, biased
-
-    def start(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray):
-        return self.shards.start(self.layer, self.j, x, ids)
-
-    def finish(self, pending, ids: np.ndarray, weights: np.ndarray, y: np.ndarray) -> None:
-        og = self.shards.finish(pending)                         # (T*K, D) slot outputs
-        combine(og, ids, weights, y, self.biased)
-
-    def __call__(self, x, ids, weights, y) -> None:
-        self.finish(self.start(x, ids, weights), ids, weights, y)
-
-
 def combine(og: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray,
             by_id: bool) -> np.ndarray:
     """y (T, D) = sum over k of weights[t, k] * og[t * K + k], the product rounded and then
@@ -228,7 +212,7 @@ class ExpertShards:
         self._suspect: set[int] = set()       # shards whose last call failed
         self._graph = self._compile() if transport == "graph" else None
         self._model = model
-        self._hooked = []
+        self._attached = []             # (MoE, its ShardedExperts)
         self.attach(model)
 
     # -- the calls ----------------------------------------------------------------------------
@@ -387,8 +371,9 @@ class ExpertShards:
         """Every MoE layer of `model` runs its routed experts on the shards."""
         for j, layer in enumerate(self.layers):
             moe = model.layers[layer].ffn
-            moe.experts_hook = _LayerExperts(self, layer, j, moe.biased_experts is not None)
-            self._hooked.append(moe)
+            moe.expert_source = ShardedExperts(self, layer, j, moe.biased_experts is not None,
+                                               moe.expert_source)
+            self._attached.append((moe, moe.expert_source))
 
     def stats(self) -> dict:
         """Per shard: experts owned, actor pid, "host/Ray node id" where it started, calls,
@@ -404,9 +389,9 @@ class ExpertShards:
 
     def close(self) -> None:
         """Detach from the model and stop the actors."""
-        for moe in self._hooked:
-            moe.experts_hook = None
-        self._hooked = []
+        for moe, source in self._attached:
+            moe.expert_source = without(moe.expert_source, source)
+        self._attached = []
         graph, self._graph = getattr(self, "_graph", None), None
         if graph is not None:
             try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
+from .expert_source import ExpertSource, MappedExperts
 from .runtime import Timings
 from .weights import WeightRef
 
@@ -200,6 +201,8 @@ class MoE:
     activations: of the experts and shared expert.
     correction_bias: float32 (E,), the choice bias of "sigmoid_group_topk"; n_group /
     topk_group: the group rules' groups; routed_scaling_factor: multiplies the weights.
+    expert_source: where the routed experts come from (colibri.expert_source; default the
+    mapping's kernel call).
     """
     router: WeightRef
     w_gate: WeightRef
@@ -219,13 +222,10 @@ class MoE:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    # experts_hook(x, ids, weights, y) runs the routed experts instead of the mapping's
-    # kernel call when set: an expert cache (colibri.expert_cache), the telemetry that
-    # watches the mapping (colibri.telemetry) or remote shards (colibri.expert_shards,
-    # whose hook also has start(x, ids, weights) -> pending and finish(pending, ids,
-    # weights, y), so that the shared expert runs here while the shards work).
-    # None: the plain call below.
-    experts_hook: Callable | None = None
+    # where the routed experts come from (colibri.expert_source): None at construction, the
+    # mapping's kernel call (MappedExperts) from then on; an expert cache, remote shards or
+    # the residency telemetry put their source over it
+    expert_source: ExpertSource | None = None
 
     def __post_init__(self):
         # the kernel calls with their weights and settings checked once (kernels.prepare_*)
@@ -237,9 +237,11 @@ class MoE:
                                             bias=self.correction_bias,
                                             n_group=self.n_group, topk_group=self.topk_group)
         self._scale = np.float32(self.routed_scaling_factor)
-        self._experts = self.biased_experts or kernels.prepare_expert_ffn(
-            self.w_gate, self.w_up, self.w_down, threads=self.threads,
-            activations=self.activations)
+        if self.expert_source is None:
+            self.expert_source = MappedExperts(
+                self.biased_experts or kernels.prepare_expert_ffn(
+                    self.w_gate, self.w_up, self.w_down, threads=self.threads,
+                    activations=self.activations))
 
     def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -254,21 +256,17 @@ class MoE:
             weights *= self._scale
         t0 = timings.add("router", t0)
         y = np.empty(x.shape, dtype=np.float32) if out is None else out
-        hook = self.experts_hook
-        start = getattr(hook, "start", None)
-        if start is not None:                    # remote experts: the shared one meanwhile
-            pending = start(x, ids, weights)
+        source = self.expert_source
+        if source.overlaps:                      # remote experts: the shared one meanwhile
+            pending = source.start(x, ids, weights)
             s, gate_values = self._shared(x)
             t0 = timings.add("shared", t0)
-            hook.finish(pending, ids, weights, y)
+            source.finish(pending, ids, weights, y)
             timings.add("experts", t0)
             if s is not None:
                 y += s
             return y, ids, weights, gate_values
-        if hook is None:
-            self._experts(x, ids, weights, y)                                        # (T, D)
-        else:
-            hook(x, ids, weights, y)
+        source(x, ids, weights, y)                                                   # (T, D)
         t0 = timings.add("experts", t0)
         s, gate_values = self._shared(x)
         if s is not None:

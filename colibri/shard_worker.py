@@ -54,14 +54,15 @@ def _expert_calls(f: ColibriFile, buf: np.ndarray, layer: int, threads: int,
 
 
 class _CachedCall:
-    """An expert cache's layer hook as the worker calls a layer's experts (the many=
-    argument of BiasedExperts is the cache's business: it forwards T rows as they are)."""
+    """An expert cache's layer source (expert_source.CachedExperts) as the worker calls a
+    layer's experts (the many= argument of BiasedExperts is the cache's business: it
+    forwards T rows as they are)."""
 
-    def __init__(self, hook):
-        self.hook = hook
+    def __init__(self, source):
+        self.source = source
 
     def __call__(self, x, ids, weights, out, many: bool = False):
-        self.hook(x, ids, weights, out)
+        self.source(x, ids, weights, out)
 
 class ShardWorker:
     """One shard's experts (the body of a Ray actor; usable in process too).
@@ -104,6 +105,7 @@ class ShardWorker:
         from types import SimpleNamespace
 
         from .expert_cache import ExpertCache, MemoryBudgetError, memory_plan
+        from .expert_source import MappedExperts
         from .weights import expert_ref
         sizes = memory_plan(self.file)
         need = max(len(v) for v in self.owned.values()) * sizes.slot_bytes
@@ -121,13 +123,13 @@ class ShardWorker:
             layers[layer] = SimpleNamespace(ffn=SimpleNamespace(
                 w_gate=stacks[0], w_up=stacks[1], w_down=stacks[2], threads=threads,
                 activations=activations, biased_experts=call if biased else None,
-                experts_hook=None, _experts=call))
+                expert_source=MappedExperts(call)))
         shim = SimpleNamespace(file=self.file, buffer=buf, layers=layers)
         cache = ExpertCache(shim, plan)
         for layer in self.calls:                  # run() calls through the cache now
-            hook = layers[layer].ffn.experts_hook
+            source = layers[layer].ffn.expert_source
             biased = self.calls[layer][1]
-            self.calls[layer] = (_CachedCall(hook), biased)
+            self.calls[layer] = (_CachedCall(source), biased)
         return cache
 
     def cache_stats(self) -> dict | None:

@@ -22,9 +22,11 @@ Shapes: T tokens, M MoE layers, K experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
+from .expert_source import WatchedExperts, without
 from .residency import PAGE, fault_counts, resident_pages
 
 __all__ = ["TokenTelemetry", "ExpertTelemetry"]
@@ -93,9 +95,10 @@ class TokenTelemetry:
 class ExpertTelemetry:
     """Records TokenTelemetry rows for every forward call of `model` until close().
 
-    With an expert cache on the model (model.expert_cache) the cache reports to it;
-    otherwise each MoE layer's experts_hook asks mincore about the blocks before the kernel
-    reads them (a few microseconds per block).
+    Puts a WatchedExperts (colibri.expert_source) over every MoE layer's expert source,
+    whichever it is: over an expert cache the cache reports its own hits and reads; over the
+    mapping each call asks mincore about the blocks before the kernel reads them (a few
+    microseconds per block). close() takes the watchers out again.
     """
 
     def __init__(self, model):
@@ -106,40 +109,35 @@ class ExpertTelemetry:
         self._parts: list[TokenTelemetry] = []
         self._row: TokenTelemetry | None = None       # the call being recorded
         self._faults = fault_counts()
-        self._hooked: list = []
-        cache = getattr(model, "expert_cache", None)
-        if cache is not None:
-            cache.telemetry = self
-            self._cache = cache
-        else:
-            self._cache = None
-            self._watch_mapping()
-
-    # -- the sources --------------------------------------------------------------------------
-    def _watch_mapping(self) -> None:
-        f, buf = self.model.file, self.model.buffer
-        vec = np.empty(1, np.uint8)
+        self._watched: list = []                      # (MoE, its WatchedExperts)
         for layer in self.layers:
-            moe = self.model.layers[layer].ffn
-            blocks = [f.expert_block(layer, e) for e in range(f.n_experts)]
-            vec = np.empty(max(vec.size, -(-blocks[0][1] // PAGE) + 1), np.uint8)
+            moe = model.layers[layer].ffn
+            moe.expert_source = WatchedExperts(
+                moe.expert_source, partial(self.record, layer), self._mapping_probe(layer),
+                owner=self)
+            self._watched.append((moe, moe.expert_source))
 
-            def hook(x, ids, weights, y, layer=layer, moe=moe, blocks=blocks, vec=vec):
-                flat = ids.reshape(-1)
-                hit = np.ones(flat.shape, bool)
-                nbytes = np.zeros(ids.shape[0], np.int64)
-                _, first = np.unique(flat, return_index=True)
-                for i in first:
-                    off, size = blocks[flat[i]]
-                    res, total = resident_pages(buf, off, size, vec)
-                    if res < total:
-                        hit[i] = False
-                        nbytes[i // ids.shape[1]] += (total - res) * PAGE
-                self.record(layer, hit.reshape(ids.shape), nbytes)
-                moe._experts(x, ids, weights, y)
+    def _mapping_probe(self, layer: int):
+        """probe(ids) -> (hit bool (T, K), nbytes int64 (T,)): mincore on the mapped blocks
+        of the experts ids int32 (T, K) of `layer`, a block several tokens use counted once
+        (for the first; the others hits), a miss's bytes its pages not resident."""
+        f, buf = self.model.file, self.model.buffer
+        blocks = [f.expert_block(layer, e) for e in range(f.n_experts)]
+        vec = np.empty(-(-blocks[0][1] // PAGE) + 1, np.uint8)
 
-            moe.experts_hook = hook
-            self._hooked.append(moe)
+        def probe(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            flat = ids.reshape(-1)
+            hit = np.ones(flat.shape, bool)
+            nbytes = np.zeros(ids.shape[0], np.int64)
+            _, first = np.unique(flat, return_index=True)
+            for i in first:
+                off, size = blocks[flat[i]]
+                res, total = resident_pages(buf, off, size, vec)
+                if res < total:
+                    hit[i] = False
+                    nbytes[i // ids.shape[1]] += (total - res) * PAGE
+            return hit.reshape(ids.shape), nbytes
+        return probe
 
     # -- recording ----------------------------------------------------------------------------
     def record(self, layer: int, hit: np.ndarray, nbytes: np.ndarray) -> None:
@@ -173,12 +171,10 @@ class ExpertTelemetry:
         return TokenTelemetry.concat(parts) if parts else TokenTelemetry.empty(len(self.layers))
 
     def close(self) -> None:
-        """Stop recording: the hooks this object set are removed."""
-        for moe in self._hooked:
-            moe.experts_hook = None
-        self._hooked = []
-        if self._cache is not None and self._cache.telemetry is self:
-            self._cache.telemetry = None
+        """Stop recording: the watchers this object put over the layers are taken out."""
+        for moe, source in self._watched:
+            moe.expert_source = without(moe.expert_source, source)
+        self._watched = []
 
     def __enter__(self) -> "ExpertTelemetry":
         return self

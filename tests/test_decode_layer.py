@@ -12,7 +12,7 @@ experts (GPT-OSS, q8 / q4 / bf16 / f32 and MXFP4 as released), shared experts ga
 dense layers; Granite's multipliers; PhiMoE's and DBRX's LayerNorm), every weight format,
 activation setting, KV cache dtype, thread count and ISA path. What they do not cover takes
 the Python step: chosen when the model is built (uncovered: e.g. unfused q / k / v) or per
-step (routing traces, an experts_hook).
+step (routing traces, an expert source the compiled step cannot run, colibri.expert_source).
 """
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
-from colibri import _kernels, layer_loop, runtime  # noqa: E402
+from colibri import _kernels, runtime  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.decode_layer import compile_layers, uncovered  # noqa: E402
+from colibri.decode_layer import compile_layers, decode_path, uncovered  # noqa: E402
+from colibri.expert_source import ExpertSource, without  # noqa: E402
 from colibri.guards import NonFiniteError  # noqa: E402
 from colibri.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
+from step_counter import python_steps  # noqa: E402
 from test_family_gpt_oss import _mxfp4_checkpoint  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -254,21 +256,10 @@ def test_two_caches_decoding_at_once(converted, case):
 # what takes the Python step
 # ---------------------------------------------------------------------------------------------
 
-def _python_steps(m, monkeypatch) -> list:
-    """Record each decode step that runs the Python layer loop (layer_loop.run_layers over
-    a TokenStep) instead of the compiled layers."""
-    taken, real = [], layer_loop.run_layers
-
-    def counted(model, batch, *args):
-        if model is m and isinstance(batch, layer_loop.TokenStep):
-            taken.append(1)
-        return real(model, batch, *args)
-
-    monkeypatch.setattr(layer_loop, "run_layers", counted)
-    return taken
+_python_steps = python_steps
 
 
-def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
+def test_routing_traces_and_expert_sources_take_the_python_step(converted, monkeypatch):
     m = api.load(converted("qwen2_moe", "q4"), threads=1)
     try:
         taken = _python_steps(m, monkeypatch)
@@ -278,19 +269,25 @@ def test_routing_traces_and_hooks_take_the_python_step(converted, monkeypatch):
         assert taken == []                              # the compiled layers
         logits, trace = api.forward(m, np.array([8]), cache=c, return_routing=True)
         assert taken == [1] and trace.ids[0].shape == (1, 2)
+        assert m.compiled_step.declined is None and decode_path(m) == "compiled layers"
         moe = next(layer.ffn for layer in m.layers if layer.ffn.__class__.__name__ == "MoE")
         seen = []
 
-        def hook(x, ids, weights, y):
-            seen.append(ids.copy())
-            moe._experts(x, ids, weights, y)
+        class Seen(ExpertSource):             # a source the compiled step does not know
+            inner = moe.expert_source
 
-        moe.experts_hook = hook
+            def __call__(self, x, ids, weights, y):
+                seen.append(ids.copy())
+                self.inner(x, ids, weights, y)
+
+        watcher = moe.expert_source = Seen()
         api.forward(m, np.array([9]), cache=c)
         assert taken == [1, 1] and len(seen) == 1
-        moe.experts_hook = None
+        why = "an expert source the compiled step does not know"
+        assert m.compiled_step.declined == why and decode_path(m) == f"Python layers ({why})"
+        moe.expert_source = without(moe.expert_source, watcher)
         api.forward(m, np.array([10]), cache=c)
-        assert taken == [1, 1]
+        assert taken == [1, 1] and m.compiled_step.declined is None
     finally:
         m.close()
 

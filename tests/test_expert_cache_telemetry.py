@@ -83,14 +83,17 @@ def test_warm_model_hits_everything(cold_model):
     assert tr.telemetry.hit_rate == 1.0
 
 
-def test_hooks_are_removed_and_logits_unchanged(cold_model):
+def test_watchers_are_removed_and_logits_unchanged(cold_model):
     ids = np.arange(5)
     plain = cold_model.forward(ids)
+    sources = [cold_model.layers[i].ffn.expert_source for i in cold_model.moe_layers]
     with ExpertTelemetry(cold_model) as rec:
         watched = cold_model.forward(ids)
         assert len(rec.collect()) == 5
+        assert [cold_model.layers[i].ffn.expert_source.inner
+                for i in cold_model.moe_layers] == sources
     np.testing.assert_array_equal(plain, watched)
-    assert all(layer.ffn.experts_hook is None for layer in cold_model.layers)
+    assert [cold_model.layers[i].ffn.expert_source for i in cold_model.moe_layers] == sources
 
 
 def test_trace_keeps_telemetry_through_its_operations(cold_model, tmp_path):

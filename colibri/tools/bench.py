@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import kernels, runtime
 from ..api import default_model_path, load
+from ..decode_layer import decode_path
 from ..errors import ColibriError
 from ..format import ColibriFile
 from ..generate import decode_one
@@ -62,7 +63,7 @@ from ..version import __version__
 from .inspect import model_config, totals
 
 __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "format_roofline",
-           "format_telemetry",
+           "format_telemetry", "format_decode_paths",
            "format_machine_notes", "peak_rss_bytes", "json_ready", "DEFAULT_BANDWIDTH_BYTES"]
 
 # Buffer of the bandwidth measurement: far beyond what the caches hold (a 64 MiB array already
@@ -300,7 +301,8 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
     Each row: model facts (model_facts), the test (test, n_prompt, n_gen, n_depth, n_threads,
     activations, isa, reps), load_average (1-minute, when the test started: other work on the
     machine shows here), spin_us and pool_backoffs (the thread pool's spin time, and how
-    often its workers found themselves preempted during the test: cores shared), samples_s /
+    often its workers found themselves preempted during the test: cores shared), decode_path
+    (decode_layer.decode_path: the compiled layers, or the Python ones and why), samples_s /
     samples_ts (per repetition), avg_ts, stddev_ts, open_ms,
     peak_rss_bytes, stage_seconds (summed over the timed repetitions), time_share (router /
     experts / attention / head / other, fractions of wall time), bytes_per_token (+ _detail),
@@ -347,6 +349,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     once(model, n, deep, rng)
                 samples, stages = [], dict.fromkeys(model.timings.seconds, 0.0)
                 recorder = ExpertTelemetry(model) if telemetry else None
+                decode = decode_path(model)          # with the telemetry's sources on
                 faults0 = fault_counts()
                 for _ in range(reps):
                     dt, st = once(model, n, deep, rng)
@@ -366,6 +369,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
                     "kv_cache_bytes": deep.cache.bytes_per_token * need,
                     "isa": runtime.get_isa(), "reps": reps,
                     "kernel_paths": kernel_paths(facts["matmul_formats"], a),
+                    "decode_path": decode,
                     "warmup": warmup, "load_average": load_avg,
                     "spin_us": runtime.spin_us(),
                     "pool_backoffs": runtime.pool_backoffs() - backoffs0,
@@ -462,6 +466,7 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
         opens.setdefault(r["n_threads"], r["open_ms"])
     for a in dict.fromkeys(r["activations"] for r in rows if "matmul_formats" in r):
         lines += format_kernel_paths(rows[0]["matmul_formats"], a, rows[0]["isa"])  # the paths
+    lines += format_decode_paths(rows)
     lines.append("open: " + ", ".join(f"{ms:.1f} ms (threads {t})" for t, ms in opens.items()))
     lines += format_roofline(rows)
     lines += format_telemetry(rows)
@@ -472,6 +477,20 @@ def format_markdown(rows: Iterable[dict[str, Any]]) -> str:
                  f"pass over random ids into the cache at the test's depth; tg = single-token "
                  f"steps from it; shares of wall time from the model's timing counters")
     return "\n".join(lines)
+
+
+def format_decode_paths(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """'decode: compiled layers' or 'decode: Python layers (<why>)': one line when every
+    row's decode step took the same path, else one more per row that differs from the
+    first."""
+    rows = [r for r in rows if r.get("decode_path")]       # rows from before the field: none
+    if not rows:
+        return []
+    first = rows[0]["decode_path"]
+    out = [f"decode: {first}"]
+    out += [f"decode, threads {r['n_threads']}, activations {r.get('activations', 'f32')}, "
+            f"{r['test']}: {r['decode_path']}" for r in rows[1:] if r["decode_path"] != first]
+    return out
 
 
 def format_roofline(rows: Iterable[dict[str, Any]]) -> list[str]:
