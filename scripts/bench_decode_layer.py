@@ -1,5 +1,8 @@
-"""The compiled decode step against the Python one, in one process, alternating
-(docs/performance.md, changes 28 and 32).
+"""The A/B of the decode step: the compiled layers (colibri.decode_layer's CompiledLayers,
+one nogil call per step) against the Python ones (decode_layer.python_layers, their
+specification), in one process, token by token, on any model file whose layers the compiled
+step covers: per-head attention, DeepSeek's latent attention (MLA), GPT-OSS's sinks and
+biased experts, LayerNorm families (docs/performance.md, changes 28 and 32).
 
     python scripts/bench_decode_layer.py MODEL.colibri [MODEL ...] [--threads 1,2]
                                          [--steps 32] [--rounds 5] [--prompt 16]
@@ -8,9 +11,14 @@
     python scripts/bench_decode_layer.py MODEL --one-path python|compiled [--steps N]
     python scripts/bench_decode_layer.py MODEL --job-cost
 
-MODEL: any .colibri file whose layers the compiled step covers (else its reason is printed:
-colibri.decode_layer.uncovered); --mlock locks its mapping in RAM first (a file close to
-the page cache's size otherwise reads part of its weights from disk on either path).
+The two paths must give the same logits, bit for bit, on every step: the exit status is 1
+if they differ anywhere (the largest difference is printed), 0 otherwise.
+
+MODEL: any .colibri file (one whose layers the compiled step does not cover prints its
+reason, colibri.decode_layer.uncovered); --mlock locks its mapping in RAM first (a file close
+to the page cache's size otherwise reads part of its weights from disk on either path);
+--prompt: the cached tokens each step attends to (e.g. 4096 for MLA's absorbed attention
+over a long cache).
 
 --tiny: instead of files, random models with the layer structure of the benchmark models
 but hidden size 64 (made with transformers in a temporary folder, q4): mixtral-mini's (8
@@ -36,23 +44,23 @@ difference over 8 steps is the per-token count, the load and the checks cancel).
 
 Per model and thread count, one model loaded and two caches prefilled with the same
 `prompt` tokens (untimed). Then `rounds` rounds (and one warm-up round) of `steps` tokens,
-each token decoded on the compiled layers (colibri.decode_layer) through one cache and then
-on the Python layers (Model._step_layers: the model's compiled layers set aside) through the
-other, so load from other work on the machine falls on both alike, token by token; the caches
-are cut back to the prompt before each round; no round starts once `budget` seconds have
-passed for this (model, threads) (the figures then cover the rounds run). The two must give
-the same logits (checked on every step). Prints per (model, threads): the median milliseconds per token of each, the
-ratio compiled / Python and the time per token saved (what the Python between the kernels
-cost); the mean time per token by stage (Model.timings: attention = norms, projections,
-RoPE, cache write and attention; router; experts; shared; dense; head) of each path; the
-pool's work items run by worker threads per token; the 1-minute load average before and
-after.
+each token decoded on the compiled layers through one cache and then on the Python layers
+(the model's compiled layers set aside) through the other, so load from other work on the
+machine falls on both alike, token by token; the caches are cut back to the prompt before
+each round; no round starts once `budget` seconds have passed for this (model, threads)
+(the figures then cover the rounds run). Prints per (model, threads): the median
+milliseconds per token of each, the ratio compiled / Python and the time per token saved
+(what the Python between the kernels cost), whether the logits were bit-identical; the mean
+time per token by stage (Model.timings: attention = norms, projections, RoPE, cache write
+and attention; router; experts; shared; dense; head) of each path; the pool's work items run
+by worker threads per token; the 1-minute load average (os.getloadavg) before and after.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,14 +75,17 @@ from colibri.model import DEFAULT_ACTIVATIONS
 PATHS = ("compiled", "python")
 
 
-def bench(path: str, threads: int, args) -> None:
+def bench(path: str, threads: int, args) -> bool:
+    """One (model, threads) A/B as the module docstring says; False if the logits of the
+    two paths differed on some step."""
     model = colibri.load(path, threads=threads, activations=args.activations,
                          mlock=args.mlock)
     compiled = model.compiled_step
     name = os.path.basename(path)
     if compiled is None:
         print(f"{name}: no compiled layers ({uncovered(model)})")
-        return
+        model.close()
+        return True
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, model.vocab_size, size=args.prompt)
     tokens = rng.integers(3, model.vocab_size, size=args.steps)
@@ -85,7 +96,7 @@ def bench(path: str, threads: int, args) -> None:
     times = {p: [] for p in PATHS}
     stages = {p: dict.fromkeys(model.timings.seconds, 0.0) for p in PATHS}
     items = dict.fromkeys(PATHS, 0)
-    differ = 0.0
+    differ, identical = 0.0, True
     start, rounds = time.perf_counter(), 0
     for r in range(args.rounds + 1):                       # round 0: warm-up, not counted
         if r > 1 and time.perf_counter() - start > args.budget:
@@ -107,18 +118,22 @@ def bench(path: str, threads: int, args) -> None:
                     for k, v in model.timings.copy().items():
                         stages[path_name][k] += v - before[k]
             model.compiled_step = compiled
+            identical &= np.array_equal(out["compiled"], out["python"])
             differ = max(differ, float(np.abs(out["compiled"] - out["python"]).max()))
     c, p = statistics.median(times["compiled"]), statistics.median(times["python"])
     n = rounds * args.steps
     print(f"{name} threads={threads} activations={args.activations}: compiled {c * 1e3:.3f} "
           f"ms/token, python {p * 1e3:.3f} ms/token (medians of {n} steps each), ratio "
-          f"{c / p:.3f}, saved {(p - c) * 1e6:.0f} us/token ({100 * (p - c) / p:.1f} %)"
-          + ("" if differ == 0 else f"; LOGITS DIFFER by up to {differ:.3g}"))
+          f"compiled / python {c / p:.3f}, saved {(p - c) * 1e6:.0f} us/token "
+          f"({100 * (p - c) / p:.1f} %); "
+          + ("logits bit-identical on every step" if identical
+             else f"LOGITS DIFFER by up to {differ:.3g}"))
     for path_name in PATHS:
         parts = ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in stages[path_name].items() if v)
         print(f"  {path_name:8s} mean ms/token by stage: {parts}; worker items/token "
               f"{items[path_name] / n:.0f}")
     model.close()
+    return identical
 
 
 def one_path(path: str, path_name: str, threads: int, steps: int) -> None:
@@ -204,7 +219,8 @@ def tiny_models(folder: Path) -> list[str]:
     return paths
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command line; the exit status (1: the two paths' logits differed)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*")
     ap.add_argument("--tiny", action="store_true", help="the tiny models described above")
@@ -218,24 +234,26 @@ def main() -> None:
     ap.add_argument("--mlock", action="store_true", help="lock each file's mapping in RAM")
     ap.add_argument("--budget", type=float, default=60.0,
                     help="seconds per (model, threads) after which no round starts")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.models and not args.tiny:
         ap.error("give model files or --tiny")
     if args.job_cost:
         for path in args.models:
             job_cost(path, args.activations)
-        return
+        return 0
     if args.one_path:
         one_path(args.models[0], args.one_path, int(args.threads.split(",")[0]), args.steps)
-        return
+        return 0
     print(f"load before: {os.getloadavg()[0]:.2f}, isa {runtime.get_isa()}")
+    identical = True
     with tempfile.TemporaryDirectory() as tmp:
         paths = args.models + (tiny_models(Path(tmp)) if args.tiny else [])
         for path in paths:
             for th in (int(t) for t in args.threads.split(",")):
-                bench(path, th, args)
+                identical &= bench(path, th, args)
     print(f"load after: {os.getloadavg()[0]:.2f}")
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

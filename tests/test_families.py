@@ -297,3 +297,71 @@ def test_explain_uses_config_field_names():
     cfg = fam.model_config(config_dict("mixtral"))
     text = fam.explain(("moe_intermediate_size", "hidden_size"), cfg)
     assert text == "intermediate_size=96, hidden_size=64"
+
+
+# --- DeepSeek-V2 / V3, GLM-4-MoE: the fields config.json may leave out -----------------------
+
+OPTIONAL_KEYS = ("first_k_dense_replace", "moe_intermediate_size", "n_shared_experts",
+                 "q_lora_rank", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                 "norm_topk_prob", "intermediate_size", "use_qk_norm", "attention_bias")
+
+
+def _derived(hf) -> dict:
+    """What transformers' config object implies, in ModelConfig's terms."""
+    mla = hf.model_type.startswith("deepseek")
+    out = dict(num_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+               moe_intermediate_size=hf.moe_intermediate_size,
+               moe_layers=tuple(range(hf.first_k_dense_replace, hf.num_hidden_layers)),
+               shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size,
+               routed_scaling_factor=hf.routed_scaling_factor, head_dim=hf.head_dim)
+    if hf.first_k_dense_replace:
+        out["dense_intermediate_size"] = hf.intermediate_size
+    if mla:
+        out.update(kv_lora_rank=hf.kv_lora_rank, q_lora_rank=hf.q_lora_rank or 0,
+                   qk_nope_head_dim=hf.qk_nope_head_dim, v_head_dim=hf.v_head_dim)
+    if hf.model_type != "deepseek_v2" or hf.topk_method == "group_limited_greedy":
+        out.update(n_group=hf.n_group, topk_group=hf.topk_group)
+    if hf.model_type != "deepseek_v2":
+        out["norm_topk_prob"] = hf.norm_topk_prob
+    if hf.model_type == "glm4_moe":
+        out.update(qk_norm="per_head" if hf.use_qk_norm else "none",
+                   attention_bias=hf.attention_bias)
+    return out
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILY_NAMES)
+def test_config_defaults_agree_with_transformers(family, hf_checkpoint):
+    """Each field config.json may leave out takes the value transformers' config class
+    gives it (one left out at a time), and the full config.json (of the family's parity
+    checkpoint, tests/test_family_<name>.py) reads as transformers does."""
+    import transformers
+    loaded = transformers.AutoConfig.from_pretrained(
+        hf_checkpoint(family, initializer_range=0.15))
+    full = json.loads(loaded.to_json_string())
+    fam = get_family(full["model_type"])
+    cls = type(loaded)
+    checked = 0
+    for key in (None, *OPTIONAL_KEYS):
+        if key is not None and key not in full:
+            continue
+        # head_dim is derived from qk_rope_head_dim: without the one, leave out the other
+        gone = (key, "head_dim") if key == "qk_rope_head_dim" else (key,)
+        plain = {k: v for k, v in full.items() if k not in gone}
+        try:
+            hf = cls(**{k: v for k, v in plain.items()
+                        if k not in ("architectures", "transformers_version", "model_type")})
+        except Exception:            # a default that does not fit the rest of the tiny config
+            continue
+        if key is not None and getattr(hf, key, 0) is None and key != "q_lora_rank":
+            with pytest.raises(ConfigError, match=key):   # transformers has no value either
+                fam.model_config(plain)
+            continue
+        try:
+            cfg = fam.model_config(plain)
+        except ConfigError:          # e.g. V3's 8 default groups of 8 experts: groups of one,
+            continue                 # which transformers' router cannot run either
+        for name, value in _derived(hf).items():
+            assert getattr(cfg, name) == value, (key, name, getattr(cfg, name), value)
+        checked += 1
+    assert checked > 8

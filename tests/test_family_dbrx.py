@@ -28,12 +28,12 @@ def dbrx_routers(hf):
     # DbrxRouter returns the logits; the weights come from the FFN's own routing function
     def extract(ffn):
         return lambda out: tuple(reversed(ffn.route_tokens_to_experts(out)))
-    return [(b.ffn.router, extract(b.ffn)) for b in hf.transformer.blocks]
+    return [(i, b.ffn.router, extract(b.ffn)) for i, b in enumerate(hf.transformer.blocks)]
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    r = FamilyRef(dbrx_config(), tmp_path_factory.mktemp("dbrx"), dbrx_routers)
+    r = FamilyRef.from_config(dbrx_config(), tmp_path_factory.mktemp("dbrx"), dbrx_routers)
     yield r
     r.close()
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 against transformers (tests/family_oracle.py), plus what is V2's own: the
+"""DeepSeek-V2 against transformers (tests/family_parity.py), plus what is V2's own: the
 group-limited greedy router, YaRN with the mscale correction, the greedy router, the
 latent KV cache's size and the converter's RoPE de-interleaving."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import colibri.api as api  # noqa: E402
 from colibri.config import ConfigError  # noqa: E402
 from colibri.convert import convert, plan  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_oracle import FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef, gate_routers  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 
@@ -28,8 +28,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
 
 @pytest.fixture(scope="module")
 def ref(hf_checkpoint, tmp_path_factory):
-    r = FamilyRef(FAMILY, hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
-                  tmp_path_factory.mktemp(FAMILY))
+    r = FamilyRef(hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
+                  tmp_path_factory.mktemp(FAMILY), gate_routers, flips_spread=True)
     yield r
     r.close()
 
@@ -65,7 +65,7 @@ def test_latent_cache_is_smaller_than_per_head(ref):
 
 def _parity(hf_checkpoint, tmp_path, **overrides):
     path = hf_checkpoint(FAMILY, initializer_range=INIT_RANGE, **overrides)
-    r = FamilyRef(FAMILY, path, tmp_path)
+    r = FamilyRef(path, tmp_path, gate_routers)
     m = r.model()
     got = api.forward(m, r.ids, attention_mask=r.mask)
     assert _rel_err(got[r.valid], r.logits[r.valid]) <= F32_TOL
@@ -120,5 +120,5 @@ def test_convert_plan_claims_every_key(ref):
     kinds = {t.canon.kind: t.dtype for t in p.tensors}
     assert kinds["attn.wkv_b"] == "q4" and kinds["attn.kv_a_norm"] == "f32"
     assert kinds["moe.router"] == "f32"
-    convert(ref.path, ref.out_dir / "all-q4.colibri", quant="q4",
+    convert(ref.path, ref.dir / "all-q4.colibri", quant="q4",
             quantize="experts,shared,attn,dense", progress=False)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 against transformers (tests/family_oracle.py), plus what is V3's own: sigmoid
+"""DeepSeek-V3 against transformers (tests/family_parity.py), plus what is V3's own: sigmoid
 routing with the correction bias in groups, half-split RoPE (rope_interleave false), the
 multi-token-prediction layers skipped, and FP8 block-scaled checkpoints."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import colibri.api as api  # noqa: E402
 from colibri.convert import convert, plan  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_oracle import FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef, gate_routers  # noqa: E402
 from hf_factory import copy_checkpoint, load_hf_model, tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 
@@ -26,8 +26,8 @@ INIT_RANGE = 0.15
 
 @pytest.fixture(scope="module")
 def ref(hf_checkpoint, tmp_path_factory):
-    r = FamilyRef(FAMILY, hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
-                  tmp_path_factory.mktemp(FAMILY))
+    r = FamilyRef(hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
+                  tmp_path_factory.mktemp(FAMILY), gate_routers, flips_spread=True)
     yield r
     r.close()
 
@@ -50,7 +50,7 @@ def test_router_bias_changes_the_choice(ref):
     try:
         with torch.no_grad():
             gate.e_score_correction_bias.zero_()
-        _, routing = FamilyRef.hf_forward(ref.hf, ref.ids, ref.mask)
+        _, routing = ref.hf_forward(ref.ids, ref.mask)
     finally:
         with torch.no_grad():
             gate.e_score_correction_bias.copy_(saved)
@@ -58,7 +58,7 @@ def test_router_bias_changes_the_choice(ref):
 
 
 def _f32_parity(path, tmp_path, dtype="f32"):
-    r = FamilyRef(FAMILY, path, tmp_path)
+    r = FamilyRef(path, tmp_path, gate_routers)
     m = r.model()
     got = api.forward(m, r.ids, attention_mask=r.mask)
     assert _rel_err(got[r.valid], r.logits[r.valid]) <= F32_TOL

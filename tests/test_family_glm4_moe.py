@@ -1,4 +1,4 @@
-"""GLM-4-MoE against transformers (tests/family_oracle.py), plus what is its own: partial
+"""GLM-4-MoE against transformers (tests/family_parity.py), plus what is its own: partial
 RoPE (rope_parameters.partial_rotary_factor), the switches use_qk_norm / attention_bias,
 GLM-4.5's single group, the MTP layers skipped."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from colibri.config import ConfigError  # noqa: E402
 from colibri.convert import plan  # noqa: E402
 from colibri.families import canonical_tensors, get_family  # noqa: E402
 from colibri.rope import Rope  # noqa: E402
-from family_oracle import *  # noqa: E402,F401,F403 - the shared parity tests
-from family_oracle import FamilyRef  # noqa: E402
+from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
+from family_parity import FamilyRef, gate_routers  # noqa: E402
 from hf_factory import copy_checkpoint, tiny_config  # noqa: E402
 from test_model import F32_TOL, _rel_err  # noqa: E402
 
@@ -26,8 +26,8 @@ INIT_RANGE = 0.15
 
 @pytest.fixture(scope="module")
 def ref(hf_checkpoint, tmp_path_factory):
-    r = FamilyRef(FAMILY, hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
-                  tmp_path_factory.mktemp(FAMILY))
+    r = FamilyRef(hf_checkpoint(FAMILY, initializer_range=INIT_RANGE),
+                  tmp_path_factory.mktemp(FAMILY), gate_routers, flips_spread=True)
     yield r
     r.close()
 
@@ -62,7 +62,7 @@ def test_one_group_and_no_qk_norm(hf_checkpoint, tmp_path):
     """GLM-4.5's own setting (n_group = topk_group = 1) without q/k norm or biases."""
     path = hf_checkpoint(FAMILY, initializer_range=INIT_RANGE, n_group=1, topk_group=1,
                          use_qk_norm=False, attention_bias=False)
-    r = FamilyRef(FAMILY, path, tmp_path)
+    r = FamilyRef(path, tmp_path, gate_routers)
     m = r.model()
     got = api.forward(m, r.ids, attention_mask=r.mask)
     assert _rel_err(got[r.valid], r.logits[r.valid]) <= F32_TOL

@@ -31,12 +31,14 @@ def gpt_oss_config(**kw):
 
 def gpt_oss_routers(hf):
     # GptOssTopKRouter returns (logits, weights, ids)
-    return [(layer.mlp.router, lambda out: (out[2], out[1])) for layer in hf.model.layers]
+    return [(i, layer.mlp.router, lambda out: (out[2], out[1]))
+            for i, layer in enumerate(hf.model.layers)]
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    r = FamilyRef(gpt_oss_config(), tmp_path_factory.mktemp("gpt_oss"), gpt_oss_routers)
+    r = FamilyRef.from_config(gpt_oss_config(), tmp_path_factory.mktemp("gpt_oss"),
+                              gpt_oss_routers)
     with torch.no_grad():                       # sinks far from 0 so that they matter
         for layer in r.hf.model.layers:
             assert layer.self_attn.sinks.abs().max() > 0

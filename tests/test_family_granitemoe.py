@@ -29,14 +29,14 @@ VARIANTS = {
 
 def granite_routers(hf):
     # GraniteMoeTopKRouter returns (logits, top-k weights, top-k ids)
-    return [(layer.block_sparse_moe.router, lambda out: (out[2], out[1]))
-            for layer in hf.model.layers]
+    return [(i, layer.block_sparse_moe.router, lambda out: (out[2], out[1]))
+            for i, layer in enumerate(hf.model.layers)]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def ref(request, tmp_path_factory):
-    r = FamilyRef(VARIANTS[request.param](), tmp_path_factory.mktemp(request.param),
-                  granite_routers)
+    r = FamilyRef.from_config(VARIANTS[request.param](), tmp_path_factory.mktemp(request.param),
+                              granite_routers)
     yield r
     r.close()
 

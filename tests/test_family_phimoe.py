@@ -55,14 +55,15 @@ def moe_block(layer):
 
 def phimoe_routers(hf):
     # PhimoeTopKRouter returns (logits, weights, ids) from transformers' sparsemixer
-    return [(moe_block(layer).router, lambda out: (out[2], out[1])) for layer in hf.model.layers]
+    return [(i, moe_block(layer).router, lambda out: (out[2], out[1]))
+            for i, layer in enumerate(hf.model.layers)]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def ref(request, tmp_path_factory):
     cfg = transformers.PhimoeConfig(**BASE, **VARIANTS[request.param])
-    r = FamilyRef(cfg, tmp_path_factory.mktemp("phimoe"), phimoe_routers,
-                  bounds=PHIMOE_BOUNDS)
+    r = FamilyRef.from_config(cfg, tmp_path_factory.mktemp("phimoe"), phimoe_routers,
+                              bounds=PHIMOE_BOUNDS)
     yield r
     r.close()
 
