@@ -1,5 +1,5 @@
 """The A/B of the decode step: the compiled layers (colibri.decode_layer's CompiledLayers,
-one nogil call per step) against the Python ones (decode_layer.python_layers, their
+one nogil call per step) against the Python ones (layer_loop.run_layers over a TokenStep, their
 specification), in one process, token by token, on any model file whose layers the compiled
 step covers: per-head attention, DeepSeek's latent attention (MLA), GPT-OSS's sinks and
 biased experts, LayerNorm families (docs/performance.md, changes 28 and 32).
