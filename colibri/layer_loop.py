@@ -182,8 +182,10 @@ def is_token_step(cache, rows: int) -> bool:
     """Whether `rows` new rows through `cache` make a TokenStep: one row, a cache of one
     sequence with room for it and no padding. The one place that decides it (Model.forward,
     its fast entry Model.decode_call, the ragged step's segments)."""
-    return (rows == 1 and cache is not None and cache.batch == 1
-            and cache.length < cache.ctx and unpadded(cache))
+    if rows != 1 or cache is None or cache.batch != 1 or cache.length >= cache.ctx:
+        return False
+    n = cache.length                                     # unpadded(cache), inlined: per step
+    return np.count_nonzero(cache.valid[0, :n]) == n
 
 
 def tracer(trace: RoutingTrace, B: int, S: int, threads: int) -> Record:
@@ -196,7 +198,7 @@ def tracer(trace: RoutingTrace, B: int, S: int, threads: int) -> Record:
 def run_layers(model, batch, h: np.ndarray, record: Record | None = None) -> None:
     """Every layer of `model` over the rows h float32 (T, D) of `batch`, in place."""
     tm, rm = model.timings, model.residual_mult
-    norm, eps = model.norm_rows_into, np.float32(model.config.rms_norm_eps)
+    norm, eps = model.norm_rows_into, model.eps32
     xa, xf, y_out = batch.buffers(h.shape[1])
     t0 = time.perf_counter()
     for i, layer in enumerate(model.layers):
@@ -236,8 +238,7 @@ def forward_pass(model, batch, h: np.ndarray, t0: float, record: Record | None =
         hl, hn = h, batch.state.xa if isinstance(batch, TokenStep) else np.empty_like(h)
     else:
         hl = hn = h[head_rows]                                            # (R, D), a copy
-    model.norm_rows_into(hl, model.final_norm, model.final_norm_bias,
-                         np.float32(c.rms_norm_eps), hn)
+    model.norm_rows_into(hl, model.final_norm, model.final_norm_bias, model.eps32, hn)
     logits = np.empty((hl.shape[0], c.vocab_size), dtype=np.float32)
     if hl.shape[0]:
         model.head_into(hn, logits)

@@ -157,6 +157,7 @@ class Model:
         self.n_kv_heads = c.num_key_value_heads                              # Hkv
         self.head_dim = c.head_dim                                           # Dh
         self.eps = c.rms_norm_eps
+        self.eps32 = np.float32(c.rms_norm_eps)        # what the compiled norms take
         self.moe_layers = list(c.moe_layer_ids)
         self.timings = Timings()
         self.identity = self.file.identity        # what a KVCache is tagged with (guards)
