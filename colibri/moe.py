@@ -243,15 +243,21 @@ class MoE:
                     self.w_gate, self.w_up, self.w_down, threads=self.threads,
                     activations=self.activations))
 
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The router and top-k of x float32 (T, D) C-contiguous: ids int32 (T, K) and
+        weights float32 (T, K), before routed_scaling_factor (what __call__ runs, and the
+        expert prefetch's guess of the next layer)."""
+        logits = np.empty((x.shape[0], self.router.rows), dtype=np.float32)       # (T, E)
+        self._router(x, logits)
+        return self._route(logits)
+
     def __call__(self, x: np.ndarray, timings: Timings, out: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """x float32 (T, D) C-contiguous -> (y (T, D) f32, ids (T, K) int32, weights (T, K)
         f32, shared-gate values (T,) f32 or None). out: float32 (T, D) for y (not x), or
         None. The same kernels as linear / route_topk / expert_ffn, prepared at load."""
         t0 = time.perf_counter()
-        logits = np.empty((x.shape[0], self.router.rows), dtype=np.float32)       # (T, E)
-        self._router(x, logits)
-        ids, weights = self._route(logits)                                           # (T, K)
+        ids, weights = self.route(x)                                                 # (T, K)
         if self._scale != 1:
             weights *= self._scale
         t0 = timings.add("router", t0)

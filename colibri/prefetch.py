@@ -81,10 +81,7 @@ class Prefetcher:
                 return
         parts = []
         if "router" in self.uses and nxt != 0:
-            moe = self._moes[nxt]
-            logits = np.empty((1, self.E), np.float32)
-            moe._router(x, logits)
-            routed = moe._route(logits)[0][0]
+            routed = self._moes[nxt].route(x)[0][0]
             self._predicted["router"][nxt] = routed
             parts.append(routed)
         if "previous" in self.uses and self._previous[nxt] is not None:
