@@ -140,24 +140,6 @@ class ShardStats:
                    np.zeros(n, np.int64))
 
 
-def combine(og: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray,
-            by_id: bool) -> np.ndarray:
-    """y (T, D) = sum over k of weights[t, k] * og[t * K + k], the product rounded and then
-    added, from zero: in k order (the fused kernel's combine) or, by_id, in ascending
-    expert id (stable; BiasedExperts')."""
-    T, K = ids.shape
-    og3 = og.reshape(T, K, -1)
-    w = weights
-    if by_id:
-        order = np.argsort(ids, axis=1, kind="stable")
-        og3 = np.take_along_axis(og3, order[:, :, None], axis=1)
-        w = np.take_along_axis(weights, order, axis=1)
-    y[...] = 0
-    for k in range(K):
-        y += og3[:, k, :] * w[:, k, None]
-    return y
-
-
 class ExpertShards:
     """N Ray actors holding a model's experts; attach() routes every MoE layer through them.
 

@@ -126,16 +126,33 @@ class CachedExperts(ExpertSource):
             self.inner(x, ids, weights, y)
 
 
+def combine(og: np.ndarray, ids: np.ndarray, weights: np.ndarray, y: np.ndarray,
+            by_id: bool) -> np.ndarray:
+    """y (T, D) = sum over k of weights[t, k] * og[t * K + k], the product rounded and then
+    added, from zero: in k order (the fused kernel's combine) or, by_id, in ascending
+    expert id (stable; BiasedExperts')."""
+    T, K = ids.shape
+    og3 = og.reshape(T, K, -1)
+    w = weights
+    if by_id:
+        order = np.argsort(ids, axis=1, kind="stable")
+        og3 = np.take_along_axis(og3, order[:, :, None], axis=1)
+        w = np.take_along_axis(weights, order, axis=1)
+    y[...] = 0
+    for k in range(K):
+        y += og3[:, k, :] * w[:, k, None]
+    return y
+
+
 class ShardedExperts(ExpertSource):
     """One layer's experts on remote shards (colibri.expert_shards.ExpertShards):
-    start() sends the calls, finish() combines their slot outputs (expert_shards.combine,
+    start() sends the calls, finish() combines their slot outputs (combine,
     in expert-id order for biased experts)."""
 
     compiled_reason = "remote expert shards: the routed experts run on Ray actors"
     overlaps = True
 
     def __init__(self, shards, layer: int, j: int, biased: bool, inner: ExpertSource):
-        from .expert_shards import combine      # (expert_shards imports this module)
         self.shards, self.layer, self.j, self.biased = shards, layer, j, biased
         self.inner, self._combine = inner, combine
 
