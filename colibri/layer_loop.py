@@ -141,7 +141,7 @@ class RaggedBatch:
     checks_logits = False
 
 
-@dataclass
+@dataclass(slots=True)                  # made once per decode step: the lighter object
 class TokenStep:
     """One token of one sequence at RoPE position `position`, through `cache` (batch 1, no
     padding, room for it), every vector in `state` (its h (1, D) holds the embedded token)."""
