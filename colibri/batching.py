@@ -10,7 +10,12 @@
 Each step is one forward pass over the running slots (Model.forward_ragged): one decode
 token of every slot that is generating, plus at most prefill_chunk prompt tokens of the
 requests being prefilled (the oldest first; several short prompts share a step), so a long
-prompt never stalls the running streams for more than a chunk. A request submitted while
+prompt never stalls the running streams for more than a chunk. A step of one segment runs
+through Model.forward instead, the call colibri.forward makes for that sequence (the
+compiled decode step for one token, the general path for a prompt chunk): a sequence alone
+gets exactly its bits and its full RoutingTrace, which is what colibri.generate, a client
+of this loop, returns for one prompt. A prompt given as embeddings (submit's input_embeds)
+is prefilled whole by a Model.forward of its own (forward_ragged takes ids). A request submitted while
 others run joins at the next step. Each slot has a KV cache of its own, made for exactly
 prompt + max_tokens tokens when the request is admitted and dropped when it finishes:
 admission is counted in those bytes against kv_budget, and a request that does not fit yet
@@ -45,6 +50,7 @@ from .guards import is_int as _is_int
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
+from .routing import RoutingTrace
 from .sampling import MAX_LOGPROBS, SamplingParams, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
@@ -82,6 +88,8 @@ class TokenEvent:
     logprob: log-probability of token under the penalised logits (None unless asked);
     top_logprobs: [(id, logprob), ...] best first (None unless logprobs > 0);
     routing: int32 (M, K), the experts the token was routed to per MoE layer (None unless asked);
+    trace: with routing, the RoutingTrace of that pass (ids, weights, router logits) when
+    the request ran alone in it (as a single sequence always does), else None;
     finish_reason: None while running, else "stop" | "length" | "cancelled" | "error";
     stop_token: on a final event (token -1) ended by a stop token, its id (else -1), with its
     logprob / top_logprobs when asked: not part of the text or the counts, but what echo
@@ -95,6 +103,7 @@ class TokenEvent:
     routing: np.ndarray | None = None
     finish_reason: str | None = None
     stop_token: int = -1
+    trace: RoutingTrace | None = None
 
 
 class RequestHandle:
@@ -103,7 +112,8 @@ class RequestHandle:
     id, prompt_tokens, completion_tokens (updated as tokens come), finish_reason (None until
     the last event), error (the exception when finish_reason is "error"), prompt_logprobs
     (with SamplingParams.prompt_logprobs: [None, (logprob, top or None), ...] per prompt
-    token, complete when the first event comes; colibri.prompt_logprobs).
+    token, complete when the first event comes; colibri.prompt_logprobs), cached_tokens
+    (prompt tokens copied from the prefix cache, set when the prefill is done).
     """
 
     def __init__(self, request_id: str, prompt_tokens: int, scheduler: "Scheduler"):
@@ -113,6 +123,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.prompt_logprobs: list | None = None
+        self.cached_tokens = 0
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._scheduler = scheduler
         self._cancel = False
@@ -141,16 +152,20 @@ class RequestHandle:
 
 class _Request:
     """The scheduler's record of one request: its settings, text state and, once admitted,
-    its KV cache."""
+    its KV cache. embeds: the prompt as embeddings float32 (S, D) (prompt then [])."""
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
-                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int):
+                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int,
+                 embeds: np.ndarray | None = None):
         self.handle, self.prompt, self.params, self.on_event = handle, prompt, params, on_event
+        self.embeds = embeds
+        self.n_prompt = len(prompt) if embeds is None else len(embeds)
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
         self.constraint = (None if params.constraint is None
                            else params.constraint.start(tokenizer, vocab_size))
-        self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
+        self.decoder = (IncrementalDecoder(tokenizer, prompt)
+                        if tokenizer is not None and params.detokenize else None)
         self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
         self.cache: KVCache | None = None
@@ -164,7 +179,7 @@ class _Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < self.n_prompt
 
     def text_tail(self) -> str:
         """The text still held back at the end (incomplete characters, a partial stop)."""
@@ -172,6 +187,13 @@ class _Request:
             return ""
         tail = self.guard.feed(self.decoder.flush())
         return tail + ("" if self.guard.done else self.guard.flush())
+
+
+def _trace_ids(trace: RoutingTrace, model) -> np.ndarray:
+    """A decode pass's RoutingTrace as forward_ragged's routing of a segment: int32 (M, 1, K)."""
+    if not trace.ids:
+        return np.zeros((0, 1, model.config.num_experts_per_tok), np.int32)
+    return np.stack(trace.ids).astype(np.int32, copy=False).reshape(len(trace.ids), 1, -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,15 +251,22 @@ class Scheduler:
 
     # -- submitting ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               on_event: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+               on_event: Callable[[TokenEvent], None] | None = None, *,
+               input_embeds: np.ndarray | None = None) -> RequestHandle:
         """Queue a request; its events come through the handle (and on_event, called from
-        the scheduler thread). Raises ValueError (bad params or ids), ContextLengthError,
-        QueueFullError at once."""
+        the scheduler thread). input_embeds float (S, D): the prompt as embeddings instead
+        of ids (prompt_ids then []; not from the prefix cache, no prompt_logprobs). Raises
+        ValueError (bad params, ids or embeddings), ContextLengthError, QueueFullError at
+        once."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.check()
-        prompt = self._check_prompt(prompt_ids)
+        if input_embeds is None:
+            prompt, embeds = self._check_prompt(prompt_ids), None
+        else:
+            prompt, embeds = [], self._check_embeds(prompt_ids, input_embeds, params)
+        n_prompt = len(prompt) if embeds is None else len(embeds)
         V = self.model.vocab_size
         if params.stop_ids is not None and any(i >= V for i in params.stop_ids):
             raise ValueError(f"stop_ids must be token ids in [0, {V}), got max "
@@ -245,21 +274,21 @@ class Scheduler:
         if params.stop and self._tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model file carries none "
                              "(use stop_ids)")
-        need = len(prompt) + params.max_tokens
+        need = n_prompt + params.max_tokens
         if need > self.ctx:
             raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{need} tokens exceed the context of {self.ctx} tokens")
         kv_bytes = need * self.kv_bytes_per_token
         if kv_bytes > self.kv_budget:
             raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
                 f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
         stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
-        handle = RequestHandle("", len(prompt), self)
+        handle = RequestHandle("", n_prompt, self)
         request = _Request(handle, prompt, params, stop_ids, self._tokenizer, on_event,
-                           kv_bytes, V)               # a bad constraint raises here
+                           kv_bytes, V, embeds)       # a bad constraint raises here
         with self._lock:
             if self._closed:
                 raise ColibriError("the scheduler is stopped; make a new one")
@@ -284,6 +313,19 @@ class Scheduler:
             raise ValueError(f"prompt_ids out of range [0, {V}): min {int(ids.min())}, "
                              f"max {int(ids.max())}")
         return [int(t) for t in ids]
+
+    def _check_embeds(self, prompt_ids, input_embeds, params: SamplingParams) -> np.ndarray:
+        """input_embeds as float32 (S, D), S >= 1, D the model's hidden size."""
+        if len(prompt_ids):
+            raise ValueError("give either prompt_ids or input_embeds, not both")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs a prompt of ids, not input_embeds")
+        x = np.asarray(input_embeds)
+        D = self.model.hidden_size
+        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != D or x.dtype.kind != "f":
+            raise ValueError(f"input_embeds must be floats of shape (S, {D}), S >= 1, got "
+                             f"dtype {x.dtype} shape {x.shape}")
+        return x
 
     def _retry_after(self) -> float:
         """Seconds until a place in the queue is likely free: the mean request duration times
@@ -366,6 +408,7 @@ class Scheduler:
                     self._prefix.after_chunk(r)
                     if r.prefilling:
                         continue
+                    r.handle.cached_tokens = self._prefix.cached_tokens(r)
                 try:
                     self._advance(r, logits[j], None if routing is None else routing[j])
                 except Exception as exc:           # e.g. NaN logits: this request only
@@ -376,8 +419,13 @@ class Scheduler:
 
     def _forward(self, segments, want_routing: bool):
         """logits float32 (N, V) of the last row of each segment [, routing per segment:
-        int32 (M, S_i, K)]."""
+        int32 (M, S_i, K), or the RoutingTrace of a segment that ran alone]."""
+        own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
+        if own:
+            return self._forward_embeds(segments, own, want_routing)
         rows = logits_rows(segments)        # every prompt row of those asking prompt_logprobs
+        if rows is None and len(segments) == 1:
+            return self._forward_alone(*segments[0], want_routing)
         extra = {} if rows is None else {"logits_rows": rows}
         out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
                                         return_routing=want_routing, **extra)
@@ -386,6 +434,30 @@ class Scheduler:
             logits = take_prompt_logprobs(segments, rows, logits)
         return logits, routing
 
+    def _forward_alone(self, r: _Request, ids, want_routing: bool):
+        """_forward for a step of r's segment only: Model.forward, as colibri.forward runs it
+        (logits (1, V), routing [its RoutingTrace] when wanted)."""
+        if r.embeds is not None and r.prefilling:
+            return self.model.forward(input_embeds=ids, cache=r.cache, last_only=True), None
+        out = self.model.forward(np.asarray(ids, dtype=np.int64), cache=r.cache,
+                                 last_only=True, return_routing=want_routing)
+        return (out[0], [out[1]]) if want_routing else (out, None)
+
+    def _forward_embeds(self, segments, own: list[int], want_routing: bool):
+        """_forward when the segments `own` are prompts given as embeddings: each through
+        a Model.forward of its own, the others together."""
+        logits = np.empty((len(segments), self.model.vocab_size), dtype=np.float32)
+        routing = [None] * len(segments)
+        for j in own:
+            logits[j] = self._forward_alone(*segments[j], False)[0][-1]
+        rest = [j for j in range(len(segments)) if j not in own]
+        if rest:
+            out, rt = self._forward([segments[j] for j in rest], want_routing)
+            logits[rest] = out
+            for j, x in zip(rest, rt or ()):
+                routing[j] = x
+        return logits, routing if want_routing else None
+
     def _plan(self) -> list[tuple[_Request, list[int]]]:
         """The segments of this step: every decoding slot's token, then prompt chunks of
         at most prefill_chunk tokens in all, oldest prompt first (short prompts share one)."""
@@ -393,7 +465,8 @@ class Scheduler:
         budget = self.prefill_chunk
         for r in self._running:
             if r.prefilling and budget > 0 and self._prefix.ready(r, self._running):
-                chunk = r.prompt[r.prefilled:r.prefilled + budget]
+                chunk = (r.prompt[r.prefilled:r.prefilled + budget] if r.embeds is None
+                         else r.embeds[r.prefilled:])     # embeddings: whole, in one call
                 segments.append((r, chunk))
                 budget -= len(chunk)
         return segments
@@ -404,7 +477,7 @@ class Scheduler:
             while (self._queue and len(self._running) < self.parallel
                    and self._prefix.make_room(self._kv_in_use + self._queue[0].kv_bytes)):
                 r = self._queue.popleft()
-                r.cache = self.model.new_cache(ctx=len(r.prompt) + r.params.max_tokens)
+                r.cache = self.model.new_cache(ctx=r.n_prompt + r.params.max_tokens)
                 self._kv_in_use += r.kv_bytes
                 self._running.append(r)
                 self._prefix.admit(r)
@@ -431,6 +504,8 @@ class Scheduler:
         it consumed): emit the deferred event, sample the next token, emit or defer it."""
         if r.deferred is not None:                 # return_routing: its pass has run
             ev, r.deferred = r.deferred, None
+            if isinstance(routing, RoutingTrace):  # the pass ran r alone
+                ev.trace, routing = routing, _trace_ids(routing, self.model)
             ev.routing = routing[:, -1].copy()
             if ev.finish_reason is not None:
                 self._end(r, ev)

@@ -289,6 +289,7 @@ def test_forward_error_ends_the_requests_with_error(model, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(model, "forward_ragged", boom)
+    monkeypatch.setattr(model, "forward", boom)       # a step of one request runs forward
     assert s.step()
     evs = events(h)
     assert evs[-1].finish_reason == "error" and isinstance(h.error, RuntimeError)
