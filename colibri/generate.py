@@ -107,14 +107,16 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     with return_routing=True the stream yields Step objects (token, text, routing) instead.
     Statistics of the run: model.last_stats (GenerationStats).
 
-    A batch runs through colibri.batching.Scheduler (continuous batching: the sequences
+    One prompt runs as one request of colibri.batching.Scheduler, stepped in this thread.
+    A batch runs through it too (continuous batching: the sequences
     share each forward pass, each stops on its own): the result is a list with one entry per
     prompt, each what generate(prompt, ...) returns (the same tokens when greedy, and with a
     seed, which every sequence gets). stream=True yields (index, piece) pairs, index the
     prompt's position in the list, piece its next text piece (or id) as it comes.
     parallel: sequences running at once (default all of them); ctx caps each sequence;
     model.last_stats is a list of GenerationStats, one per prompt. The sampling settings
-    take the ranges SamplingParams.check allows (temperature <= 2, ...); return_routing
+    (of one prompt too) take the ranges SamplingParams.check allows (sampling.REAL_BOUNDS:
+    temperature <= 2, ...); return_routing
     and input_embeds need one prompt (Scheduler with SamplingParams(return_routing=True)
     gives a batch's routing).
     """
