@@ -11,11 +11,10 @@ Each step is one forward pass over the running slots (Model.forward_ragged): one
 token of every slot that is generating, plus at most prefill_chunk prompt tokens of the
 requests being prefilled (the oldest first; several short prompts share a step), so a long
 prompt never stalls the running streams for more than a chunk. A step of one segment runs
-through Model.forward instead, the call colibri.forward makes for that sequence (the
-compiled decode step for one token, the general path for a prompt chunk): a sequence alone
-gets exactly its bits and its full RoutingTrace, which is what colibri.generate, a client
-of this loop, returns for one prompt. A prompt given as embeddings (submit's input_embeds)
-is prefilled whole by a Model.forward of its own (forward_ragged takes ids). A request submitted while
+through Model.forward instead (the decode step for one token): a sequence alone gets
+colibri.forward's bits and full RoutingTrace, what colibri.generate (a client of this loop)
+returns for one prompt. A prompt given as embeddings (submit's input_embeds) is prefilled
+whole by a Model.forward of its own (forward_ragged takes ids). A request submitted while
 others run joins at the next step. Each slot has a KV cache of its own, made for exactly
 prompt + max_tokens tokens when the request is admitted and dropped when it finishes:
 admission is counted in those bytes against kv_budget, and a request that does not fit yet
@@ -420,12 +419,14 @@ class Scheduler:
     def _forward(self, segments, want_routing: bool):
         """logits float32 (N, V) of the last row of each segment [, routing per segment:
         int32 (M, S_i, K), or the RoutingTrace of a segment that ran alone]."""
+        if len(segments) == 1:
+            r, ids = segments[0]
+            if r.embeds is not None and r.prefilling or logits_rows(segments) is None:
+                return self._forward_alone(r, ids, want_routing)
         own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
         if own:
             return self._forward_embeds(segments, own, want_routing)
         rows = logits_rows(segments)        # every prompt row of those asking prompt_logprobs
-        if rows is None and len(segments) == 1:
-            return self._forward_alone(*segments[0], want_routing)
         extra = {} if rows is None else {"logits_rows": rows}
         out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
                                         return_routing=want_routing, **extra)
@@ -435,8 +436,7 @@ class Scheduler:
         return logits, routing
 
     def _forward_alone(self, r: _Request, ids, want_routing: bool):
-        """_forward for a step of r's segment only: Model.forward, as colibri.forward runs it
-        (logits (1, V), routing [its RoutingTrace] when wanted)."""
+        """_forward of r's segment alone: Model.forward (logits (1, V) [, [RoutingTrace]])."""
         if r.embeds is not None and r.prefilling:
             return self.model.forward(input_embeds=ids, cache=r.cache, last_only=True), None
         out = self.model.forward(np.asarray(ids, dtype=np.int64), cache=r.cache,
