@@ -49,7 +49,7 @@ from .guards import is_int as _is_int
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
-from .routing import RoutingTrace
+from .routing import RoutingTrace, decode_ids
 from .sampling import MAX_LOGPROBS, SamplingParams, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
@@ -188,13 +188,6 @@ class _Request:
         return tail + ("" if self.guard.done else self.guard.flush())
 
 
-def _trace_ids(trace: RoutingTrace, model) -> np.ndarray:
-    """A decode pass's RoutingTrace as forward_ragged's routing of a segment: int32 (M, 1, K)."""
-    if not trace.ids:
-        return np.zeros((0, 1, model.config.num_experts_per_tok), np.int32)
-    return np.stack(trace.ids).astype(np.int32, copy=False).reshape(len(trace.ids), 1, -1)
-
-
 # ---------------------------------------------------------------------------------------------
 # the scheduler
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +218,7 @@ class Scheduler:
         self.model = model
         self.parallel, self.ctx = int(parallel), int(ctx)
         self.max_queue, self.prefill_chunk = int(max_queue), int(prefill_chunk)
-        self.kv_bytes_per_token = model.new_cache(ctx=1).nbytes
+        self.kv_bytes_per_token = model.prefix_cache.token_bytes   # no cache made to learn it
         if kv_budget is None:
             kv_budget = self.parallel * self.ctx * self.kv_bytes_per_token
         if not _is_int(kv_budget) or kv_budget < self.kv_bytes_per_token:
@@ -234,8 +227,7 @@ class Scheduler:
         self.kv_budget = int(kv_budget)
         self._prefix = PrefixSharing.of(self, prefix_cache)
         self.prefix_cache = self._prefix.cache
-        self._tokenizer = model.tokenizer
-        self._default_stop_ids = set(default_stop_ids(model))
+        self._default_stop_ids: set[int] | None = None     # the EOS ids, on first need
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._step_lock = threading.Lock()           # one step at a time
@@ -270,7 +262,9 @@ class Scheduler:
         if params.stop_ids is not None and any(i >= V for i in params.stop_ids):
             raise ValueError(f"stop_ids must be token ids in [0, {V}), got max "
                              f"{max(params.stop_ids)}")
-        if params.stop and self._tokenizer is None:
+        wants_text = params.detokenize or params.stop or params.constraint is not None
+        tokenizer = self.model.tokenizer if wants_text else None
+        if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model file carries none "
                              "(use stop_ids)")
         need = n_prompt + params.max_tokens
@@ -284,9 +278,11 @@ class Scheduler:
                 f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
                 f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
+        if params.stop_ids is None and self._default_stop_ids is None:
+            self._default_stop_ids = set(default_stop_ids(self.model))
         stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
         handle = RequestHandle("", n_prompt, self)
-        request = _Request(handle, prompt, params, stop_ids, self._tokenizer, on_event,
+        request = _Request(handle, prompt, params, stop_ids, tokenizer, on_event,
                            kv_bytes, V, embeds)       # a bad constraint raises here
         with self._lock:
             if self._closed:
@@ -505,7 +501,8 @@ class Scheduler:
         if r.deferred is not None:                 # return_routing: its pass has run
             ev, r.deferred = r.deferred, None
             if isinstance(routing, RoutingTrace):  # the pass ran r alone
-                ev.trace, routing = routing, _trace_ids(routing, self.model)
+                K = self.model.config.num_experts_per_tok
+                ev.trace, routing = routing, decode_ids(routing, K)
             ev.routing = routing[:, -1].copy()
             if ev.finish_reason is not None:
                 self._end(r, ev)

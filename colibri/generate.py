@@ -200,10 +200,14 @@ def _check_lengths(max_new_tokens, ctx) -> None:
 
 
 def _check_room(model, n_prompt: int, max_new_tokens: int, ctx: int | None) -> None:
-    """ResourceError now, naming the argument, when a KV cache of ctx tokens (default the
-    prompt's plus max_new_tokens + 1) cannot fit: the one the request gets is at most that."""
+    """ResourceError now, naming the argument, when the KV cache these lengths ask for (ctx
+    tokens, default the prompt's plus max_new_tokens + 1) cannot fit. Admission checks the
+    cache it makes (prompt + budget tokens); this is for what it never makes: a ctx beyond
+    that, or a max_new_tokens past what a request may ask (SamplingParams.check)."""
+    if ctx is None and max_new_tokens <= 2**31 - 1:
+        return
     tokens = n_prompt + max_new_tokens + 1 if ctx is None else ctx
-    per_token = model.new_cache(ctx=1).bytes_per_token
+    per_token = model.prefix_cache.token_bytes
     what = (f"ctx={ctx}" if ctx is not None else
             f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens}")
     check_allocation(tokens * (per_token + 9), f"{what}: a KV cache of {tokens} tokens "
@@ -217,8 +221,8 @@ def _scheduler(model, prompts: list[int], budgets: list[int], parallel: int) -> 
     the prefix cache bounds itself)."""
     longest = max(n + b for n, b in zip(prompts, budgets))
     pc = model.prefix_cache
-    per_token = model.new_cache(ctx=1).nbytes
-    kv_budget = parallel * longest * per_token + (pc.capacity if pc.enabled else 0)
+    kv_budget = (parallel * longest * model.prefix_cache.token_bytes
+                 + (pc.capacity if pc.enabled else 0))
     return Scheduler(model, parallel=parallel, ctx=max(2, longest), kv_budget=kv_budget,
                      max_queue=len(prompts), prefill_chunk=max(64, max(prompts)),
                      prefix_cache=pc)
