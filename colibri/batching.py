@@ -384,8 +384,10 @@ class Scheduler:
             segments = self._plan()
             if not segments:
                 return False
-            want_routing = any(r.params.return_routing and not r.prefilling
-                               for r, _ in segments)
+            want_routing = False
+            for r, _ in segments:                  # a loop: no generator made per step
+                if r.params.return_routing and not r.prefilling:
+                    want_routing = True
             try:
                 logits, routing = self._forward(segments, want_routing)
             except Exception as exc:
@@ -417,7 +419,7 @@ class Scheduler:
         int32 (M, S_i, K), or the RoutingTrace of a segment that ran alone]."""
         if len(segments) == 1:
             r, ids = segments[0]
-            if r.embeds is not None and r.prefilling or logits_rows(segments) is None:
+            if not (r.prefilling and r.params.prompt_logprobs is not None):  # no prompt rows
                 return self._forward_alone(r, ids, want_routing)
         own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
         if own:
@@ -440,8 +442,7 @@ class Scheduler:
         return (out[0], [out[1]]) if want_routing else (out, None)
 
     def _forward_embeds(self, segments, own: list[int], want_routing: bool):
-        """_forward when the segments `own` are prompts given as embeddings: each through
-        a Model.forward of its own, the others together."""
+        """_forward when segments `own` are embeddings: each by itself, the others together."""
         logits = np.empty((len(segments), self.model.vocab_size), dtype=np.float32)
         routing = [None] * len(segments)
         for j in own:
@@ -479,6 +480,8 @@ class Scheduler:
                 self._prefix.admit(r)
 
     def _drop_cancelled(self) -> None:
+        if not self._queue and not any(r.handle._cancel for r in self._running):
+            return                                 # the usual step: nothing to drop
         with self._lock:
             queued = [r for r in self._queue if r.handle._cancel]
             for r in queued:
