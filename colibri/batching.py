@@ -11,10 +11,9 @@ Each step is one forward pass over the running slots (Model.forward_ragged): one
 token of every slot that is generating, plus at most prefill_chunk prompt tokens of the
 requests being prefilled (the oldest first; several short prompts share a step), so a long
 prompt never stalls the running streams for more than a chunk. A step of one segment runs
-through Model.forward instead (the decode step for one token): a sequence alone gets
-colibri.forward's bits and full RoutingTrace, what colibri.generate (a client of this loop)
-returns for one prompt. A prompt given as embeddings (submit's input_embeds) is prefilled
-whole by a Model.forward of its own (forward_ragged takes ids). A request submitted while
+through Model.forward (one token: the decode step), so a sequence alone gets colibri.forward's
+bits and RoutingTrace (colibri.generate's one prompt); a prompt of embeddings (input_embeds)
+gets a Model.forward of its own (forward_ragged takes ids). A request submitted while
 others run joins at the next step. Each slot has a KV cache of its own, made for exactly
 prompt + max_tokens tokens when the request is admitted and dropped when it finishes:
 admission is counted in those bytes against kv_budget, and a request that does not fit yet
@@ -458,15 +457,16 @@ class Scheduler:
     def _plan(self) -> list[tuple[_Request, list[int]]]:
         """The segments of this step: every decoding slot's token, then prompt chunks of
         at most prefill_chunk tokens in all, oldest prompt first (short prompts share one)."""
-        segments = [(r, [r.feed]) for r in self._running if not r.prefilling]
-        budget = self.prefill_chunk
+        segments, chunks, budget = [], [], self.prefill_chunk
         for r in self._running:
-            if r.prefilling and budget > 0 and self._prefix.ready(r, self._running):
+            if r.prefilled >= r.n_prompt:
+                segments.append((r, [r.feed]))
+            elif budget > 0 and self._prefix.ready(r, self._running):
                 chunk = (r.prompt[r.prefilled:r.prefilled + budget] if r.embeds is None
                          else r.embeds[r.prefilled:])     # embeddings: whole, in one call
-                segments.append((r, chunk))
+                chunks.append((r, chunk))
                 budget -= len(chunk)
-        return segments
+        return segments + chunks
 
     def _admit(self) -> None:
         """Move queued requests into free slots while their KV bytes fit (in order)."""
