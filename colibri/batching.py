@@ -10,7 +10,10 @@
 Each step is one forward pass over the running slots (Model.forward_ragged): one decode
 token of every slot that is generating, plus at most prefill_chunk prompt tokens of the
 requests being prefilled (the oldest first; several short prompts share a step), so a long
-prompt never stalls the running streams for more than a chunk. A request submitted while
+prompt never stalls the running streams for more than a chunk. A step of one segment runs
+through Model.forward (one token: the decode step), so a sequence alone gets colibri.forward's
+bits and RoutingTrace (colibri.generate's one prompt); a prompt of embeddings (input_embeds)
+gets a Model.forward of its own (forward_ragged takes ids). A request submitted while
 others run joins at the next step. Each slot has a KV cache of its own, made for exactly
 prompt + max_tokens tokens when the request is admitted and dropped when it finishes:
 admission is counted in those bytes against kv_budget, and a request that does not fit yet
@@ -45,6 +48,7 @@ from .guards import is_int as _is_int
 from .kv_cache import DEFAULT_MAX_CTX, KVCache
 from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
+from .routing import RoutingTrace, decode_ids
 from .sampling import MAX_LOGPROBS, SamplingParams, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
 from .tokenizer import IncrementalDecoder
@@ -82,6 +86,8 @@ class TokenEvent:
     logprob: log-probability of token under the penalised logits (None unless asked);
     top_logprobs: [(id, logprob), ...] best first (None unless logprobs > 0);
     routing: int32 (M, K), the experts the token was routed to per MoE layer (None unless asked);
+    trace: with routing, the RoutingTrace of that pass (ids, weights, router logits) when
+    the request ran alone in it (as a single sequence always does), else None;
     finish_reason: None while running, else "stop" | "length" | "cancelled" | "error";
     stop_token: on a final event (token -1) ended by a stop token, its id (else -1), with its
     logprob / top_logprobs when asked: not part of the text or the counts, but what echo
@@ -95,6 +101,7 @@ class TokenEvent:
     routing: np.ndarray | None = None
     finish_reason: str | None = None
     stop_token: int = -1
+    trace: RoutingTrace | None = None
 
 
 class RequestHandle:
@@ -103,7 +110,8 @@ class RequestHandle:
     id, prompt_tokens, completion_tokens (updated as tokens come), finish_reason (None until
     the last event), error (the exception when finish_reason is "error"), prompt_logprobs
     (with SamplingParams.prompt_logprobs: [None, (logprob, top or None), ...] per prompt
-    token, complete when the first event comes; colibri.prompt_logprobs).
+    token, complete when the first event comes; colibri.prompt_logprobs), cached_tokens
+    (prompt tokens copied from the prefix cache, set when the prefill is done).
     """
 
     def __init__(self, request_id: str, prompt_tokens: int, scheduler: "Scheduler"):
@@ -113,6 +121,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.prompt_logprobs: list | None = None
+        self.cached_tokens = 0
         self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._scheduler = scheduler
         self._cancel = False
@@ -141,16 +150,20 @@ class RequestHandle:
 
 class _Request:
     """The scheduler's record of one request: its settings, text state and, once admitted,
-    its KV cache."""
+    its KV cache. embeds: the prompt as embeddings float32 (S, D) (prompt then [])."""
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams,
-                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int):
+                 stop_ids: set[int], tokenizer, on_event, kv_bytes: int, vocab_size: int,
+                 embeds: np.ndarray | None = None):
         self.handle, self.prompt, self.params, self.on_event = handle, prompt, params, on_event
+        self.embeds = embeds
+        self.n_prompt = len(prompt) if embeds is None else len(embeds)
         self.stop_ids = stop_ids
         self.sampler = params.sampler()
         self.constraint = (None if params.constraint is None
                            else params.constraint.start(tokenizer, vocab_size))
-        self.decoder = IncrementalDecoder(tokenizer, prompt) if tokenizer is not None else None
+        self.decoder = (IncrementalDecoder(tokenizer, prompt)
+                        if tokenizer is not None and params.detokenize else None)
         self.guard = StopText(list(params.stop))
         self.kv_bytes = kv_bytes                   # reserved while admitted
         self.cache: KVCache | None = None
@@ -164,7 +177,7 @@ class _Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < self.n_prompt
 
     def text_tail(self) -> str:
         """The text still held back at the end (incomplete characters, a partial stop)."""
@@ -204,7 +217,7 @@ class Scheduler:
         self.model = model
         self.parallel, self.ctx = int(parallel), int(ctx)
         self.max_queue, self.prefill_chunk = int(max_queue), int(prefill_chunk)
-        self.kv_bytes_per_token = model.new_cache(ctx=1).nbytes
+        self.kv_bytes_per_token = model.prefix_cache.token_bytes   # no cache made to learn it
         if kv_budget is None:
             kv_budget = self.parallel * self.ctx * self.kv_bytes_per_token
         if not _is_int(kv_budget) or kv_budget < self.kv_bytes_per_token:
@@ -213,8 +226,7 @@ class Scheduler:
         self.kv_budget = int(kv_budget)
         self._prefix = PrefixSharing.of(self, prefix_cache)
         self.prefix_cache = self._prefix.cache
-        self._tokenizer = model.tokenizer
-        self._default_stop_ids = set(default_stop_ids(model))
+        self._default_stop_ids: set[int] | None = None     # the EOS ids, on first need
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._step_lock = threading.Lock()           # one step at a time
@@ -229,37 +241,48 @@ class Scheduler:
 
     # -- submitting ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-               on_event: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+               on_event: Callable[[TokenEvent], None] | None = None, *,
+               input_embeds: np.ndarray | None = None) -> RequestHandle:
         """Queue a request; its events come through the handle (and on_event, called from
-        the scheduler thread). Raises ValueError (bad params or ids), ContextLengthError,
-        QueueFullError at once."""
+        the scheduler thread). input_embeds float (S, D): the prompt as embeddings instead
+        of ids (prompt_ids then []; not from the prefix cache, no prompt_logprobs). Raises
+        ValueError (bad params, ids or embeddings), ContextLengthError, QueueFullError at
+        once."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.check()
-        prompt = self._check_prompt(prompt_ids)
+        if input_embeds is None:
+            prompt, embeds = self._check_prompt(prompt_ids), None
+        else:
+            prompt, embeds = [], self._check_embeds(prompt_ids, input_embeds, params)
+        n_prompt = len(prompt) if embeds is None else len(embeds)
         V = self.model.vocab_size
         if params.stop_ids is not None and any(i >= V for i in params.stop_ids):
             raise ValueError(f"stop_ids must be token ids in [0, {V}), got max "
                              f"{max(params.stop_ids)}")
-        if params.stop and self._tokenizer is None:
+        wants_text = params.detokenize or params.stop or params.constraint is not None
+        tokenizer = self.model.tokenizer if wants_text else None
+        if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model file carries none "
                              "(use stop_ids)")
-        need = len(prompt) + params.max_tokens
+        need = n_prompt + params.max_tokens
         if need > self.ctx:
             raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{need} tokens exceed the context of {self.ctx} tokens")
         kv_bytes = need * self.kv_bytes_per_token
         if kv_bytes > self.kv_budget:
             raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}: "
+                f"the prompt has {n_prompt} tokens and max_tokens is {params.max_tokens}: "
                 f"{need} tokens need {kv_bytes} bytes of KV cache, more than the whole budget "
                 f"of {self.kv_budget} bytes ({self.kv_budget // self.kv_bytes_per_token} tokens)")
+        if params.stop_ids is None and self._default_stop_ids is None:
+            self._default_stop_ids = set(default_stop_ids(self.model))
         stop_ids = self._default_stop_ids if params.stop_ids is None else set(params.stop_ids)
-        handle = RequestHandle("", len(prompt), self)
-        request = _Request(handle, prompt, params, stop_ids, self._tokenizer, on_event,
-                           kv_bytes, V)               # a bad constraint raises here
+        handle = RequestHandle("", n_prompt, self)
+        request = _Request(handle, prompt, params, stop_ids, tokenizer, on_event,
+                           kv_bytes, V, embeds)       # a bad constraint raises here
         with self._lock:
             if self._closed:
                 raise ColibriError("the scheduler is stopped; make a new one")
@@ -284,6 +307,19 @@ class Scheduler:
             raise ValueError(f"prompt_ids out of range [0, {V}): min {int(ids.min())}, "
                              f"max {int(ids.max())}")
         return [int(t) for t in ids]
+
+    def _check_embeds(self, prompt_ids, input_embeds, params: SamplingParams) -> np.ndarray:
+        """input_embeds as float32 (S, D), S >= 1, D the model's hidden size."""
+        if len(prompt_ids):
+            raise ValueError("give either prompt_ids or input_embeds, not both")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs a prompt of ids, not input_embeds")
+        x = np.asarray(input_embeds)
+        D = self.model.hidden_size
+        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] != D or x.dtype.kind != "f":
+            raise ValueError(f"input_embeds must be floats of shape (S, {D}), S >= 1, got "
+                             f"dtype {x.dtype} shape {x.shape}")
+        return x
 
     def _retry_after(self) -> float:
         """Seconds until a place in the queue is likely free: the mean request duration times
@@ -347,8 +383,10 @@ class Scheduler:
             segments = self._plan()
             if not segments:
                 return False
-            want_routing = any(r.params.return_routing and not r.prefilling
-                               for r, _ in segments)
+            want_routing = False
+            for r, _ in segments:                  # a loop: no generator made per step
+                if r.params.return_routing and not r.prefilling:
+                    want_routing = True
             try:
                 logits, routing = self._forward(segments, want_routing)
             except Exception as exc:
@@ -366,6 +404,7 @@ class Scheduler:
                     self._prefix.after_chunk(r)
                     if r.prefilling:
                         continue
+                    r.handle.cached_tokens = self._prefix.cached_tokens(r)
                 try:
                     self._advance(r, logits[j], None if routing is None else routing[j])
                 except Exception as exc:           # e.g. NaN logits: this request only
@@ -376,7 +415,14 @@ class Scheduler:
 
     def _forward(self, segments, want_routing: bool):
         """logits float32 (N, V) of the last row of each segment [, routing per segment:
-        int32 (M, S_i, K)]."""
+        int32 (M, S_i, K), or the RoutingTrace of a segment that ran alone]."""
+        if len(segments) == 1:
+            r, ids = segments[0]
+            if not (r.prefilling and r.params.prompt_logprobs is not None):  # no prompt rows
+                return self._forward_alone(r, ids, want_routing)
+        own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
+        if own:
+            return self._forward_embeds(segments, own, want_routing)
         rows = logits_rows(segments)        # every prompt row of those asking prompt_logprobs
         extra = {} if rows is None else {"logits_rows": rows}
         out = self.model.forward_ragged([(r.cache, ids) for r, ids in segments],
@@ -386,17 +432,41 @@ class Scheduler:
             logits = take_prompt_logprobs(segments, rows, logits)
         return logits, routing
 
+    def _forward_alone(self, r: _Request, ids, want_routing: bool):
+        """_forward of r's segment alone: Model.forward (logits (1, V) [, [RoutingTrace]])."""
+        if r.embeds is not None and r.prefilling:
+            return self.model.forward(input_embeds=ids, cache=r.cache, last_only=True), None
+        out = self.model.forward(np.asarray(ids, dtype=np.int64), cache=r.cache,
+                                 last_only=True, return_routing=want_routing)
+        return (out[0], [out[1]]) if want_routing else (out, None)
+
+    def _forward_embeds(self, segments, own: list[int], want_routing: bool):
+        """_forward when segments `own` are embeddings: each by itself, the others together."""
+        logits = np.empty((len(segments), self.model.vocab_size), dtype=np.float32)
+        routing = [None] * len(segments)
+        for j in own:
+            logits[j] = self._forward_alone(*segments[j], False)[0][-1]
+        rest = [j for j in range(len(segments)) if j not in own]
+        if rest:
+            out, rt = self._forward([segments[j] for j in rest], want_routing)
+            logits[rest] = out
+            for j, x in zip(rest, rt or ()):
+                routing[j] = x
+        return logits, routing if want_routing else None
+
     def _plan(self) -> list[tuple[_Request, list[int]]]:
         """The segments of this step: every decoding slot's token, then prompt chunks of
         at most prefill_chunk tokens in all, oldest prompt first (short prompts share one)."""
-        segments = [(r, [r.feed]) for r in self._running if not r.prefilling]
-        budget = self.prefill_chunk
+        segments, chunks, budget = [], [], self.prefill_chunk
         for r in self._running:
-            if r.prefilling and budget > 0 and self._prefix.ready(r, self._running):
-                chunk = r.prompt[r.prefilled:r.prefilled + budget]
-                segments.append((r, chunk))
+            if r.prefilled >= r.n_prompt:
+                segments.append((r, [r.feed]))
+            elif budget > 0 and self._prefix.ready(r, self._running):
+                chunk = (r.prompt[r.prefilled:r.prefilled + budget] if r.embeds is None
+                         else r.embeds[r.prefilled:])     # embeddings: whole, in one call
+                chunks.append((r, chunk))
                 budget -= len(chunk)
-        return segments
+        return segments + chunks
 
     def _admit(self) -> None:
         """Move queued requests into free slots while their KV bytes fit (in order)."""
@@ -404,12 +474,14 @@ class Scheduler:
             while (self._queue and len(self._running) < self.parallel
                    and self._prefix.make_room(self._kv_in_use + self._queue[0].kv_bytes)):
                 r = self._queue.popleft()
-                r.cache = self.model.new_cache(ctx=len(r.prompt) + r.params.max_tokens)
+                r.cache = self.model.new_cache(ctx=r.n_prompt + r.params.max_tokens)
                 self._kv_in_use += r.kv_bytes
                 self._running.append(r)
                 self._prefix.admit(r)
 
     def _drop_cancelled(self) -> None:
+        if not self._queue and not any(r.handle._cancel for r in self._running):
+            return                                 # the usual step: nothing to drop
         with self._lock:
             queued = [r for r in self._queue if r.handle._cancel]
             for r in queued:
@@ -431,6 +503,9 @@ class Scheduler:
         it consumed): emit the deferred event, sample the next token, emit or defer it."""
         if r.deferred is not None:                 # return_routing: its pass has run
             ev, r.deferred = r.deferred, None
+            if isinstance(routing, RoutingTrace):  # the pass ran r alone
+                K = self.model.config.num_experts_per_tok
+                ev.trace, routing = routing, decode_ids(routing, K)
             ev.routing = routing[:, -1].copy()
             if ev.finish_reason is not None:
                 self._end(r, ev)

@@ -1,141 +1,33 @@
-"""Generation as a chain of small verbs: prefill, decode_one, iter_steps, generate / stream.
+"""colibri.generate / stream: a thin client of colibri.batching's Scheduler, the one
+generation loop (prefill, sample, stop, feed back), stepped in the caller's thread.
 
-    prefill(model, ids, cache)      run the prompt, fill the cache, logits of the last position
-    decode_one(model, token, cache) feed one token, logits of the next
-    iter_steps(...)                 sample, stop, feed back: yields one Step per new token
-    generate(model, prompt_or_ids)  text in -> text out (ids in -> ids out), or a stream
-    generate(model, [p, p, ...])    several prompts together through colibri.batching's
-                                    Scheduler (continuous batching), each stopping on its own
+    generate(model, prompt_or_ids)  text in -> text out (ids in -> ids out), or a stream:
+                                    one request, its text decoded here
+    generate(model, [p, p, ...])    several prompts together (continuous batching), each
+                                    stopping on its own, their text from the scheduler
+    generate(..., draft=...)        speculative decoding: colibri.speculative's own loop
 
-Text is produced incrementally (tokenizer.IncrementalDecoder): a piece is emitted only when
-it holds whole characters, and text stop sequences are held back until they cannot match.
+For one prompt text is produced incrementally here (tokenizer.IncrementalDecoder): a piece
+is emitted only when it holds whole characters, and text stop sequences are held back until
+they cannot match; the scheduler then only makes the ids (SamplingParams.detokenize False).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 import numpy as np
 
 from .batching import Scheduler, TokenEvent
-from .constraints import Constraint, compile_spec, constrained_choice
+from .constraints import compile_spec
 from .errors import ColibriError
-from .kv_cache import KVCache
-from .prefix_cache import PrefixCache
-from .resources import ResourceError
+from .resources import ResourceError, check_allocation
 from .sampling import Sampler, SamplingParams
 from .steps import GenerationStats, Step
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
 
-__all__ = ["prefill", "decode_one", "iter_steps", "generate", "stream", "Step",
-           "GenerationStats", "prompt_ids", "is_batch", "default_stop_ids"]
-
-
-# ---------------------------------------------------------------------------------------------
-# the verbs
-# ---------------------------------------------------------------------------------------------
-
-def prefill(model, ids, cache: KVCache, *, attention_mask=None, return_routing: bool = False):
-    """Run prompt ids (S,) or (B, S) into `cache`; logits float32 of the last position,
-    (V,) or (B, V) [, RoutingTrace]."""
-    out = model.forward(ids, cache=cache, attention_mask=attention_mask,
-                        return_routing=return_routing, last_only=True)
-    logits, trace = out if return_routing else (out, None)
-    logits = logits[..., -1, :]
-    return (logits, trace) if return_routing else logits
-
-
-def decode_one(model, token, cache: KVCache, *, return_routing: bool = False):
-    """Feed one token per sequence (int, or int (B,)); logits float32 (V,) or (B, V) [, trace]."""
-    tok = np.asarray(token, dtype=np.int64)
-    ids = tok.reshape(1) if tok.ndim == 0 else tok.reshape(-1, 1)
-    out = model.forward(ids, cache=cache, return_routing=return_routing, last_only=True)
-    logits, trace = out if return_routing else (out, None)
-    logits = logits[..., -1, :]
-    return (logits, trace) if return_routing else logits
-
-
-def iter_steps(model, prompt: Sequence[int], sampler: Sampler, *, max_new_tokens: int,
-               stop_ids: Sequence[int] = (), cache: KVCache | None = None,
-               return_routing: bool = False, stats: GenerationStats | None = None,
-               input_embeds: np.ndarray | None = None,
-               constraint: Constraint | None = None,
-               prefix_cache: PrefixCache | None = None) -> Iterator[Step]:
-    """Yield one Step per generated token of one sequence (text pieces left empty).
-
-    Without return_routing a token is yielded as soon as it is sampled (the forward pass that
-    consumes it runs when the caller asks for the next one); with it, after that pass, so the
-    Step carries the token's own routing. The stop token itself is not yielded.
-    input_embeds float (S, D): a prompt given as embeddings instead of ids (prompt = []).
-    constraint: a colibri.constraints.Constraint masking each draw; the sequence stops
-    ("stop") when its grammar is complete. prefix_cache: a PrefixCache to start an empty
-    cache from and to keep the prompt's (and at the end the generated tokens') blocks in.
-    """
-    prompt = [int(t) for t in prompt]
-    n_prompt = len(prompt) if input_embeds is None else int(np.shape(input_embeds)[0])
-    if n_prompt == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = n_prompt
-    if cache is None:
-        try:
-            cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
-        except ResourceError as e:             # say which argument asked for the size
-            raise ResourceError(f"a prompt of {n_prompt} tokens and max_new_tokens="
-                                f"{max_new_tokens}: {e}") from None
-    stops = set(int(s) for s in stop_ids)
-    # only a fresh cache of one sequence holds exactly the prompt's tokens from slot 0
-    pc = prefix_cache if input_embeds is None and cache.length == 0 and cache.batch == 1 else None
-    model.timings.reset()
-    t0 = time.perf_counter()
-    if input_embeds is None:
-        n = stats.cached_tokens = 0 if pc is None else pc.reuse(prompt, cache)
-        logits = prefill(model, np.asarray(prompt[n:], dtype=np.int64), cache)
-        if pc is not None:
-            pc.store(prompt, cache)
-    else:
-        logits = model.forward(input_embeds=input_embeds, cache=cache, last_only=True)[-1]
-    stats.prefill_seconds = time.perf_counter() - t0
-    history = list(prompt)
-    n_prompt_ids = len(history)
-    stats.finish_reason = "length"
-    try:
-        for i in range(max_new_tokens):
-            if cache.remaining == 0:                    # prompt + generated fill the context
-                stats.finish_reason = "ctx"
-                break
-            x = sampler.penalise(logits, history, history[n_prompt_ids:])
-            tok, _, ended = constrained_choice(sampler, x, constraint)
-            if ended or tok in stops:
-                stats.finish_reason = "stop"
-                break
-            history.append(tok)
-            stats.generated_tokens += 1
-            last = i == max_new_tokens - 1
-            if constraint is not None and constraint.done:
-                stats.finish_reason, last = "stop", True
-            if return_routing:
-                t1 = time.perf_counter()
-                logits, trace = decode_one(model, tok, cache, return_routing=True)
-                stats.decode_seconds += time.perf_counter() - t1
-                stats.decode_steps += 1
-                yield Step(i, tok, routing=trace)
-                if constraint is not None and constraint.done:
-                    break
-                continue
-            yield Step(i, tok)
-            if last:
-                break
-            t1 = time.perf_counter()
-            logits = decode_one(model, tok, cache)
-            stats.decode_seconds += time.perf_counter() - t1
-            stats.decode_steps += 1
-    finally:                                        # also when the caller stops early
-        stats.timings = model.timings.copy()
-        if pc is not None:                          # the next chat turn starts with these
-            pc.store(history[:cache.length], cache)
+__all__ = ["generate", "stream", "Step", "GenerationStats", "prompt_ids", "is_batch",
+           "default_stop_ids"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,14 +107,16 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     with return_routing=True the stream yields Step objects (token, text, routing) instead.
     Statistics of the run: model.last_stats (GenerationStats).
 
-    A batch runs through colibri.batching.Scheduler (continuous batching: the sequences
+    One prompt runs as one request of colibri.batching.Scheduler, stepped in this thread.
+    A batch runs through it too (continuous batching: the sequences
     share each forward pass, each stops on its own): the result is a list with one entry per
     prompt, each what generate(prompt, ...) returns (the same tokens when greedy, and with a
     seed, which every sequence gets). stream=True yields (index, piece) pairs, index the
     prompt's position in the list, piece its next text piece (or id) as it comes.
     parallel: sequences running at once (default all of them); ctx caps each sequence;
     model.last_stats is a list of GenerationStats, one per prompt. The sampling settings
-    take the ranges SamplingParams.check allows (temperature <= 2, ...); return_routing
+    (of one prompt too) take the ranges SamplingParams.check allows (sampling.REAL_BOUNDS:
+    temperature <= 2, ...); return_routing
     and input_embeds need one prompt (Scheduler with SamplingParams(return_routing=True)
     gives a batch's routing).
     """
@@ -256,27 +150,31 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
         stop_ids = default_stop_ids(model)
     if stop_texts and model.tokenizer is None:
         raise NoTokenizerError("text stop sequences need a tokenizer; this model has none")
-    sampler = Sampler(temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                      presence_penalty, frequency_penalty)
-    cache = None
-    if ctx is not None:
-        n = len(ids) if input_embeds is None else len(input_embeds)
-        if n >= ctx:
-            raise ColibriError(f"the prompt has {n} tokens but ctx is {ctx}: "
-                               f"nothing left to generate into")
-        cache = model.new_cache(ctx=ctx)
-    constraint = None if spec is None else spec.start(model)
+    n = len(ids) if input_embeds is None else len(input_embeds)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if ctx is not None and n >= ctx:
+        raise ColibriError(f"the prompt has {n} tokens but ctx is {ctx}: "
+                           f"nothing left to generate into")
     if draft is not None:
         from .speculative import speculative_steps
-        steps, stats = speculative_steps(model, draft, num_draft_tokens, ids, sampler,
-                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                         cache=cache, constraint=constraint)
+        sampler = Sampler(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                          presence_penalty, frequency_penalty)
+        steps, stats = speculative_steps(
+            model, draft, num_draft_tokens, ids, sampler, max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids, cache=None if ctx is None else model.new_cache(ctx=ctx),
+            constraint=None if spec is None else spec.start(model))
     else:
-        stats = GenerationStats()
-        steps = iter_steps(model, ids, sampler, max_new_tokens=max_new_tokens,
-                           stop_ids=stop_ids, cache=cache, return_routing=return_routing,
-                           stats=stats, input_embeds=input_embeds, constraint=constraint,
-                           prefix_cache=model.prefix_cache)
+        _check_room(model, n, max_new_tokens, ctx)
+        budget = max_new_tokens if ctx is None else min(max_new_tokens, ctx - n)
+        params = SamplingParams(
+            max_tokens=budget, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop_ids=list(stop_ids),
+            return_routing=return_routing, constraint=spec, detokenize=False)
+        stats = GenerationStats(prompt_tokens=n)
+        steps = _scheduled_steps(model, ids, input_embeds, params, stats,
+                                 ctx_bound=budget < max_new_tokens)
     model.last_stats = stats
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
@@ -299,6 +197,85 @@ def _check_lengths(max_new_tokens, ctx) -> None:
             raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_room(model, n_prompt: int, max_new_tokens: int, ctx: int | None) -> None:
+    """ResourceError now, naming the argument, when the KV cache these lengths ask for (ctx
+    tokens, default the prompt's plus max_new_tokens + 1) cannot fit. Admission checks the
+    cache it makes (prompt + budget tokens); this is for what it never makes: a ctx beyond
+    that, or a max_new_tokens past what a request may ask (SamplingParams.check)."""
+    if ctx is None and max_new_tokens <= 2**31 - 1:
+        return
+    tokens = n_prompt + max_new_tokens + 1 if ctx is None else ctx
+    per_token = model.prefix_cache.token_bytes
+    what = (f"ctx={ctx}" if ctx is not None else
+            f"a prompt of {n_prompt} tokens and max_new_tokens={max_new_tokens}")
+    check_allocation(tokens * (per_token + 9), f"{what}: a KV cache of {tokens} tokens "
+                                               f"({per_token} bytes per token)")
+
+
+def _scheduler(model, prompts: list[int], budgets: list[int], parallel: int) -> Scheduler:
+    """A Scheduler for sequences of these prompt lengths and token budgets, stepped by the
+    caller: `parallel` slots, the longest prompt prefilled in one chunk, a KV budget of the
+    slots' caches plus the model's prefix cache (admission never evicts it to make room;
+    the prefix cache bounds itself)."""
+    longest = max(n + b for n, b in zip(prompts, budgets))
+    pc = model.prefix_cache
+    kv_budget = (parallel * longest * model.prefix_cache.token_bytes
+                 + (pc.capacity if pc.enabled else 0))
+    return Scheduler(model, parallel=parallel, ctx=max(2, longest), kv_budget=kv_budget,
+                     max_queue=len(prompts), prefill_chunk=max(64, max(prompts)),
+                     prefix_cache=pc)
+
+
+def _scheduled_steps(model, ids: list[int], input_embeds, params: SamplingParams,
+                     stats: GenerationStats, ctx_bound: bool) -> Iterator[Step]:
+    """The Steps of one request through a Scheduler (submitted now, so that bad settings
+    raise at the call; stepped as the Steps are asked for: a token is yielded as soon as it
+    is sampled, or with return_routing once the pass that consumed it has run). ctx_bound:
+    ctx, not max_new_tokens, set the budget (a "length" end is then "ctx")."""
+    n = stats.prompt_tokens
+    sched = _scheduler(model, [n], [params.max_tokens], 1)
+    events: list[TokenEvent] = []
+    handle = sched.submit(ids, params, on_event=events.append, input_embeds=input_embeds)
+
+    def run() -> Iterator[Step]:
+        model.timings.reset()
+        stats.finish_reason = "length"
+        index = 0
+        try:
+            while True:
+                prefilling = handle.completion_tokens == 0     # no token taken yet
+                t0 = time.perf_counter()
+                try:
+                    if not sched.step():
+                        return
+                except ResourceError as e:            # the cache made at admission
+                    raise ResourceError(f"a prompt of {n} tokens and max_new_tokens="
+                                        f"{params.max_tokens}: {e}") from None
+                seconds = time.perf_counter() - t0
+                if prefilling:
+                    stats.prefill_seconds += seconds
+                else:
+                    stats.decode_seconds += seconds
+                    stats.decode_steps += 1
+                for ev in events:
+                    if ev.finish_reason == "error":
+                        raise handle.error
+                    if ev.token >= 0:
+                        stats.generated_tokens += 1
+                        yield Step(index, ev.token, routing=ev.trace)
+                        index += 1
+                    if ev.finish_reason is not None:
+                        stats.finish_reason = ("ctx" if ctx_bound and ev.finish_reason == "length"
+                                               else ev.finish_reason)
+                        return
+                events.clear()
+        finally:                                        # also when the caller stops early
+            sched.stop(drain=False)
+            stats.cached_tokens = handle.cached_tokens
+            stats.timings = model.timings.copy()
+    return run()
 
 
 def _with_text(model, steps: Iterator[Step], prompt: list[int], stop_texts: list[str],
@@ -391,10 +368,8 @@ def _batch_pieces(model, prompts: list[list[int]], budgets: list[int], sampling:
     if not todo:
         return
     n_par = len(todo) if parallel is None else parallel
-    longest = max(len(prompts[i]) + budgets[i] for i in todo)
-    sched = Scheduler(model, parallel=n_par, ctx=longest, max_queue=len(todo),
-                      prefill_chunk=max(64, max(len(prompts[i]) for i in todo)),
-                      prefix_cache=model.prefix_cache)
+    sched = _scheduler(model, [len(prompts[i]) for i in todo], [budgets[i] for i in todo],
+                       n_par)
     ready: list[tuple[int, TokenEvent]] = []
     handles = {}
     for i in todo:

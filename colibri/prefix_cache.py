@@ -123,7 +123,9 @@ class PrefixCache:
     (model.cache_dims); dtype: their storage ("f32", "f16", "bf16"); capacity: bytes all
     blocks may take (0: off); block_tokens: tokens per block; namespace: the digest chain's
     root (model_namespace); unsupported: why this model's prefixes are never reused (the
-    cache then stays off whatever capacity is set).
+    cache then stays off whatever capacity is set). token_bytes / block_bytes: the bytes of
+    one token / one block in every layer's planes (token_bytes is a KVCache's
+    bytes_per_token, what the Scheduler counts its budget in).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int,
@@ -138,7 +140,8 @@ class PrefixCache:
         self.unsupported = unsupported
         itemsize = 4 if dtype == "f32" else 2
         L, H, Dk, Dv = self.dims
-        self.block_bytes = L * H * (Dk + Dv) * self.block_tokens * itemsize
+        self.token_bytes = L * H * (Dk + Dv) * itemsize    # a KVCache's bytes_per_token
+        self.block_bytes = self.token_bytes * self.block_tokens
         self._namespace = bytes(namespace)
         self._root = hashlib.blake2b(self._namespace, digest_size=16).digest()
         self._capacity = int(capacity)

@@ -89,8 +89,9 @@ class PrefixSharing:
         return not self._on or self.cache.shrink(self.budget - need)
 
     def admit(self, r) -> None:
-        """r's cache starts with the cached prefix of its prompt."""
-        if not self._on:
+        """r's cache starts with the cached prefix of its prompt (none for a prompt given
+        as embeddings: its slots are not those of any tokens)."""
+        if not self._on or r.embeds is not None:
             return
         pc, st = self.cache, _Prefix(scored=r.params.prompt_logprobs)
         self._of[r] = st

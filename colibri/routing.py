@@ -13,7 +13,7 @@ import numpy as np
 from . import kernels
 from .moe import MoE
 
-__all__ = ["RoutingTrace", "trace_layer", "drop_batch"]
+__all__ = ["RoutingTrace", "trace_layer", "drop_batch", "decode_ids"]
 
 
 @dataclass
@@ -70,3 +70,11 @@ def drop_batch(trace: RoutingTrace) -> None:
     trace.weights = [a[0] for a in trace.weights]
     trace.shared_gate = [a[0] for a in trace.shared_gate]
     trace.logits = [a[0] for a in trace.logits]
+
+
+def decode_ids(trace: RoutingTrace, k: int) -> np.ndarray:
+    """The ids of a one-token pass's trace (1-D input) as Model.forward_ragged gives a
+    segment's routing: int32 (M, 1, K), M the MoE layers (K = k when there are none)."""
+    if not trace.ids:
+        return np.zeros((0, 1, k), np.int32)
+    return np.stack(trace.ids).astype(np.int32, copy=False).reshape(len(trace.ids), 1, -1)

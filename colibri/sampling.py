@@ -398,7 +398,9 @@ class SamplingParams:
     handle's prompt_logprobs, complete at the first event);
     return_routing: each TokenEvent carries the experts its token was routed to;
     constraint: a colibri.constraints.ConstraintSpec (JSON schema, regex, grammar) the output
-    must follow: masked before each draw, the request stops when the grammar is complete.
+    must follow: masked before each draw, the request stops when the grammar is complete;
+    detokenize: False leaves every TokenEvent's text empty (no incremental decoding: a
+    caller that decodes the ids itself, as colibri.generate for one prompt; no stop strings).
     max_tokens 0 generates nothing: the prompt is prefilled (and scored) and the request
     ends with finish_reason "length".
     """
@@ -417,6 +419,7 @@ class SamplingParams:
     return_routing: bool = False
     prompt_logprobs: int | None = None
     constraint: ConstraintSpec | None = None
+    detokenize: bool = True
 
     def check(self) -> None:
         """ValueError naming the field, the value and the allowed range (SettingTypeError, a
@@ -445,8 +448,11 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.return_routing, (bool, np.bool_)):
-            bad("return_routing", "a bool")
+        for name in ("return_routing", "detokenize"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                bad(name, "a bool")
+        if self.stop and not self.detokenize:
+            bad("stop", "empty when detokenize is False (stop strings are matched in the text)")
         if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
             bad("constraint", "None or a colibri.constraints.ConstraintSpec (compile_spec)")
 

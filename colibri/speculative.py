@@ -8,7 +8,7 @@
                                        so the MLA latent cache, sliding windows and sinks need
                                        nothing else)
     judge(...)                         the acceptance rule for one draft token
-    iter_speculative(...)              generate.iter_steps with drafts (colibri.drafters)
+    iter_speculative(...)              one sequence's decode loop with drafts (colibri.drafters)
 
 The rule (Leviathan et al. 2023, Chen et al. 2023): draft d drawn from q is accepted with
 probability min(1, p(d) / q(d)); on rejection the token is drawn from norm(max(0, p - q)); when
@@ -122,7 +122,7 @@ def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
                      stop_ids: Sequence[int] = (), cache: KVCache | None = None,
                      stats: SpeculativeStats | None = None,
                      constraint: Constraint | None = None) -> Iterator[Step]:
-    """generate.iter_steps with speculation: one Step per generated token (text pieces
+    """One sequence decoded with speculation: one Step per generated token (text pieces
     left empty), the same tokens as plain decoding at temperature 0 and the same
     distribution when sampling. drafter: a colibri.drafters drafter; num_draft_tokens: the
     most drafts per verification (colibri.drafters.Backoff shortens and pauses them)."""

@@ -61,7 +61,8 @@ class Speculation:
     def attach(self, r) -> None:
         """Give an admitted request its speculation state (None when it decodes plainly)."""
         p = r.params
-        if p.logprobs is not None or p.prompt_logprobs is not None or p.return_routing:
+        if (p.logprobs is not None or p.prompt_logprobs is not None or p.return_routing
+                or r.embeds is not None):
             r.spec = None
             return
         drafter = self._lookup if self._lookup is not None else DraftModel(self._draft_model,

@@ -1,6 +1,7 @@
 """The records of a decode loop: Step (one generated token) and GenerationStats (counts and
-seconds of a run, model.last_stats). generate.iter_steps and speculative.iter_speculative
-both yield Steps; colibri.generate re-exports both names."""
+seconds of a run, model.last_stats). colibri.generate makes Steps of one request's
+scheduler events, speculative.iter_speculative yields them; colibri.generate re-exports both
+names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

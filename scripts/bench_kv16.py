@@ -29,7 +29,6 @@ import numpy as np
 
 import colibri
 from colibri import kernels, runtime
-from colibri.generate import decode_one
 from colibri.kv_cache import to_storage
 
 
@@ -90,7 +89,7 @@ def main() -> None:
                 model.forward(fill, cache=c, last_only=True)
             caches[dt] = c
         ids = rng.integers(0, model.vocab_size, a.steps)
-        decode_one(model, int(ids[0]), caches[dtypes[0]])           # warm-up
+        model.forward(ids[:1], cache=caches[dtypes[0]], last_only=True)   # warm-up
         tps = {dt: [] for dt in dtypes}
         attn = {dt: [] for dt in dtypes}
         for _ in range(a.rounds):
@@ -100,7 +99,7 @@ def main() -> None:
                 before = model.timings.copy()
                 t0 = time.perf_counter()
                 for tok in ids:
-                    decode_one(model, int(tok), c)
+                    model.forward(np.array([tok]), cache=c, last_only=True)
                 dt_s = time.perf_counter() - t0
                 after = model.timings.copy()
                 tps[dt].append(a.steps / dt_s)

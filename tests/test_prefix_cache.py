@@ -15,10 +15,8 @@ import colibri
 import colibri.api as api
 from colibri.batching import SamplingParams, Scheduler
 from colibri.convert import convert
-from colibri.generate import iter_steps
 from colibri.kv_cache import KVCache
 from colibri.prefix_cache import PrefixCache, model_namespace, unsupported_reason
-from colibri.sampling import Sampler
 
 # family -> transformers overrides: mixtral with a sliding window shorter than the prompts,
 # qwen3_moe (per-head q/k norms), deepseek_v2 (MLA: the latent cache)
@@ -355,12 +353,13 @@ def test_scores_are_bounded_with_the_blocks(shipped):
     assert len(pc.match(tokens, scored=2).blocks) == 0
 
 
-def test_iter_steps_leaves_a_given_cache_alone(shipped):
-    """A cache the caller filled is not the prompt's from slot 0: no lookup, nothing kept."""
-    pc = PrefixCache.for_model(shipped)
-    cache = shipped.new_cache(ctx=64)
-    shipped.forward(np.arange(3, 20), cache=cache)
-    steps = iter_steps(shipped, list(range(30, 50)), Sampler(), max_new_tokens=3,
-                       cache=cache, prefix_cache=pc)
-    list(steps)
-    assert len(pc) == 0 and pc.lookups == 0
+def test_a_prompt_of_embeddings_leaves_the_prefix_cache_alone(shipped):
+    """Slots filled from embeddings are no tokens' slots: no lookup, and nothing kept, not
+    even a block of the generated tokens (which sit after the embeddings, not at 0)."""
+    pc = shipped.prefix_cache
+    before = pc.stats()
+    x = shipped.embed(np.arange(3, 40)[None])[0]
+    shipped.generate(None, input_embeds=x, max_new_tokens=20, stop=[])
+    assert shipped.last_stats.generated_tokens == 20
+    after = pc.stats()
+    assert (after["lookups"], after["stored"]) == (before["lookups"], before["stored"])

@@ -289,6 +289,7 @@ def test_forward_error_ends_the_requests_with_error(model, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(model, "forward_ragged", boom)
+    monkeypatch.setattr(model, "forward", boom)       # a step of one request runs forward
     assert s.step()
     evs = events(h)
     assert evs[-1].finish_reason == "error" and isinstance(h.error, RuntimeError)
@@ -362,3 +363,60 @@ def test_stop_without_drain_cancels(model):
     assert events(a)[-1].finish_reason == "cancelled"
     assert b.finish_reason == "cancelled"
     assert s.stats()["kv_bytes_in_use"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# a request alone, embeddings, no text: what colibri.generate's one prompt runs on
+# ---------------------------------------------------------------------------------------------
+
+def test_a_request_alone_gets_the_bits_of_forward(model):
+    """Alone in its steps a request runs through Model.forward: each logprob is exactly
+    log_softmax of colibri.forward's logits through one cache (the prompt, then one token at
+    a time), also when the prefix cache gave it 32 tokens (the other 8 then take forward's
+    general path, not the ragged step's row attention), and its routing is the full
+    RoutingTrace of each token's pass."""
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, model.vocab_size, 40)]
+    s = Scheduler(model, parallel=1)
+    for cached in (0, 32):                          # the second finds the first's blocks
+        h = s.submit(prompt, SamplingParams(max_tokens=4, logprobs=0, stop_ids=[],
+                                            return_routing=True))
+        run_all(s)
+        evs = [e for e in events(h) if e.token >= 0]
+        assert h.cached_tokens == cached and len(evs) == 4
+        cache = model.new_cache(ctx=64)
+        logits = model.forward(np.array(prompt), cache=cache, last_only=True)[-1]
+        if cached:
+            cache.truncate(cached)
+            logits = model.forward(np.array(prompt[cached:]), cache=cache, last_only=True)[-1]
+        for ev in evs:
+            assert ev.logprob == float(log_softmax(logits)[ev.token])
+            out, trace = model.forward(np.array([ev.token]), cache=cache, last_only=True,
+                                       return_routing=True)
+            logits = out[-1]
+            for got, want in zip(ev.trace.ids + ev.trace.weights, trace.ids + trace.weights):
+                np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(ev.routing, np.stack(trace.ids)[:, -1])
+
+
+def test_a_prompt_of_embeddings_and_events_without_text(model):
+    """input_embeds: the same greedy tokens as the prompt's ids (beside it in the same
+    steps); detokenize=False: the ids without text, and no stop strings."""
+    prompt = ids_of(model, PROMPTS[3])
+    x = model.embed(np.array([prompt]))[0]
+    s = Scheduler(model, parallel=2)
+    by_ids = s.submit(prompt, SamplingParams(max_tokens=6, stop_ids=[]))
+    by_x = s.submit([], SamplingParams(max_tokens=6, stop_ids=[], detokenize=False),
+                    input_embeds=x)
+    run_all(s)
+    a, b = events(by_ids), events(by_x)
+    assert [e.token for e in a] == [e.token for e in b] and len(b) == 6
+    assert text_of(a) and all(e.text == "" for e in b)
+    assert by_x.prompt_tokens == len(prompt) and by_x.cached_tokens == 0
+    with pytest.raises(ValueError, match="stop"):
+        s.submit(prompt, SamplingParams(stop=["x"], detokenize=False))
+    with pytest.raises(ValueError, match="input_embeds must be"):
+        s.submit([], SamplingParams(), input_embeds=x[:0])
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        s.submit([], SamplingParams(prompt_logprobs=1), input_embeds=x)
+    with pytest.raises(ValueError, match="not both"):
+        s.submit(prompt, SamplingParams(), input_embeds=x)

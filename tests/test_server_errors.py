@@ -29,12 +29,13 @@ def slow(small, monkeypatch):
     """The served model's steps made to take 20 ms each (the shipped model makes ~4000
     tokens/s, too fast to watch a request run), and a stats() reader of its scheduler."""
     engine = small[1].state.holder.current
-    fast = engine.model.forward_ragged
+    for name in ("forward_ragged", "forward"):         # a step of one request runs forward
+        fast = getattr(engine.model, name)
 
-    def forward_ragged(*args, **kwargs):
-        time.sleep(0.02)
-        return fast(*args, **kwargs)
-    monkeypatch.setattr(engine.model, "forward_ragged", forward_ragged)
+        def slowed(*args, fast=fast, **kwargs):
+            time.sleep(0.02)
+            return fast(*args, **kwargs)
+        monkeypatch.setattr(engine.model, name, slowed)
     return engine.scheduler.stats
 
 

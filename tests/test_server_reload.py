@@ -32,12 +32,13 @@ def test_reload_endpoint_in_flight_new_and_broken(served, tmp_path, monkeypatch)
     with running_server(settings) as (url, app):
         holder = app.state.holder
         old = holder.current
-        fast = old.model.forward_ragged
+        for name in ("forward_ragged", "forward"):    # a step of one request runs forward
+            fast = getattr(old.model, name)
 
-        def slow(*args, **kwargs):            # the old model's steps take 20 ms: it is in flight
-            time.sleep(0.02)
-            return fast(*args, **kwargs)
-        monkeypatch.setattr(old.model, "forward_ragged", slow)
+            def slow(*args, fast=fast, **kwargs):   # the old model's steps take 20 ms
+                time.sleep(0.02)
+                return fast(*args, **kwargs)
+            monkeypatch.setattr(old.model, name, slow)
         body = {"prompt": PROMPT, "max_tokens": 40, "stream": True, "temperature": 0,
                 "stop": ["never-seen-zzz"]}
         with open_stream(url, "/v1/completions", body, auth()) as in_flight:

@@ -75,12 +75,13 @@ def slow_down(app, monkeypatch) -> None:
     """Every forward pass of the served model takes STEP_SECONDS more (the tiny model makes
     hundreds of tokens a second, faster than a page can be watched)."""
     model = app.state.holder.current.model
-    fast = model.forward_ragged
+    for name in ("forward_ragged", "forward"):         # a step of one request runs forward
+        fast = getattr(model, name)
 
-    def forward_ragged(*args, **kwargs):
-        time.sleep(STEP_SECONDS)
-        return fast(*args, **kwargs)
-    monkeypatch.setattr(model, "forward_ragged", forward_ragged)
+        def slowed(*args, fast=fast, **kwargs):
+            time.sleep(STEP_SECONDS)
+            return fast(*args, **kwargs)
+        monkeypatch.setattr(model, name, slowed)
 
 
 # -- reading and driving the page -----------------------------------------------------------------

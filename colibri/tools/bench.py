@@ -53,7 +53,6 @@ from ..api import default_model_path, load
 from ..decode_layer import decode_path
 from ..errors import ColibriError
 from ..format import ColibriFile
-from ..generate import decode_one
 from ..kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
 from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
 from ..model import DEFAULT_ACTIVATIONS
@@ -233,7 +232,7 @@ def _tg_once(model, n: int, deep: _DepthCache, rng) -> tuple[float, dict[str, fl
     before = model.timings.copy()
     t0 = time.perf_counter()
     for tok in ids:
-        decode_one(model, tok, cache)
+        model.forward(np.array([tok]), cache=cache, last_only=True)
     dt = time.perf_counter() - t0
     return dt, _stage_delta(before, model.timings.copy())
 
