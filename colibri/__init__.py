@@ -25,16 +25,16 @@ from .resources import check_import_headroom
 
 check_import_headroom()     # before NumPy: OpenBLAS would end the process under a tight RLIMIT_AS
 
-from .format import ColibriFile, open
-from .convert import convert   # binds the function, not the module, to colibri.convert
 from .api import default_model_path, forward, generate, load, stream
-from .kv_cache import CacheOverflowError, KVCache
-from .model import Model
-from .routing import RoutingTrace
-from .sampling import Sampler, SamplingParams
+from .convert import convert   # binds the function, not the module, to colibri.convert
+from .engine.kv_cache import CacheOverflowError, KVCache
+from .engine.model import Model
+from .engine.routing import RoutingTrace
+from .format import ColibriFile, open
+from .generation.sampling import Sampler, SamplingParams
+from .kernels.runtime import reserve_blas_buffer
 from .tools.stats import RoutingStats
 from .tools.trace import Trace, iter_trace, routing_stats, trace
-from .runtime import reserve_blas_buffer
 
 reserve_blas_buffer()       # under RLIMIT_AS: OpenBLAS's buffer mapped now, or a clean error
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .engine.kv_cache import DEFAULT_KV_DTYPE, KVCache
+from .engine.model import DEFAULT_ACTIVATIONS, Model
+from .engine.routing import RoutingTrace
 from .errors import ColibriError
-from .kv_cache import DEFAULT_KV_DTYPE, KVCache
-from .model import DEFAULT_ACTIVATIONS, Model
-from .routing import RoutingTrace
 
 __all__ = ["load", "forward", "generate", "stream", "default_model_path", "Model", "RoutingTrace",
            "KVCache"]
@@ -58,7 +58,7 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         a file without q4/q8 matrices gives the same logits under every setting.
     memory_budget: bytes the weights may use (None: no limit, the page cache decides): the
         dense part stays resident, the experts live in a cache of what is left
-        (colibri.expert_cache, docs/memory.md); the same logits as without a budget.
+        (colibri.experts.expert_cache, docs/memory.md); the same logits as without a budget.
         MemoryBudgetError, naming the numbers, when it is below the dense part plus one
         layer's experts.
     mlock: lock the resident weights in memory (all of them without a budget) where the
@@ -72,11 +72,11 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         nearest-even; attention computes in f32; the logits cost is measured in
         docs/accuracy.md. "fp16"/"float16"/"half", "bfloat16", "fp32"/"float32" are accepted.
     prefix_cache: bytes of KV that generate keeps of the prompts it ran, reused by a later
-        call whose prompt starts with the same tokens (colibri.prefix_cache,
+        call whose prompt starts with the same tokens (colibri.engine.prefix_cache,
         docs/prefix-caching.md): None (default) 4096 tokens' worth, 0 off. On by default as
         in vLLM and llama.cpp's server; the Scheduler and the server have their own.
     expert_shards: N > 0 spreads the experts of every MoE layer over N Ray actors (the ray
-        extra; colibri.expert_shards, docs/serving.md): this process keeps the dense part,
+        extra; colibri.experts.expert_shards, docs/serving.md): this process keeps the dense part,
         the logits are bit-identical to one process. ray_address: the cluster to join
         ("auto", "HOST:PORT"; None: the running Ray of this process or a new local one on
         loopback); shard_threads: kernel threads per actor (default: threads);
@@ -86,7 +86,7 @@ def load(path: str | os.PathLike | None = None, threads: int | None = None,
         model.close() stops the actors.
     cache_options: of the expert cache: cache_policy ("lru", "lfu", "least-stale",
         "freq-weighted"), cache_mode ("arena" or "madvise"), prefetch (None, "router",
-        "previous" or "both"; colibri.prefetch).
+        "previous" or "both"; colibri.experts.prefetch).
     """
     return Model(default_model_path() if path is None else path, threads=threads,
                  activations=activations, memory_budget=memory_budget, mlock=mlock, mmap=mmap,
@@ -125,7 +125,7 @@ def generate(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
 
     Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
     frequency_penalty, seed, stop, stream, chat, ctx, return_routing, parallel
-    (colibri.generate module docs).
+    (colibri.generation.generate module docs).
     """
     return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 

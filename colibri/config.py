@@ -94,7 +94,7 @@ class ModelConfig:
     bos_token_id: int | tuple[int, ...] | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | tuple[int, ...] | None = None
-    # multi-head latent attention (DeepSeek-V2/V3, colibri/mla.py) when kv_lora_rank > 0:
+    # multi-head latent attention (DeepSeek-V2/V3, colibri/engine/mla.py) when kv_lora_rank > 0:
     # head_dim is then the rotary key dim (qk_rope_head_dim), as transformers sets it
     kv_lora_rank: int = 0                            # Rkv, the cached latent's width
     q_lora_rank: int = 0                             # Rq; 0: q is one projection
@@ -129,7 +129,7 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        """Multi-head latent attention (colibri/mla.py) instead of attention.Attention."""
+        """Multi-head latent attention (colibri/engine/mla.py) instead of attention.Attention."""
         return self.kv_lora_rank > 0
 
     @property

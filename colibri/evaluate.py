@@ -23,9 +23,9 @@ per-sample log-likelihoods, within the logits error of the weight format:
   the end-of-sequence token, the prompt left-truncated to max_length - max_gen_toks.
 max_length defaults to the model's max_position_embeddings, as `hf`'s does.
 
-Scoring (loglikelihood, rolling) goes through colibri.scoring: a context shared by several
-continuations runs once and each continuation on a copy of its KV cache, many sequences per
-ragged step. Generation goes through continuous batching (colibri.batching.Scheduler), up
+Scoring (loglikelihood, rolling) goes through colibri.generation.scoring: a context shared by
+several continuations runs once and each continuation on a copy of its KV cache, many sequences per
+ragged step. Generation goes through continuous batching (colibri.generation.batching.Scheduler), up
 to batch_size sequences at a time. Progress bars are tqdm's.
 """
 from __future__ import annotations
@@ -44,12 +44,13 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,  
                                   postprocess_generated_text)
 from tqdm import tqdm
 
-from .batching import Scheduler
-from .sampling import MAX_STOP_CHARS as _MAX_STOP_CHARS, MAX_STOPS as _MAX_STOPS, SamplingParams
+from .engine.kv_cache import DEFAULT_KV_DTYPE
+from .engine.model import DEFAULT_ACTIVATIONS, Model
 from .errors import ColibriError
-from .kv_cache import DEFAULT_KV_DTYPE
-from .model import DEFAULT_ACTIVATIONS, Model
-from .scoring import DEFAULT_BATCH_TOKENS, score
+from .generation.batching import Scheduler
+from .generation.sampling import (MAX_STOP_CHARS as _MAX_STOP_CHARS, MAX_STOPS as _MAX_STOPS,
+                                  SamplingParams)
+from .generation.scoring import DEFAULT_BATCH_TOKENS, score
 
 __all__ = ["ColibriLM", "DEFAULT_BATCH_SIZE"]
 
@@ -81,7 +82,7 @@ class ColibriLM(TemplateLM):
     pretrained: the same as a path (lm-eval's model_args name: "pretrained=model.colibri").
     batch_size: sequences per forward pass when scoring (within batch_tokens rows) and
         generation slots; "auto" gives DEFAULT_BATCH_SIZE.
-    batch_tokens: rows per forward pass when scoring (colibri.scoring).
+    batch_tokens: rows per forward pass when scoring (colibri.generation.scoring).
     max_length: the longest sequence scored (tokens; default: the model's
         max_position_embeddings, as lm-eval's hf model). max_gen_toks: generate_until's
         default budget (256, the hf model's).
@@ -188,8 +189,9 @@ class ColibriLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         """The conversation as text, rendered with the model file's chat template (the
-        sandboxed renderer of colibri.chat_template); continuing the last message (lm-eval's
-        add_generation_prompt=False) goes through transformers' continue_final_message."""
+        sandboxed renderer of colibri.generation.chat_template); continuing the last message
+        (lm-eval's add_generation_prompt=False) goes through transformers'
+        continue_final_message."""
         if not self.colibri_tokenizer.has_chat_template:
             raise ColibriError(f"{self.model.file.path} has no chat template; run without "
                                f"--apply-chat-template")

@@ -9,7 +9,7 @@ by the machine's outward one unless its single-machine switch is off
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, ray_constants.ENABLE_RAY_CLUSTER): start_local_ray
 turns it off while Ray starts, in the environment Ray's processes inherit too, and checks
 the address Ray reports. Used by `colibri serve --ray` (colibri.server.ray_serve) and the
-expert shards (colibri.expert_shards).
+expert shards (colibri.experts.expert_shards).
 """
 from __future__ import annotations
 

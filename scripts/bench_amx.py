@@ -18,8 +18,9 @@ import time
 
 import numpy as np
 
-from colibri import kernels, runtime
-from colibri.weights import WeightRef
+from colibri import kernels
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 
 SHAPES = {"gate": (3584, 1024), "down": (1024, 3584)}
 

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 import colibri
-from colibri.batching import Scheduler
-from colibri.sampling import SamplingParams
+from colibri.generation.batching import Scheduler
+from colibri.generation.sampling import SamplingParams
 
 
 def _uptime() -> str:
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk of the Scheduler")
     ap.add_argument("--reps", type=int, default=2, help="runs per setting (the best is kept)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--activations", default=colibri.model.DEFAULT_ACTIVATIONS)
+    ap.add_argument("--activations", default=colibri.engine.model.DEFAULT_ACTIVATIONS)
     ap.add_argument("--steps-only", action="store_true",
                     help="only the ragged step table (no generate / Scheduler runs)")
     args = ap.parse_args(argv)

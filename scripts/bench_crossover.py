@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import colibri
-from colibri import runtime
+from colibri.kernels import runtime
 
 OFF = 10 ** 9
 

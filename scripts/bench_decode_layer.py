@@ -1,4 +1,4 @@
-"""The A/B of the decode step: the compiled layers (colibri.decode_layer's CompiledLayers,
+"""The A/B of the decode step: the compiled layers (colibri.engine.decode_layer's CompiledLayers,
 one nogil call per step) against the Python ones (layer_loop.run_layers over a TokenStep, their
 specification), in one process, token by token, on any model file whose layers the compiled
 step covers: per-head attention, DeepSeek's latent attention (MLA), GPT-OSS's sinks and
@@ -15,7 +15,7 @@ The two paths must give the same logits, bit for bit, on every step: the exit st
 if they differ anywhere (the largest difference is printed), 0 otherwise.
 
 MODEL: any .colibri file (one whose layers the compiled step does not cover prints its
-reason, colibri.decode_layer.uncovered); --mlock locks its mapping in RAM first (a file close
+reason, colibri.engine.decode_layer.uncovered); --mlock locks its mapping in RAM first (a file close
 to the page cache's size otherwise reads part of its weights from disk on either path);
 --prompt: the cached tokens each step attends to (e.g. 4096 for MLA's absorbed attention
 over a long cache).
@@ -68,9 +68,10 @@ from pathlib import Path
 import numpy as np
 
 import colibri
-from colibri import _kernels, kernels, runtime
-from colibri.decode_layer import uncovered
-from colibri.model import DEFAULT_ACTIVATIONS
+from colibri import _kernels, kernels
+from colibri.kernels import runtime
+from colibri.engine.decode_layer import uncovered
+from colibri.engine.model import DEFAULT_ACTIVATIONS
 
 PATHS = ("compiled", "python")
 

@@ -10,7 +10,7 @@ the fastest of each:
     (`colibri bench`'s pp test);
   - mc whole: --items questions of a --ctx token context and --choices continuations of
     --cont tokens, every (context, continuation) scored as one sequence
-    (colibri.scoring.score, share_contexts=False: what lm-eval's hf model runs);
+    (colibri.generation.scoring.score, share_contexts=False: what lm-eval's hf model runs);
   - mc shared: the same pairs, each context once and its continuations on copies of its
     KV cache (ColibriLM's path);
   - rolling: --windows sequences of --pp tokens, every row scored (loglikelihood_rolling);
@@ -60,7 +60,7 @@ import numpy as np
 import colibri
 import llama_mc
 from colibri.api import default_model_path
-from colibri.scoring import DEFAULT_BATCH_TOKENS, score
+from colibri.generation.scoring import DEFAULT_BATCH_TOKENS, score
 
 
 def uptime() -> str:

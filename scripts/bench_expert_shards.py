@@ -1,4 +1,4 @@
-"""Expert shards on Ray actors (colibri.expert_shards), measured on this machine's loopback.
+"""Expert shards on Ray actors (colibri.experts.expert_shards), measured on this machine's loopback.
 
     python scripts/bench_expert_shards.py                             # the shipped model
     python scripts/bench_expert_shards.py MODEL.colibri --shards 1,2 --gen 32 --latency-ms 2
@@ -32,8 +32,8 @@ import numpy as np
 import ray
 
 import colibri
-from colibri.expert_cache import memory_plan
-from colibri.expert_shards import shard_experts
+from colibri.experts.expert_cache import memory_plan
+from colibri.experts.expert_shards import shard_experts
 from colibri.ray_local import start_local_ray
 
 

@@ -28,8 +28,9 @@ import time
 import numpy as np
 
 import colibri
-from colibri import kernels, runtime
-from colibri.kv_cache import to_storage
+from colibri import kernels
+from colibri.kernels import runtime
+from colibri.engine.kv_cache import to_storage
 
 
 def kernel_only(depth: int, rounds: int, threads: list[int], dtypes: list[str]) -> None:

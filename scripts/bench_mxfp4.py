@@ -19,8 +19,10 @@ import time
 
 import numpy as np
 
-from colibri import kernels, mxfp4, runtime
-from colibri.weights import WeightRef
+from colibri import kernels
+from colibri.format import mxfp4
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 
 FORMATS = ("mxfp4", "q4", "q8", "bf16")
 ACTIVATIONS = ("f32", "int16", "int8")

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri import kernels as K, runtime
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "asv_bench"))
 from benchmarks.common import weight  # noqa: E402  (random weights at real shapes, tiled)

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import colibri
-from colibri.constraints import compile_spec
+from colibri.generation.constraints import compile_spec
 
 SCHEMAS = {
     "string": {"type": "object", "properties": {"text": {"type": "string",

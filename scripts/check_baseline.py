@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import colibri  # noqa: E402
-from colibri import runtime  # noqa: E402
+from colibri.kernels import runtime  # noqa: E402
 
 _SMALL = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
@@ -111,7 +111,7 @@ def _mxfp4_folder(src: Path, dst: Path) -> Path:
     blocks and scales, rows = outputs)."""
     import shutil
     from safetensors.numpy import load_file, save_file
-    from colibri import mxfp4
+    from colibri.format import mxfp4
     tensors = load_file(str(src / "model.safetensors"))
     packed = {}
     for key, value in tensors.items():
@@ -224,9 +224,9 @@ def _core(m, tokens: np.ndarray, out: dict) -> None:
 
 def _extras(path: Path, act: str, kv: str, tokens: np.ndarray, out: dict) -> None:
     """Two threads, a memory budget, the telemetry (each the same bits as the plain run)."""
-    from colibri.expert_cache import memory_plan
+    from colibri.experts.expert_cache import memory_plan
     from colibri.format import ColibriFile
-    from colibri.telemetry import ExpertTelemetry
+    from colibri.experts.telemetry import ExpertTelemetry
     with colibri.load(path, threads=2, activations=act, kv_dtype=kv) as m:
         c = m.new_cache(ctx=24)
         out["t2.prefill"] = colibri.forward(m, tokens[:7], cache=c)

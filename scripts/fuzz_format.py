@@ -36,7 +36,7 @@ def probe(data: bytes, path: Path) -> None:
     bug: a ColibriError is the expected answer to a broken file."""
     import colibri
     from colibri.format import ColibriFile
-    from colibri.validation import validate
+    from colibri.format.validation import validate
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, data)
@@ -82,9 +82,9 @@ def child(seconds: int, timeout: int, corpus: Path) -> None:
     with atheris.instrument_imports():
         import colibri.format.checks  # noqa: F401
         import colibri.format.reader  # noqa: F401
-        import colibri.safe_json  # noqa: F401
+        import colibri.format.safe_json  # noqa: F401
         import colibri.config  # noqa: F401
-        import colibri.validation  # noqa: F401
+        import colibri.format.validation  # noqa: F401
     path = _WORK / f"fuzz-{os.getpid()}.colibri"
 
     def one(data: bytes) -> None:

@@ -29,7 +29,7 @@ from hf_factory import make_hf_checkpoint  # noqa: E402
 from colibri.convert import convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.format import ColibriFile  # noqa: E402
-from colibri.validation import validate  # noqa: E402
+from colibri.format.validation import validate  # noqa: E402
 
 CONVERT = [sys.executable, "-m", "colibri", "convert", "-q", "--force"]
 

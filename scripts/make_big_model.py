@@ -52,7 +52,7 @@ from colibri.convert import Plan, quant_role
 from colibri.families import canonical_tensors, get_family
 from colibri.format.writer import ColibriWriter, TensorSpec
 from colibri.convert.gguf_import import gguf_tensor_name
-from colibri.quant import f32_to_bf16
+from colibri.format.quant import f32_to_bf16
 
 MIXTRAL_8X7B = dict(
     model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=4096,

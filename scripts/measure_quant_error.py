@@ -1,9 +1,9 @@
 """Measure the error of colibri's weight encodings on real-shaped weights.
 
 Compares, per group size G in {32, 64, 128}:
-  q4 sym   - the .colibri q4 format (colibri.quant: scale = m/-8, no zero point, Q4_0)
+  q4 sym   - the .colibri q4 format (colibri.format.quant: scale = m/-8, no zero point, Q4_0)
   q4 sym G32 search - the same q4 bytes from an error-minimising scale search (converter-only
-             option, not implemented in colibri.quant)
+             option, not implemented in colibri.format.quant)
   q4 asym  - scale + minimum per group (llama.cpp Q4_1 style; both f16), for comparison only
   q8       - the .colibri q8 format (scale = max|w|/127)
 and bf16 as a reference, on expert-shaped matrices (R, C) = (1024, 3584) and (2048, 1024)
@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from colibri import quant
+from colibri.format import quant
 
 SHAPES = [(1024, 3584), (2048, 1024)]       # (R, C): an expert's w_gate/w_up and w_down
 GROUPS = [32, 64, 128]

@@ -1,11 +1,11 @@
 """Bytes per token of colibri's KV cache for the DeepSeek geometries: the MLA cache (the
-latent and the rotary key, colibri/mla.py) against the per-head K/V layout of the same heads.
+latent and the rotary key, colibri/engine/mla.py) against the per-head K/V layout of the same heads.
 
     python scripts/mla_cache_bytes.py        # a Markdown table (docs/families.md)
 
 KVCache allocates lazily (np.zeros), so the caches made here cost no memory.
 """
-from colibri.kv_cache import KVCache
+from colibri.engine.kv_cache import KVCache
 
 GEOMETRIES = {  # name: layers, heads, Dn, Dr, Dv, Rkv (config.json of the hub checkpoints)
     "DeepSeek-V2-Lite": (27, 16, 128, 64, 128, 512),

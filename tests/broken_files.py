@@ -24,7 +24,7 @@ import colibri
 from colibri.config import ModelConfig
 from colibri.format import ColibriFile
 from colibri.format.spec import EXPERT_STRUCT, HEADER_FIELDS, HEADER_STRUCT, RECORD_STRUCT
-from colibri.validation import validate
+from colibri.format.validation import validate
 from safety_helpers import SHIPPED, resave
 
 # (field, struct code, offset) of each layout, from spec's structs

@@ -1,7 +1,7 @@
 """What the kernel tests (tests/test_kernels_*.py, one file per section of colibri/_kernels.pyx)
 share: the parameters (formats, threads, ISA paths), the fixtures (isa; parallel_everything,
 which every file imports), random weights and experts, and the tolerances of the comparisons
-with the NumPy twins (colibri._reference).
+with the NumPy twins (colibri.kernels._reference).
 
 The kernels run on every ISA path this machine runs, with 1 and 2 threads, all five weight
 formats, and odd shapes.
@@ -24,9 +24,11 @@ import zlib
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, quant, runtime
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri import _kernels, dtypes
+from colibri.format import quant
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 
 FORMATS = ["f32", "f16", "bf16", "q8", "q4"]
 THREADS = [1, 2]

@@ -2,7 +2,7 @@
 TokenStep) instead of the compiled layers."""
 from __future__ import annotations
 
-from colibri import layer_loop
+from colibri.engine import layer_loop
 
 
 def python_steps(model, monkeypatch) -> list:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, runtime
-from colibri import _reference as R
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
 from kernel_helpers import F32, make_weight, rng_for
 from kernel_helpers import parallel_everything  # noqa: F401 (fixture)
 from test_igemm import act_rows, full_range_codes

@@ -1,4 +1,4 @@
-"""colibri.attention against transformers' own modules (the oracle), in float32, and
+"""colibri.engine.attention against transformers' own modules (the oracle), in float32, and
 Attention.decode (one token through a cache) against Attention.__call__."""
 import numpy as np
 import pytest
@@ -7,10 +7,10 @@ from numeric import assert_close
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from colibri.attention import Attention, attend, build_mask
-from colibri.kv_cache import KVCache
-from colibri.rope import Rope
-from colibri.run_state import RunState
+from colibri.engine.attention import Attention, attend, build_mask
+from colibri.engine.kv_cache import KVCache
+from colibri.engine.rope import Rope
+from colibri.engine.run_state import RunState
 
 TOL = 2e-5
 
@@ -60,7 +60,7 @@ def test_attend_matches_naive_and_handles_empty_rows():
 
 
 def test_attend_chunked_equals_unchunked(monkeypatch):
-    import colibri.attention as att
+    import colibri.engine.attention as att
     rng = np.random.default_rng(4)
     q = rng.normal(size=(1, 4, 9, 8)).astype(np.float32)
     k = rng.normal(size=(1, 2, 9, 8)).astype(np.float32)

@@ -216,7 +216,7 @@ def test_generate_batch_seeded_sampling_equals_alone(shipped):
 def test_batch_without_a_tokenizer(hf_checkpoint, tmp_path_factory):
     import warnings
 
-    from colibri.batching import SamplingParams, Scheduler
+    from colibri.generation.batching import SamplingParams, Scheduler
     from colibri.convert import convert
     src = hf_checkpoint("olmoe", tokenizer=False)
     with warnings.catch_warnings():

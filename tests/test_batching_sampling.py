@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri.sampling import (Sampler, apply_presence_frequency_penalty, log_softmax,
-                              top_logprobs)
+from colibri.generation.sampling import (Sampler, apply_presence_frequency_penalty, log_softmax,
+                                         top_logprobs)
 
 
 def openai_reference(logits, generated, presence, frequency):

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from colibri import runtime  # noqa: E402
+from colibri.kernels import runtime  # noqa: E402
 from colibri.tools.bench import (COLUMNS, bytes_per_token, format_machine_notes,  # noqa: E402
                            format_markdown, json_ready, run_bench)
 from colibri.cli import main  # noqa: E402

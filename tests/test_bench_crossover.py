@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from colibri import runtime
+from colibri.kernels import runtime
 from colibri.api import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -9,16 +9,18 @@ expert and matrix, the activation in NumPy) operation for operation, NumPy's exp
 so it is compared bit for bit: every ISA path, f32 / int16 / int8 activations, MXFP4 / q4 /
 q8 / bf16 stacks, experts below and above the GEMM crossovers in one call, several GEMM
 passes, 1-3 threads, repeated ids, out aliasing x, an expert cache's slots, no biases; and
-within float tolerances of the float64 reference (colibri._reference.biased_experts_ref)."""
+within float tolerances of the float64 reference (colibri.kernels._reference.biased_experts_ref)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from colibri import kernels as K, mxfp4, runtime
-from colibri import _reference as R
-from colibri.moe import BiasedExperts
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.format import mxfp4
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
+from colibri.engine.moe import BiasedExperts
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -169,7 +171,7 @@ def test_expert_cache_slots(isa):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "q8"])
 def test_against_float64_reference(fmt):
-    """f32 activations against colibri._reference.biased_experts_ref (decoded weights,
+    """f32 activations against colibri.kernels._reference.biased_experts_ref (decoded weights,
     float64): float32 rounding only."""
     rng = rng_for("bx-f64", fmt)
     be = experts(rng, fmt, "f32")

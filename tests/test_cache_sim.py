@@ -10,8 +10,8 @@ import pytest
 
 import colibri
 from colibri.cli import main
-from colibri.eviction import CacheFullError
-from colibri.expert_cache import memory_plan
+from colibri.experts.eviction import CacheFullError
+from colibri.experts.expert_cache import memory_plan
 from colibri.tools.cache_sim import CacheGeometry, SimResult, format_table, simulate, sweep
 from colibri.tools.trace import trace
 

@@ -1,5 +1,5 @@
-"""Structured output (colibri.constraints over llguidance): the spec checks, the token mask
-against the vocabulary's own text, and generate / the batched Scheduler producing output that
+"""Structured output (colibri.generation.constraints over llguidance): the spec checks, the token
+mask against the vocabulary's own text, and generate / the batched Scheduler producing output that
 parses, on the shipped model and on random tiny models, greedy and sampled."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import colibri.api as api
-from colibri import constraints as C
-from colibri.batching import SamplingParams, Scheduler
+from colibri.generation import constraints as C
+from colibri.generation.batching import SamplingParams, Scheduler
 from colibri.convert import convert
 
 # bounded, so that even a random model reaches the end inside the token budget

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from colibri import quant
+from colibri.format import quant
 from colibri.config import ConfigError
 from colibri.convert import ConversionWarning, convert, plan
 from colibri.errors import ColibriError

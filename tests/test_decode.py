@@ -1,11 +1,11 @@
-"""The decode step (Model._step) against the general forward and against colibri._reference.
+"""The decode step (Model._step) against the general forward and against colibri.kernels._reference.
 
 A step of one token of one sequence through a cache with no padding is the forward pass
 specialised to one token: no mask, the vectors in the cache's RunState, the norms and RoPE
 compiled (NumPy's arithmetic, the same bits), the attention over the cache in one compiled
 call (its own summation order). So its logits are within STEP_TOL of the general path's for
 the same tokens (a prefill, or a batch / padded call, which must take the general path), and
-within REF_TOL of a plain-NumPy step built from the kernels' twins in colibri._reference
+within REF_TOL of a plain-NumPy step built from the kernels' twins in colibri.kernels._reference
 (float64 products), for every family's attention variant (plain, biased q/k/v, per-head and
 full q/k norms with clip_qkv, sliding windows) and weight format. Every call that is such a
 step takes it (routing requested, explicit positions, input_embeds, a mask of ones), with
@@ -19,10 +19,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import colibri._reference as R  # noqa: E402
+import colibri.kernels._reference as R  # noqa: E402
 import colibri.api as api  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.moe import MoE  # noqa: E402
+from colibri.engine.moe import MoE  # noqa: E402
 from hf_factory import FAMILY_NAMES  # noqa: E402
 
 CASES = {name: (name, {}) for name in FAMILY_NAMES} | {
@@ -218,11 +218,11 @@ def test_embed_row_equals_embed(model, monkeypatch, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# the step against a plain-NumPy step from the kernels' twins (colibri._reference)
+# the step against a plain-NumPy step from the kernels' twins (colibri.kernels._reference)
 # ---------------------------------------------------------------------------------------------
 
 def _ref_step(m, token: int, position: int, kv: list) -> np.ndarray:
-    """One decode step of m in float64 NumPy from the twins in colibri._reference; kv: per
+    """One decode step of m in float64 NumPy from the twins in colibri.kernels._reference; kv: per
     layer the lists of keys and values so far (Hkv, Dh), appended to. Logits (1, V)."""
     c = m.config
     H, Hkv, Dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim

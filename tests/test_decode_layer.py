@@ -1,4 +1,4 @@
-"""The compiled decode step (colibri.decode_layer: every layer of one token in one call)
+"""The compiled decode step (colibri.engine.decode_layer: every layer of one token in one call)
 against the Python step it replaces (layer_loop.run_layers over a TokenStep, its
 specification).
 
@@ -12,7 +12,7 @@ experts (GPT-OSS, q8 / q4 / bf16 / f32 and MXFP4 as released), shared experts ga
 dense layers; Granite's multipliers; PhiMoE's and DBRX's LayerNorm), every weight format,
 activation setting, KV cache dtype, thread count and ISA path. What they do not cover takes
 the Python step: chosen when the model is built (uncovered: e.g. unfused q / k / v) or per
-step (routing traces, an expert source the compiled step cannot run, colibri.expert_source).
+step (routing traces, an expert source the compiled step cannot run, colibri.experts.expert_source).
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
-from colibri import _kernels, runtime  # noqa: E402
+from colibri import _kernels
+from colibri.kernels import runtime  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.decode_layer import compile_layers, decode_path, uncovered  # noqa: E402
-from colibri.expert_source import ExpertSource, without  # noqa: E402
-from colibri.guards import NonFiniteError  # noqa: E402
-from colibri.norms import layer_norm  # noqa: E402
+from colibri.engine.decode_layer import compile_layers, decode_path, uncovered  # noqa: E402
+from colibri.experts.expert_source import ExpertSource, without  # noqa: E402
+from colibri.errors import NonFiniteError  # noqa: E402
+from colibri.engine.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
 from step_counter import python_steps  # noqa: E402

@@ -5,7 +5,8 @@ Expectations come from the spec's arithmetic (docs/format.md §6), not from the 
 import numpy as np
 import pytest
 
-from colibri import dtypes as D, quant as Q
+from colibri import dtypes as D
+from colibri.format import quant as Q
 
 
 # ---------------------------------------------------------------------------------------------

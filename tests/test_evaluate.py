@@ -16,7 +16,7 @@ import colibri
 from colibri.api import default_model_path
 from colibri.errors import ColibriError
 from colibri.extras import MissingExtra
-from colibri.sampling import log_softmax
+from colibri.generation.sampling import log_softmax
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.tasks import TaskManager  # noqa: E402

@@ -1,5 +1,5 @@
-"""The memory budget (colibri.expert_cache): the same logits with and without a budget (every
-policy, both modes, with prefetch, decode and prefill), the plan's arithmetic and its error,
+"""The memory budget (colibri.experts.expert_cache): the same logits with and without a budget
+(every policy, both modes, with prefetch, decode and prefill), the plan's arithmetic and its error,
 the flags, and the prefetcher's recall."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import expert_cache, residency
+from colibri.experts import expert_cache, residency
 from colibri.cli import main
 from colibri.commands.common import byte_size
-from colibri.eviction import POLICIES
-from colibri.expert_cache import MemoryBudgetError, memory_plan
+from colibri.experts.eviction import POLICIES
+from colibri.experts.expert_cache import MemoryBudgetError, memory_plan
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 

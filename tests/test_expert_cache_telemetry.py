@@ -1,6 +1,6 @@
-"""Telemetry (colibri.telemetry): hits / misses / bytes read / page faults per token, against a
-hand count on a copy of the shipped model whose pages were dropped from the page cache, and
-in the trace API, `colibri bench` and `generate --verbose`."""
+"""Telemetry (colibri.experts.telemetry): hits / misses / bytes read / page faults per token,
+against a hand count on a copy of the shipped model whose pages were dropped from the page cache,
+and in the trace API, `colibri bench` and `generate --verbose`."""
 from __future__ import annotations
 
 import mmap
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import residency
+from colibri.experts import residency
 from colibri.cli import main
-from colibri.telemetry import ExpertTelemetry, TokenTelemetry
+from colibri.experts.telemetry import ExpertTelemetry, TokenTelemetry
 from colibri.tools.bench import format_markdown, run_bench
 from colibri.tools.trace import Trace, trace
 

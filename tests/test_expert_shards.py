@@ -1,4 +1,4 @@
-"""Experts sharded over Ray actors (colibri.expert_shards): the logits and greedy tokens of
+"""Experts sharded over Ray actors (colibri.experts.expert_shards): the logits and greedy tokens of
 every family bit-identical to one process for N = 1, 2, 4 shards, through a real local Ray
 instance; the plan; the refusals; an actor killed in the middle of a call."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 import colibri  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.expert_cache import MemoryBudgetError, memory_plan  # noqa: E402
-from colibri.expert_shards import ExpertShardError, capacity_check, plan, shard_experts  # noqa: E402
+from colibri.experts.expert_cache import MemoryBudgetError, memory_plan  # noqa: E402
+from colibri.experts.expert_shards import ExpertShardError, capacity_check, plan, shard_experts  # noqa: E402
 from colibri.ray_local import start_local_ray  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import FAMILY_NAMES, OTHER_FAMILY_NAMES  # noqa: E402

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 import colibri  # noqa: E402
 from colibri.api import default_model_path  # noqa: E402
-from colibri.expert_shards import ExpertShardError  # noqa: E402
+from colibri.experts.expert_shards import ExpertShardError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

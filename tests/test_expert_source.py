@@ -1,4 +1,4 @@
-"""The explicit expert source of each MoE layer (colibri.expert_source): the residency
+"""The explicit expert source of each MoE layer (colibri.experts.expert_source): the residency
 telemetry composed over the budgeted expert cache (both counting, the logits unchanged,
 either taken out first), and the decode path that follows from the sources, which
 `colibri bench` prints."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 import colibri
-from colibri.decode_layer import decode_path, uncovered
-from colibri.expert_cache import memory_plan
-from colibri.expert_source import CachedExperts, MappedExperts, WatchedExperts
+from colibri.engine.decode_layer import decode_path, uncovered
+from colibri.experts.expert_cache import memory_plan
+from colibri.experts.expert_source import CachedExperts, MappedExperts, WatchedExperts
 from colibri.format import ColibriFile
-from colibri.telemetry import ExpertTelemetry
+from colibri.experts.telemetry import ExpertTelemetry
 from colibri.tools.bench import format_markdown, run_bench
 from colibri.tools.cache_sim import simulate
 from colibri.tools.trace import trace

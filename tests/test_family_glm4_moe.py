@@ -14,7 +14,7 @@ import colibri.api as api  # noqa: E402
 from colibri.config import ConfigError  # noqa: E402
 from colibri.convert import plan  # noqa: E402
 from colibri.families import canonical_tensors, get_family  # noqa: E402
-from colibri.rope import Rope  # noqa: E402
+from colibri.engine.rope import Rope  # noqa: E402
 from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
 from family_parity import FamilyRef, gate_routers  # noqa: E402
 from hf_factory import copy_checkpoint, tiny_config  # noqa: E402

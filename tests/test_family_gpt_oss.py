@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri.families import get_family  # noqa: E402
-from colibri.moe import swigluoai  # noqa: E402
+from colibri.engine.moe import swigluoai  # noqa: E402
 from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
 from family_parity import FamilyRef  # noqa: E402
 
@@ -77,7 +77,7 @@ def _mxfp4_checkpoint(ref, dst):
     import shutil
     from safetensors.numpy import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-    from colibri import mxfp4
+    from colibri.format import mxfp4
     tensors = load_file(str(ref.path / "model.safetensors"))
     packed, oracle = {}, {}
     for key, value in tensors.items():
@@ -117,7 +117,7 @@ def mx(ref, tmp_path_factory):
 
 def test_mxfp4_experts_are_stored_as_they_ship(mx):
     m, _, packed = mx
-    from colibri import mxfp4
+    from colibri.format import mxfp4
     f, I, D = m.file, m.config.moe_intermediate_size, m.config.hidden_size
     blocks = packed["model.layers.1.mlp.experts.gate_up_proj_blocks"]
     scales = packed["model.layers.1.mlp.experts.gate_up_proj_scales"]
@@ -194,7 +194,7 @@ def test_memory_budget_arena_same_bits(ref, mx, fmt, activations):
     prompt (several tokens per expert) and decode steps (the one-token compiled call), with
     a budget of fewer slots than blocks, so blocks are evicted and land in other slots."""
     import colibri.api as api
-    from colibri.expert_cache import memory_plan
+    from colibri.experts.expert_cache import memory_plan
     path = mx[0].file.path if fmt == "mxfp4" else ref.model(fmt).file.path
     plain = api.load(path, threads=2, activations=activations, kv_dtype="f32")
     plan = memory_plan(plain.file, None)

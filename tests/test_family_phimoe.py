@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri import kernels  # noqa: E402
-from colibri._reference import route_topk_ref, sparsemixer_ref  # noqa: E402
+from colibri.kernels._reference import route_topk_ref, sparsemixer_ref  # noqa: E402
 from colibri.families import get_family  # noqa: E402
-from colibri.rope import Rope  # noqa: E402
+from colibri.engine.rope import Rope  # noqa: E402
 from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
 from family_parity import FamilyRef  # noqa: E402
 

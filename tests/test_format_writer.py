@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri import dtypes, quant
+from colibri import dtypes
+from colibri.format import quant
 from colibri.format import ColibriFile, ColibriWriter, QuantizedTensor, TensorSpec, save
 from colibri import format as fmt
 

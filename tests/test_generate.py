@@ -12,7 +12,7 @@ import colibri.api as api  # noqa: E402
 from colibri.commands import generate as gen_cmd  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.tokenizer import IncrementalDecoder, NoTokenizerError  # noqa: E402
+from colibri.generation.tokenizer import IncrementalDecoder, NoTokenizerError  # noqa: E402
 
 TEXT = "Hello wörld! 🙂 日本語 experts"
 
@@ -143,7 +143,7 @@ def test_stop_token_and_stop_text(model):
 def test_default_stop_is_eos(model, monkeypatch):
     prompt = np.array([5, 6, 7])
     free = model.generate(prompt, max_new_tokens=6, stop=[])
-    from colibri.generate import default_stop_ids
+    from colibri.generation.generate import default_stop_ids
     assert model.config.eos_token_id in default_stop_ids(model)
     # make the third greedy token the model's eos: default generation ends right before it
     k = next(i for i in range(2, 6) if free[i] not in free[:i])
@@ -306,7 +306,7 @@ def test_cli_main_one_line_error_and_success(model, monkeypatch, capsys):
 
 def test_tokenizer_falls_back_to_files_on_disk(model, monkeypatch):
     import transformers
-    from colibri.tokenizer import Tokenizer
+    from colibri.generation.tokenizer import Tokenizer
 
     class Broken:
         def __init__(self, *a, **k):

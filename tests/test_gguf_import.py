@@ -27,7 +27,7 @@ from colibri.convert import ConversionWarning
 from colibri.errors import ColibriError
 from colibri.format import ColibriFile
 from colibri.convert.gguf_import import gguf_mxfp4_rows, unpermute_rows
-from colibri.mxfp4 import dequantize as mxfp4_dequantize
+from colibri.format.mxfp4 import dequantize as mxfp4_dequantize
 from cli_helpers import run
 from gguf_factory import GGUF_OVERRIDES, permute, write_gguf
 from hf_factory import make_hf_checkpoint

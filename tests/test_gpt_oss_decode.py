@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, runtime
-from colibri import _reference as Ref
-from colibri.attention import Attention, build_mask
-from colibri.kv_cache import KVCache, to_f32, to_storage
-from colibri.rope import Rope
-from colibri.run_state import RunState
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels import _reference as Ref
+from colibri.engine.attention import Attention, build_mask
+from colibri.engine.kv_cache import KVCache, to_f32, to_storage
+from colibri.engine.rope import Rope
+from colibri.engine.run_state import RunState
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -160,7 +161,7 @@ TOL = {"f32": 2e-6, "int16": 2e-5, "int8": 2e-3}
 
 
 def _experts(key, shape, fmt, biased=True):
-    from colibri.weights import WeightRef
+    from colibri.kernels.weights import WeightRef
     E, K, D, I = shape
     rng = rng_for("biased", key, shape, fmt, biased)
 
@@ -178,7 +179,7 @@ def _experts(key, shape, fmt, biased=True):
 
 
 def _biased(ws, bs, activation, threads=1, activations="f32"):
-    from colibri.moe import BiasedExperts
+    from colibri.engine.moe import BiasedExperts
     return BiasedExperts(*ws, *bs, activation, 1.702, 1.5, threads, activations)
 
 

@@ -5,7 +5,7 @@ takes its measured crossover (runtime.igemm_crossover; none on avx2 / avx512); t
 a number, so that every path's body runs.
 
 Every body (scalar spec, AVX2, AVX-VNNI, AVX-512 VNNI; the avx512 path runs the AVX2 one) is
-compared bit for bit with colibri._reference.linear_igemm_ref, which does the float part in
+compared bit for bit with colibri.kernels._reference.linear_igemm_ref, which does the float part in
 the path's own float32 order (exact integer block sums, one fmaf per block), so the bodies
 equal each other too. Against the row kernel (few tokens) and the float64 references, the
 tolerances of test_kernels_activations.py.
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import kernels as K, runtime
-from colibri import _reference as R
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
 from colibri.api import default_model_path
 from kernel_helpers import F32, THREADS, assert_dot_close, make_experts, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)

@@ -1,4 +1,4 @@
-"""Which path each matmul class runs on (colibri.kernel_paths: `colibri inspect --kernels`,
+"""Which path each matmul class runs on (colibri.kernels.kernel_paths: `colibri inspect --kernels`,
 the `colibri bench` header), and the AMX self-check's failure path, drilled through the tile
 emulation (the real check needs AMX hardware: amx against amx-emu)."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from colibri import _kernels, runtime
+from colibri import _kernels
+from colibri.kernels import runtime
 from colibri.api import default_model_path
-from colibri.kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
+from colibri.kernels.kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
 
 from cli_helpers import run
 
@@ -73,7 +74,7 @@ def test_amx_reason_is_the_cpu_or_the_build_when_not_usable():
 def test_forced_path_is_reported_in_a_fresh_interpreter():
     if "avx2" not in runtime.available_isas():
         pytest.skip("no avx2 path on this CPU")
-    p = _python("from colibri.kernel_paths import format_kernel_paths as f\n"
+    p = _python("from colibri.kernels.kernel_paths import format_kernel_paths as f\n"
                 "print('\\n'.join(f({'dense': 'q4', 'experts': 'q4', 'head': 'q4'})))",
                 COLIBRI_ISA="avx2")
     assert p.returncode == 0, p.stderr

@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, runtime
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri import _kernels, kernels as K
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 from kernel_helpers import (
     F32, THREADS, assert_dot_close, ffn_dims, make_experts, make_weight, poison_expert,
     rng_for)

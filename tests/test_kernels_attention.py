@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, runtime
-from colibri import _reference as R
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 

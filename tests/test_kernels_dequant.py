@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import dtypes, kernels as K, quant
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri import dtypes, kernels as K
+from colibri.format import quant
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 from kernel_helpers import F32, FORMATS, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 

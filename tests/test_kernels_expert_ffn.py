@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from colibri import kernels as K
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 from kernel_helpers import (
     F32, FORMATS, THREADS, assert_ffn_close, ffn_dims, make_experts, poison_expert, rng_for)
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from colibri import kernels as K
-from colibri import _reference as R
+from colibri.kernels import _reference as R
 from kernel_helpers import parallel_everything  # noqa: F401 (fixtures)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K, runtime
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri import _kernels, dtypes, kernels as K
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 from kernel_helpers import (
     F32, FORMATS, GEMM_MIN, THREADS, assert_dot_close, ffn_dims, magnitude, make_experts,
     make_weight, rng_for)

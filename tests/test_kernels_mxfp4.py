@@ -1,4 +1,4 @@
-"""The MXFP4 weight format (colibri/mxfp4.py, csrc/mxfp4.h): its bytes against transformers'
+"""The MXFP4 weight format (colibri/format/mxfp4.py, csrc/mxfp4.h): its bytes against transformers'
 MXFP4 decoder, the quantizer, and the kernels (row kernel, GEMM path, expert FFN, dequantize)
 on every ISA path against the NumPy references; each SIMD body against the scalar one. (The
 int8 / int16 activation bodies: tests/test_mxfp4_idot.py; the GEMM panel: test_mxfp4_gemm.py.)"""
@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K, mxfp4, quant, runtime
-from colibri import _reference as R
-from colibri.weights import WeightRef
+from colibri import _kernels, dtypes, kernels as K
+from colibri.format import mxfp4, quant
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import (F32, GEMM_MIN, THREADS, assert_dot_close, assert_ffn_close,
                             magnitude, rng_for)
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
@@ -38,7 +40,7 @@ def test_the_format_row():
 
 def test_decoding_matches_transformers():
     """The bytes as the checkpoint's *_blocks / *_scales: transformers' decoder (before its
-    transpose) gives colibri.mxfp4.dequantize's values, the reference's and the kernel's."""
+    transpose) gives colibri.format.mxfp4.dequantize's values, the reference's and the kernel's."""
     torch = pytest.importorskip("torch")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     rng = rng_for("hf-mxfp4")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, runtime
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, ffn_dims, make_experts, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 

@@ -1,5 +1,5 @@
 """route_topk's group rules (DeepSeek): softmax_group_topk and sigmoid_group_topk against
-the NumPy specification (colibri._reference.route_group_ref) and against transformers'
+the NumPy specification (colibri.kernels._reference.route_group_ref) and against transformers'
 router modules themselves, ties, infinite logits, the prepared call, errors."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from colibri import kernels as K
-from colibri import _reference as R
+from colibri.kernels import _reference as R
 from kernel_helpers import F32, THREADS, rng_for
 
 GROUP_RULES = ("softmax_group_topk", "sigmoid_group_topk")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from colibri import kernels as K
-from colibri import _reference as R
-from colibri.norms import rms_norm
-from colibri.rope import apply_rope
+from colibri.kernels import _reference as R
+from colibri.engine.norms import rms_norm
+from colibri.engine.rope import apply_rope
 from kernel_helpers import F32, THREADS, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -78,7 +78,7 @@ def test_row_ops_argument_errors():
 def test_attend_cached_equals_write_then_attend(isa, threads):
     """The cache write and the attention in one call: the same cache contents and the same
     bits as KVCache.write_one followed by attend_decode, for a whole cache and a window."""
-    from colibri.kv_cache import KVCache
+    from colibri.engine.kv_cache import KVCache
     rng = rng_for("attend-cached", threads)
     H, Hkv, Dh, S = 8, 2, 16, 12
     for n_before, start in [(0, 0), (5, 0), (9, 4), (11, 11)]:

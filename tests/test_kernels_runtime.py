@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from colibri import _kernels, kernels as K, runtime
-from colibri.weights import WeightRef
+from colibri import _kernels, kernels as K
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, GEMM_MIN, make_experts, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 

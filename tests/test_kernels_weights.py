@@ -10,9 +10,10 @@ import types
 import numpy as np
 import pytest
 
-from colibri import _kernels, dtypes, kernels as K, quant
-from colibri.weights import WeightRef
-from colibri import _reference as R
+from colibri import _kernels, dtypes, kernels as K
+from colibri.format import quant
+from colibri.kernels.weights import WeightRef
+from colibri.kernels import _reference as R
 from kernel_helpers import (
     F32, assert_dot_close, assert_ffn_close, magnitude, make_experts, make_weight, rng_for)
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import _reference as R
-from colibri import kernels as K, runtime
-from colibri.kv_cache import KV_DTYPES, to_f32, to_storage
+from colibri.kernels import _reference as R
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.engine.kv_cache import KV_DTYPES, to_f32, to_storage
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa  # noqa: F401 (fixture)
 

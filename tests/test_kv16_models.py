@@ -12,10 +12,10 @@ import torch
 
 import colibri
 import colibri.api as api
-from colibri.batching import Scheduler
+from colibri.generation.batching import Scheduler
 from colibri.convert import convert
 from colibri.errors import ColibriError
-from colibri.kv_cache import DEFAULT_KV_DTYPE, KVCache, to_f32
+from colibri.engine.kv_cache import DEFAULT_KV_DTYPE, KVCache, to_f32
 from colibri.server.settings import Settings
 from cli_helpers import run
 from hf_factory import load_hf_model

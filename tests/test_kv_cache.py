@@ -1,9 +1,9 @@
-"""colibri.kv_cache.KVCache: bookkeeping, overflow, reset/truncate/copy."""
+"""colibri.engine.kv_cache.KVCache: bookkeeping, overflow, reset/truncate/copy."""
 import numpy as np
 import pytest
 
 from colibri.errors import ColibriError
-from colibri.kv_cache import CacheOverflowError, KVCache
+from colibri.engine.kv_cache import CacheOverflowError, KVCache
 
 
 def _kv(rng, B, Hkv, T, Dh):
@@ -106,7 +106,7 @@ def test_write_one_is_write_for_one_token():
 
 
 def test_run_state_is_per_cache():
-    from colibri.run_state import RunState
+    from colibri.engine.run_state import RunState
     c = KVCache(1, 1, 1, 4, 2)
     assert c.run_state is None and c.decode_binding is None
     c.run_state = RunState(4, 1, 1, 2, 1e-5)

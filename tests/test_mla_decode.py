@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, runtime
-from colibri import _reference as Ref
-from colibri.kv_cache import KVCache, to_f32, to_storage
-from colibri.mla import MLA
-from colibri.rope import Rope
-from colibri.run_state import RunState
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.kernels import runtime
+from colibri.kernels import _reference as Ref
+from colibri.engine.kv_cache import KVCache, to_f32, to_storage
+from colibri.engine.mla import MLA
+from colibri.engine.rope import Rope
+from colibri.engine.run_state import RunState
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 

@@ -27,8 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 import colibri.api as api  # noqa: E402
 from colibri.convert import convert  # noqa: E402
-from colibri.kv_cache import CacheOverflowError  # noqa: E402
-from colibri.model import DEFAULT_ACTIVATIONS, Model  # noqa: E402
+from colibri.engine.kv_cache import CacheOverflowError  # noqa: E402
+from colibri.engine.model import DEFAULT_ACTIVATIONS, Model  # noqa: E402
 from hf_factory import FAMILY_NAMES  # noqa: E402
 
 F32_TOL = 1e-4           # max |logit error| / max |logit|, f32 weights

@@ -1,4 +1,4 @@
-"""colibri.moe: MoE (router, top-k, routed experts, gated shared expert) and DenseMLP against
+"""colibri.engine.moe: MoE (router, top-k, routed experts, gated shared expert) and DenseMLP against
 a float64 NumPy computation of the same weights."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from colibri.kernels import WeightRef
-from colibri.moe import DenseMLP, MoE
-from colibri.runtime import STAGES, Timings
+from colibri.engine.moe import DenseMLP, MoE
+from colibri.kernels.runtime import STAGES, Timings
 
 TOL = 2e-5               # relative to the largest |y|: float32 kernels vs float64 NumPy
 T, D, E, K, I, Is = 7, 64, 6, 2, 32, 48

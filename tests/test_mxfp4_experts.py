@@ -1,4 +1,4 @@
-"""BiasedExperts (colibri/moe.py, GPT-OSS's experts: biases, swigluoai) on MXFP4 stacks:
+"""BiasedExperts (colibri/engine/moe.py, GPT-OSS's experts: biases, swigluoai) on MXFP4 stacks:
 against a NumPy reference (decoded weights, float64), and bit for bit against the plain
 per-expert composition of kernels.linear calls (what it did before it grouped and prepared
 its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts
@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, mxfp4, runtime
-from colibri import _reference as R
-from colibri.moe import BiasedExperts, swigluoai
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.format import mxfp4
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
+from colibri.engine.moe import BiasedExperts, swigluoai
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 
@@ -36,7 +38,7 @@ def experts(rng, activations, activation="swigluoai", threads=2):
 
 
 def reference(be: BiasedExperts, x, ids, wts) -> np.ndarray:
-    """The NumPy twins of each matrix (colibri._reference: float64 products of the decoded
+    """The NumPy twins of each matrix (colibri.kernels._reference: float64 products of the decoded
     weights, the activations quantized as the kernels do), the activation in float32 as
     transformers; an expert's activations as BiasedExperts picks them."""
     bits = {"f32": 0, "int16": 16, "int8": 8}[be.activations]

@@ -7,7 +7,7 @@ E8M0 range, the subnormal ones (bytes 0, 1) included.
 
 The integer GEMM path (csrc/igemm.h, int8 / int16 activations): the panel holds the doubled
 FP4 codes (code2 + 12 for the u8 / s8 panels, code2 for int16), the block scale 2^(e - 128);
-every body equals colibri._reference.linear_igemm_ref (exact block sums, one fmaf per block
+every body equals colibri.kernels._reference.linear_igemm_ref (exact block sums, one fmaf per block
 in block order) bit for bit, so the bodies equal each other and the scalar specification;
 below the crossover the row kernel's bits (a token's alone)."""
 from __future__ import annotations
@@ -15,9 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, mxfp4, runtime
-from colibri import _reference as R
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.format import mxfp4
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, GEMM_MIN, THREADS, assert_dot_close, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 from test_igemm import act_rows, assert_bodies_equal_scalar

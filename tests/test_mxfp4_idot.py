@@ -1,6 +1,6 @@
 """MXFP4 against int8 / int16 activations (csrc/mxfp4.h's integer bodies): the doubled FP4
 codes dotted exactly with the activation codes, scale 2^(e - 127) / 2 times the activation
-block's d. Against the NumPy twin (colibri._reference.linear_iact_ref) on every ISA path,
+block's d. Against the NumPy twin (colibri.kernels._reference.linear_iact_ref) on every ISA path,
 each SIMD body against the scalar one, the VNNI bodies bit for bit against the AVX2 one.
 Tolerances as tests/test_kernels_activations.py (its iact_magnitude bound). The integer GEMM
 path is off here (igemm_min_tokens 10^9: these are the row kernels' tests);
@@ -10,9 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri import kernels as K, mxfp4, runtime
-from colibri import _reference as R
-from colibri.weights import WeightRef
+from colibri import kernels as K
+from colibri.format import mxfp4
+from colibri.kernels import runtime
+from colibri.kernels import _reference as R
+from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, THREADS, assert_dot_close, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)
 from test_kernels_activations import assert_iact_ffn_close, iact_magnitude

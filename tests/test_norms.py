@@ -1,4 +1,4 @@
-"""colibri.norms against transformers' RMSNorm, and the compiled row norm of the decode
+"""colibri.engine.norms against transformers' RMSNorm, and the compiled row norm of the decode
 step against it bit for bit."""
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri.kernels import rms_norm_rows_into
-from colibri.norms import rms_norm
+from colibri.engine.norms import rms_norm
 
 
 def test_rms_norm_matches_transformers():
@@ -50,7 +50,7 @@ def test_rms_norm_in_place_and_compiled_rows_are_bit_identical(n):
 def test_layer_norm_matches_torch(bias):
     """norms.layer_norm against torch.nn.LayerNorm (DBRX: no bias; PhiMoE: with bias), in
     place and into a row buffer as the decode step calls it."""
-    from colibri.norms import layer_norm
+    from colibri.engine.norms import layer_norm
     rng = np.random.default_rng(7)
     x = (rng.normal(size=(3, 5, 96)) * 4 + 2).astype(np.float32)
     w = rng.normal(size=96).astype(np.float32)

@@ -1,4 +1,4 @@
-"""colibri.prefix_cache and its users: a cached prefix gives the bits of the cache it was
+"""colibri.engine.prefix_cache and its users: a cached prefix gives the bits of the cache it was
 copied from (random tiny models of several families: MLA, a sliding window), the same
 greedy tokens as a cold run; LRU order (tails first, referenced blocks kept), the byte bound
 alone and inside the Scheduler's KV budget, n > 1 prefilled once, model versions apart;
@@ -13,10 +13,10 @@ import pytest
 
 import colibri
 import colibri.api as api
-from colibri.batching import SamplingParams, Scheduler
+from colibri.generation.batching import SamplingParams, Scheduler
 from colibri.convert import convert
-from colibri.kv_cache import KVCache
-from colibri.prefix_cache import PrefixCache, model_namespace, unsupported_reason
+from colibri.engine.kv_cache import KVCache
+from colibri.engine.prefix_cache import PrefixCache, model_namespace, unsupported_reason
 
 # family -> transformers overrides: mixtral with a sliding window shorter than the prompts,
 # qwen3_moe (per-head q/k norms), deepseek_v2 (MLA: the latent cache)
@@ -333,7 +333,7 @@ def test_prompt_logprobs_requests_share_scored_blocks(shipped):
 def test_scores_are_bounded_with_the_blocks(shipped):
     """Scores count in a block's bytes; a block's scores that do not fit are not kept (its
     keys and values stay)."""
-    from colibri.prompt_logprobs import BlockScores
+    from colibri.generation.prompt_logprobs import BlockScores
     bs = 16
     tokens = list(range(3, 3 + 2 * bs + 1))
     cache = shipped.new_cache(ctx=64)

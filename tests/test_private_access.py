@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "colibri" / "model.py"
+MODEL = ROOT / "colibri" / "engine" / "model.py"
 
 
 def _model_private_names() -> set[str]:

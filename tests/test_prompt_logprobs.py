@@ -1,4 +1,4 @@
-"""colibri.prompt_logprobs' block helpers: each row the same as sampling.log_softmax and
+"""colibri.generation.prompt_logprobs' block helpers: each row the same as sampling.log_softmax and
 sampling.top_logprobs on that row alone (ties lower id first, -inf entries, a bad row)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from colibri.errors import ColibriError
-from colibri.prompt_logprobs import _score_rows
-from colibri.sampling import log_softmax, top_ids, top_logprobs
+from colibri.generation.prompt_logprobs import _score_rows
+from colibri.generation.sampling import log_softmax, top_ids, top_logprobs
 
 
 @pytest.mark.parametrize("V", [50, 4099])

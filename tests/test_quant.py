@@ -1,4 +1,4 @@
-"""Tests of colibri.quant: the bytes of every weight encoding (docs/format.md §6).
+"""Tests of colibri.format.quant: the bytes of every weight encoding (docs/format.md §6).
 
 Expectations are built independently of the code under test: by hand for the nibble order and
 the q values, by PyTorch for bf16, by the spec's arithmetic for sizes, and by the documented
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from colibri import dtypes, quant as Q
+from colibri import dtypes
+from colibri.format import quant as Q
 
 RNG = np.random.default_rng(20240607)
 

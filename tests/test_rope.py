@@ -1,4 +1,4 @@
-"""colibri.rope against transformers' rotary embeddings, and the decode step's tables and
+"""colibri.engine.rope against transformers' rotary embeddings, and the decode step's tables and
 compiled rotation against the general ones bit for bit."""
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from colibri.config import ModelConfig
 from colibri.kernels import rope_rows_into
-from colibri.rope import Rope, apply_rope, rope_inv_freq
+from colibri.engine.rope import Rope, apply_rope, rope_inv_freq
 
 
 def _llama_config(**rope):

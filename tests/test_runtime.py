@@ -1,4 +1,4 @@
-"""colibri.runtime: the environment variables read at import (in a fresh interpreter each),
+"""colibri.kernels.runtime: the environment variables read at import (in a fresh interpreter each),
 the knobs' records and checks, the BLAS limit and the timings.
 
 The ISA, thread-count and per-knob behaviour of the kernels (results unchanged whatever the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import threadpoolctl
 
-from colibri import runtime
+from colibri.kernels import runtime
 
 # What a fresh interpreter reports; cwd away from the checkout (tmp_path) so the installed
 # package (with its compiled kernels) is imported, not the source folder.

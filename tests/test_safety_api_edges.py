@@ -13,10 +13,10 @@ import pytest
 
 import colibri
 from colibri.errors import ColibriError
-from colibri.guards import (MAX_POSITION, CacheBusyError, ForeignCacheError,
-                            NonFiniteError)
+from colibri.engine.checks import MAX_POSITION
+from colibri.errors import CacheBusyError, ForeignCacheError, NonFiniteError
 from colibri.resources import ResourceError, check_allocation, memory_available
-from colibri.sampling import Sampler
+from colibri.generation.sampling import Sampler
 
 SHIPPED = colibri.default_model_path()
 

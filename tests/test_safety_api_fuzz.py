@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import colibri
-from colibri.batching import SamplingParams
+from colibri.generation.batching import SamplingParams
 from colibri.errors import ColibriError
-from colibri.sampling import Sampler
+from colibri.generation.sampling import Sampler
 
 EXAMPLES = int(os.environ.get("COLIBRI_API_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from colibri import chat_template  # noqa: E402
+from colibri.generation import chat_template  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.tokenizer import (MAX_TEXT_CHARS, Tokenizer, TokenizerError,  # noqa: E402
-                               check_tokenizer)
+from colibri.generation.tokenizer import (MAX_TEXT_CHARS, Tokenizer, TokenizerError,  # noqa: E402
+                                          check_tokenizer)
 from test_tokenizer import CHAT_TEMPLATE, make_files  # noqa: E402
 
 NESTED = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"

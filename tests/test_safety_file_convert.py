@@ -85,7 +85,7 @@ def test_the_converted_file_is_validated_before_the_rename(hf_checkpoint, tmp_pa
                                                            monkeypatch):
     """A problem only a full read finds (here: validate made to report one) keeps the
     destination from appearing."""
-    from colibri.convert import guard as convert_guard
+    from colibri.convert import checks as convert_guard
     monkeypatch.setattr(convert_guard.validation, "validate", lambda cf: ["tensor 'x': bad"])
     out = tmp_path / "out"
     out.mkdir()

@@ -21,8 +21,8 @@ from colibri.config import ConfigError
 from colibri.errors import ColibriFormatError
 from colibri.format import ColibriFile, ColibriWriter, TensorSpec, checks
 from colibri.format.spec import METADATA_CRC_KEY
-from colibri import safe_json
-from colibri.safe_json import nesting_depth
+from colibri.format import safe_json
+from colibri.format.safe_json import nesting_depth
 from colibri.tools.inspect import validate
 from safety_helpers import SHIPPED, resave
 
@@ -298,7 +298,7 @@ def test_opening_under_a_tight_address_space_limit_is_a_clean_error(tmp_path):
     or the checks' buffers cannot; either way a ColibriError naming the file (no bare OSError
     or MemoryError)."""
     code = (
-        "import re, resource, colibri, colibri.validation\n"
+        "import re, resource, colibri, colibri.format.validation\n"
         "from colibri.format import ColibriFile\n"
         "vm = int(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 20), resource.RLIM_INFINITY))\n"

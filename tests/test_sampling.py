@@ -1,11 +1,11 @@
-"""colibri.sampling: each filter against a direct statement of its rule, and the Sampler."""
+"""colibri.generation.sampling: each filter against a direct statement of its rule, and the Sampler."""
 import numpy as np
 import pytest
 
 from colibri.errors import ColibriError
-from colibri.sampling import (Sampler, apply_repetition_penalty, apply_temperature, greedy,
-                              min_p_filter, sample_from_logits, softmax, top_k_filter,
-                              top_p_filter)
+from colibri.generation.sampling import (Sampler, apply_repetition_penalty, apply_temperature,
+                                         greedy, min_p_filter, sample_from_logits, softmax,
+                                         top_k_filter, top_p_filter)
 
 
 def _probs(x):

@@ -1,6 +1,6 @@
 """One set of rules for the sampling settings: colibri.generate's Sampler, the scheduler's
 SamplingParams, the server's request schema, `colibri serve`'s defaults and `colibri generate`'s
-flags accept and refuse the same values (colibri.sampling.REAL_BOUNDS)."""
+flags accept and refuse the same values (colibri.generation.sampling.REAL_BOUNDS)."""
 import math
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from colibri.commands.generate import _check
 from colibri.errors import ColibriError
-from colibri.sampling import REAL_BOUNDS, Sampler, SamplingParams, SettingTypeError
+from colibri.generation.sampling import REAL_BOUNDS, Sampler, SamplingParams, SettingTypeError
 from colibri.server.schemas import ChatCompletionRequest, CompletionRequest
 from colibri.server.settings import Settings
 

@@ -1,5 +1,5 @@
-"""colibri.batching.Scheduler: the contract the server builds on (params, events, admission,
-queue, cancel, stops, logprobs, routing, seeds, the background thread)."""
+"""colibri.generation.batching.Scheduler: the contract the server builds on (params, events,
+admission, queue, cancel, stops, logprobs, routing, seeds, the background thread)."""
 from __future__ import annotations
 
 import threading
@@ -9,10 +9,10 @@ import pytest
 
 import colibri
 import colibri.api as api
-from colibri.batching import (ContextLengthError, QueueFullError, SamplingParams, Scheduler,
-                              TokenEvent)
+from colibri.generation.batching import (ContextLengthError, QueueFullError, SamplingParams,
+                                         Scheduler, TokenEvent)
 from colibri.errors import ColibriError
-from colibri.sampling import log_softmax
+from colibri.generation.sampling import log_softmax
 
 PROMPTS = ["def fib(n):", "Once upon a time", "import numpy as np\n", "The hummingbird"]
 

@@ -1,5 +1,5 @@
-"""colibri.scoring: (context, continuation) log-likelihoods, a shared context run once and the
-continuations on prefix copies of its KV cache (KVCache.prefix_copy), against one whole
+"""colibri.generation.scoring: (context, continuation) log-likelihoods, a shared context run once
+and the continuations on prefix copies of its KV cache (KVCache.prefix_copy), against one whole
 cache-free forward pass per pair (Model.forward), on the shipped model."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 import colibri
 from colibri.api import default_model_path
-from colibri.sampling import log_softmax
-from colibri.scoring import score
+from colibri.generation.sampling import log_softmax
+from colibri.generation.scoring import score
 
 
 @pytest.fixture(scope="module")

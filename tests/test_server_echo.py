@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri.sampling import log_softmax
+from colibri.generation.sampling import log_softmax
 from colibri.server import Settings
 from colibri.server.schemas import MAX_PROMPTS
-from colibri.stops import default_stop_ids
+from colibri.generation.stops import default_stop_ids
 
 from server_helpers import KEY, client, request, running_server
 

@@ -12,7 +12,7 @@ from colibri.cli import build_parser
 from colibri.commands.serve import settings_from_args
 from colibri.server import Settings
 from colibri.server.engine import ModelHolder
-from colibri.batching import SamplingParams
+from colibri.generation.batching import SamplingParams
 from server_helpers import client, copy_model, replace_by_rename, request, running_server
 
 SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, "

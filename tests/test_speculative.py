@@ -1,7 +1,7 @@
-"""Speculative decoding (colibri.speculative, colibri.drafters): greedy output token for token
-that of plain decoding on several families and the shipped model, the cache rollback bit for
-bit against a cache that never saw the rejected tokens (MLA, sliding windows, sinks), and the
-rejection rule keeping the target distribution (chi-square)."""
+"""Speculative decoding (colibri.generation.speculative, colibri.generation.drafters): greedy output
+token for token that of plain decoding on several families and the shipped model, the cache rollback
+bit for bit against a cache that never saw the rejected tokens (MLA, sliding windows, sinks), and
+the rejection rule keeping the target distribution (chi-square)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,10 +9,10 @@ import pytest
 
 import colibri
 import colibri.api as api
-from colibri.drafters import (Backoff, DraftMismatchError, DraftModel, PromptLookup,
-                              make_drafter)
-from colibri.sampling import Sampler
-from colibri.speculative import SpeculativeStats, iter_speculative, judge, verify
+from colibri.generation.drafters import (Backoff, DraftMismatchError, DraftModel, PromptLookup,
+                                         make_drafter)
+from colibri.generation.sampling import Sampler
+from colibri.generation.speculative import SpeculativeStats, iter_speculative, judge, verify
 
 pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -25,7 +25,7 @@ def untimed_backoff(monkeypatch):
     """Back off on acceptance only: on these tiny models a verification costs several plain
     steps, and the timed backoff would (rightly) stop speculating after a probe or two,
     leaving the paths under test unexercised."""
-    import colibri.speculative as where
+    import colibri.generation.speculative as where
     monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Speculation inside continuous batching (colibri.speculative_batch) and `serve --draft`:
-every request gets, token for token, what the plain Scheduler gives it at temperature 0,
+"""Speculation inside continuous batching (colibri.generation.speculative_batch) and `serve
+--draft`: every request gets, token for token, what the plain Scheduler gives it at temperature 0,
 through the real server and the official openai client too."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 
 import colibri
 import colibri.api as api
-from colibri.batching import SamplingParams, Scheduler
-from colibri.drafters import Backoff
-from colibri.speculative_batch import Speculation, SpeculativeScheduler
+from colibri.generation.batching import SamplingParams, Scheduler
+from colibri.generation.drafters import Backoff
+from colibri.generation.speculative_batch import Speculation, SpeculativeScheduler
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 2
 
@@ -20,7 +20,7 @@ def untimed_backoff(monkeypatch):
     """Back off on acceptance only: on these tiny models a verification costs several plain
     steps, and the timed backoff would (rightly) stop speculating after a probe or two,
     leaving the paths under test unexercised."""
-    import colibri.speculative_batch as where
+    import colibri.generation.speculative_batch as where
     monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
 
 @pytest.fixture(scope="module")

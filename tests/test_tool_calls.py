@@ -1,14 +1,15 @@
-"""colibri.tool_calls: format detection, parsing of each format (whole and streamed in every
-split), and the call grammar: llguidance accepts the calls it should and refuses others."""
+"""colibri.generation.tool_calls: format detection, parsing of each format (whole and streamed in
+every split), and the call grammar: llguidance accepts the calls it should and refuses others."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from colibri.batching import TokenEvent
-from colibri.tool_calls import (FORMATS, ArgsPiece, CallStart, ToolCall, ToolStreamParser, call_grammar,
-                                detect_format, parse_tool_calls)
+from colibri.generation.batching import TokenEvent
+from colibri.generation.tool_calls import (FORMATS, ArgsPiece, CallStart, ToolCall,
+                                           ToolStreamParser, call_grammar, detect_format,
+                                           parse_tool_calls)
 
 HERMES, MISTRAL, LLAMA, JSONF = (FORMATS[k] for k in ("hermes", "mistral", "llama3_json", "json"))
 NAMES = ["get_weather", "get_time"]

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from colibri import runtime
-from colibri.weights import WeightRef
+from colibri.kernels import runtime
+from colibri.kernels.weights import WeightRef
 
 ISAS = ("scalar", "avx2", "avx512")
 THREADS = (1, 2)

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 import colibri
-from colibri.generate import decode_one
+from colibri.generation.generate import decode_one
 
 from .common import THREADS, make_model, model_folder
 

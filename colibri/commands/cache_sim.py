@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ColibriError
-from ..eviction import POLICIES, CacheFullError
+from ..experts.eviction import POLICIES, CacheFullError
 from ..tools.cache_sim import CacheGeometry, format_table, plot_hit_rates, sweep
 from ..tools.trace import Trace
 from .common import byte_size, int_list

@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..api import default_model_path, load
+from ..engine.kv_cache import DEFAULT_KV_DTYPE, KV_DTYPES, kv_dtype_name
+from ..engine.model import DEFAULT_ACTIVATIONS, Model
 from ..errors import ColibriError
-from ..eviction import POLICIES
-from ..expert_cache import DEFAULT_POLICY, MODES
+from ..experts.eviction import POLICIES
+from ..experts.expert_cache import DEFAULT_POLICY, MODES
+from ..experts.prefetch import PREDICTORS
 from ..kernels import ACTIVATIONS
-from ..kv_cache import DEFAULT_KV_DTYPE, KV_DTYPES, kv_dtype_name
-from ..model import DEFAULT_ACTIVATIONS, Model
-from ..prefetch import PREDICTORS
-from ..runtime import MAX_THREADS
+from ..kernels.runtime import MAX_THREADS
 
 MODEL_HELP = ".colibri file (default: the bundled tiny-moe.colibri)"
 SHIPPED_MODEL = "Without MODEL, the small model shipped with colibri is used."
@@ -123,7 +123,7 @@ def add_activations_arg(p: argparse.ArgumentParser, *flags: str, help: str,
 
 
 def kv_dtype_arg(text: str) -> str:
-    """argparse type: a KV cache dtype spelling -> its name (colibri.kv_cache.KV_DTYPES)."""
+    """argparse type: a KV cache dtype spelling -> its name (colibri.engine.kv_cache.KV_DTYPES)."""
     try:
         return kv_dtype_name(text, "--kv-dtype")
     except ValueError as e:

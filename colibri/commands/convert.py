@@ -7,7 +7,7 @@ import sys
 import time
 
 from ..convert import DEFAULT_QUANTIZE, DTYPES, QUANTS, ROLES, convert, parse_meta
-from ..quant import DEFAULT_GROUP_SIZE
+from ..format.quant import DEFAULT_GROUP_SIZE
 
 
 def register(subparsers, parents=()) -> None:

@@ -2,7 +2,7 @@
 
 --verbose adds, on stderr, the experts each generated token chose in every MoE layer with
 their weights and how many of them were in memory (bytes read, page faults), then prompt and
-generation speed, where the time went and the memory totals (colibri.telemetry). With
+generation speed, where the time went and the memory totals (colibri.experts.telemetry). With
 --draft (speculative decoding) it prints the totals only, with the acceptance rate, the
 verification passes and the experts read per generated token.
 """
@@ -14,11 +14,11 @@ import sys
 
 import numpy as np
 
-from ..drafters import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP, PromptLookup
 from ..errors import ColibriError
-from ..sampling import check_real
-from ..speculative import MAX_DRAFT_TOKENS
-from ..telemetry import ExpertTelemetry, TokenTelemetry
+from ..experts.telemetry import ExpertTelemetry, TokenTelemetry
+from ..generation.drafters import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP, PromptLookup
+from ..generation.sampling import check_real
+from ..generation.speculative import MAX_DRAFT_TOKENS
 from ..tools.trace import Trace, format_route
 from .common import (ACTIVATIONS_HELP, SHIPPED_MODEL, add_activations_arg, add_ctx_arg,
                      add_kv_dtype_arg, add_memory_args, add_model_arg, add_seed_arg,
@@ -130,7 +130,7 @@ def _check(args) -> None:
                             ("--ctx", args.ctx, args.ctx is None or args.ctx >= 1)):
         if not ok:
             raise ColibriError(f"{name} {value} is out of range")
-    # the sampling ranges are colibri.sampling's, the same the API and the server check
+    # the sampling ranges are colibri.generation.sampling's, the same the API and the server check
     for flag, key, value in (("--temp", "temperature", args.temp), ("--top-p", "top_p", args.top_p),
                              ("--min-p", "min_p", args.min_p),
                              ("--repeat-penalty", "repetition_penalty", args.repeat_penalty)):

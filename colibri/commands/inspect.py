@@ -1,6 +1,6 @@
 """colibri inspect [FILE]: header, metadata, tensors, totals; rows of a tensor; --validate;
 --dump-gate --layer L: the router matrix of one MoE layer with row norms and a summary;
---kernels: the kernel path of each matmul class on this machine (colibri.kernel_paths)."""
+--kernels: the kernel path of each matmul class on this machine (colibri.kernels.kernel_paths)."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,9 @@ import numpy as np
 
 from ..errors import ColibriError, ColibriFormatError
 from ..format import ColibriFile
+from ..kernels.kernel_paths import (format_kernel_paths, kernel_paths, matmul_formats,
+                                    wider_not_chosen)
 from ..tools import inspect as report
-from ..kernel_paths import format_kernel_paths, kernel_paths, matmul_formats, wider_not_chosen
 from .common import ACTIVATIONS_HELP, add_activations_arg, add_model_arg, model_path
 
 

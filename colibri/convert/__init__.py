@@ -45,9 +45,8 @@ the values' finiteness, ConversionWarning), gguf_config and gguf_import (a GGUF 
 from __future__ import annotations
 
 from .checkpoint import CheckpointTensor, is_gguf, read_json, read_tokenizer, scan_checkpoint
-from .checks import ConversionWarning, parse_meta
+from .checks import ConversionInterrupted, ConversionWarning, parse_meta
 from .fp8 import dequantize_fp8, fp8_block
-from .guard import ConversionInterrupted
 from .plan import (DEFAULT_QUANTIZE, DTYPES, QUANTS, ROLES, Plan, PlannedTensor, plan,
                    quant_role)
 from .stream import convert

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import safe_json
 from ..errors import ColibriError
+from ..format import safe_json
 from .checks import ConversionWarning
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

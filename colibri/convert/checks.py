@@ -1,13 +1,23 @@
-"""What every conversion (Hugging Face or GGUF) checks in what it is given beyond the file
-format: the user metadata (--meta), the values (no inf / NaN), and the warning class of
-what it survives."""
+"""What every conversion (Hugging Face or GGUF) checks beyond the file format, and what keeps
+an interrupted or broken one from leaving anything behind.
+
+  - what it is given: the user metadata (--meta), the values (no inf / NaN), and the warning
+    class of what it survives;
+  - signals that raise (so that the writer's cleanup runs), and the finished temporary file
+    validated (colibri.format.validation) before the rename (docs/safety.md).
+"""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 from typing import Iterable, Mapping
 
 import numpy as np
 
 from ..errors import ColibriError
+from ..format import ColibriFile, validation
 
 
 class ConversionWarning(UserWarning):
@@ -57,3 +67,45 @@ def parse_meta(items: Iterable[str]) -> dict[str, str]:
             raise ColibriError(f"--meta {item!r}: expected key=value")
         out[key.strip()] = value
     return out
+
+
+class ConversionInterrupted(ColibriError):
+    """SIGTERM / SIGHUP during a conversion: the temporary file was removed, DST untouched."""
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """While converting, SIGTERM and SIGHUP raise ConversionInterrupted (SIGINT already raises
+    KeyboardInterrupt), so the writer's cleanup runs and no temporary file is left; the
+    previous handlers come back afterwards. Only in the main thread, and only for signals
+    left at their default (an application's own handlers are not replaced). SIGKILL cannot be
+    caught: the next conversion of the same DST removes what it leaves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise ConversionInterrupted(f"conversion interrupted by {signal.Signals(signum).name}; "
+                                    f"the temporary file was removed")
+
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def verify_converted(tmp: str, dst: str | os.PathLike, header: bytes) -> None:
+    """The finished temporary file read back and validated in full before it is renamed
+    onto dst (colibri.format.validation.validate): ColibriError listing the first problems."""
+    with ColibriFile(tmp, pending_header=header) as cf:
+        problems = validation.validate(cf)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ColibriError(f"{dst}: the converted file fails validation and was not written: "
+                           f"{'; '.join(problems[:3])}{more}")

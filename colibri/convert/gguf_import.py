@@ -34,12 +34,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
 from .. import dtypes
-from .. import quant as qmod
 from ..config import ConfigError, ModelConfig
 from ..errors import ColibriError
 from ..families import canonical_tensors, get_family
 from ..families.tensors import CanonicalTensor
-from ..format import ColibriWriter, TensorSpec
+from ..format import ColibriWriter, TensorSpec, quant as qmod
 from ..version import __version__
 from .checks import ConversionWarning, check_finite, check_meta
 from .gguf_config import GGUFMeta, hf_config, tokenizer_files

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .. import dtypes, mxfp4
-from .. import quant as qmod
+from .. import dtypes
 from ..config import ConfigError, ModelConfig
 from ..errors import ColibriError
 from ..families import Family, canonical_tensors, get_family
 from ..families.base import IGNORABLE_SUFFIXES, Source
 from ..families.tensors import CanonicalTensor
-from ..format import TensorSpec
+from ..format import TensorSpec, mxfp4, quant as qmod
 from ..version import __version__
 from .checkpoint import (FP8, ITEM_BYTES, SCALE_SUFFIX, SOURCE_DTYPES, CheckpointTensor,
                          read_json, scan_checkpoint)

@@ -10,14 +10,12 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .. import mxfp4, validation
 from ..errors import ColibriError
-from ..format import ColibriWriter
+from ..format import ColibriWriter, mxfp4, validation
 from .checkpoint import (GGUF_MAGIC, INDEX_FILE, TOKENIZER_FILES, ShardReader, is_gguf,
                          open_shard, read_tokenizer)
-from .checks import check_finite, check_meta
+from .checks import check_finite, check_meta, signals_raise, verify_converted
 from .fp8 import dequantize_fp8
-from .guard import signals_raise, verify_converted
 from .plan import DEFAULT_QUANTIZE, Plan, PlannedTensor, plan
 
 

@@ -1,5 +1,5 @@
 /* colibri/csrc/mla.h: the absorbed decode step of multi-head latent attention (DeepSeek-V2 /
- * V3; colibri/mla.py, MLA.decode), one token over the latent cache, on the file's own kv_b.
+ * V3; colibri/engine/mla.py, MLA.decode), one token over the latent cache, on the file's own kv_b.
  *
  * kv_b (H*(Dn+Dv), R) holds per head h the Dn rows W_kb[h] (R columns each) and then the Dv
  * rows W_vb[h]. The cache holds per position j the latent c_j (R) and the rotated key kr_j

@@ -56,7 +56,7 @@ static inline void colibri_pool_release_tiles(void)
 }
 
 static int colibri_pool_spin_us = 500;      /* how long an idle worker spins before sleeping;
-                                              * set at import by colibri.runtime (SPIN_US) */
+                                              * set at import by colibri.kernels.runtime (SPIN_US) */
 static long colibri_pool_backoffs = 0;      /* times a worker stopped spinning (cores shared) */
 static long colibri_pool_worker_items = 0;  /* work items run by worker threads (not callers) */
 

@@ -5,7 +5,7 @@
  * 4-8 ufunc calls of ~1 us of dispatch apiece for ~1 us of arithmetic; here each is one call.
  *
  * The arithmetic is NumPy's, operation for operation, so results are the same bits as the
- * NumPy code they replace (colibri.attention's rms_norm / apply_rope):
+ * NumPy code they replace (colibri.engine.attention's rms_norm / apply_rope):
  *   - RMSNorm: ss = sum(x * x) in float32, summed in the order of NumPy's float32
  *     add.reduce over a contiguous row (pairwise: 8 interleaved partial sums over blocks
  *     of up to 128, halves split at multiples of 8); r = 1 / sqrt(ss / n + eps) in float32;

@@ -11,7 +11,7 @@ sliding (window `sliding_window`) and full attention; RMSNorm; RoPE with YaRN.
 Checkpoint layouts: the released checkpoints store the experts as MXFP4,
 `mlp.experts.gate_up_proj_blocks` (E, 2I, D/32, 16) + `_scales` (E, 2I, D/32) and
 `down_proj_blocks` (E, D, I/32, 16) + `_scales`: the converter keeps those bytes as they are
-(the "mxfp4" format, colibri/mxfp4.py), splitting gate / up by rows. transformers'
+(the "mxfp4" format, colibri/format/mxfp4.py), splitting gate / up by rows. transformers'
 save_pretrained writes them unquantized and transposed: `mlp.experts.gate_up_proj`
 (E, D, 2I), `down_proj` (E, I, D); those are de-interleaved and transposed into the canonical
 (I, D) / (D, I) matrices. Biases: `gate_up_proj_bias` (E, 2I, interleaved), `down_proj_bias`.

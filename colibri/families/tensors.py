@@ -164,7 +164,7 @@ def canonical_tensors(cfg: ModelConfig) -> list[CanonicalTensor]:
 
 
 def _mla_tensors(add, p: str, i: int, cfg: ModelConfig) -> None:
-    """The attention tensors of an MLA layer (colibri/mla.py), in data-flow order."""
+    """The attention tensors of an MLA layer (colibri/engine/mla.py), in data-flow order."""
     if cfg.q_lora_rank:
         for kind in ("attn.wq_a", "attn.q_a_norm", "attn.wq_b"):
             add(p + kind, kind, layer=i)

@@ -13,7 +13,7 @@ The modules, in data-flow order:
     writer   TensorSpec, ColibriWriter (planned layout, atomic write), save()
 
 The weight formats (dtype codes, bits, row strides) are colibri.dtypes'; their encodings
-colibri.quant's.
+colibri.format.quant's.
 """
 from .spec import (
     ALIGNMENT, EXPERT_RE, FORMAT_VERSION, MAGIC, PAGE_SIZE, PROJS, ROUTER_RE, expert_name,

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable, NoReturn
 
 import numpy as np
 
-from .. import dtypes, safe_json
+from .. import dtypes
 from ..dtypes import BLOCK, DTYPE_NAMES, DTYPES
 from ..errors import ColibriFormatError
+from . import safe_json
 from .spec import (
     ALIGNMENT, EXPERT_RE, EXPERT_RECORD_SIZE, FORMAT_VERSION, HEADER_FIELDS, HEADER_FLAG_CRC,
     HEADER_SIZE, HEADER_STRUCT, MAGIC, MAX_METADATA_BYTES, MAX_PREFIX_PADDING, MAX_TENSORS,

@@ -19,11 +19,11 @@ from typing import Iterable, NoReturn
 
 import numpy as np
 
-from .. import dtypes, mxfp4, quant
+from .. import dtypes
 from ..config import ConfigError, ModelConfig
 from ..dtypes import DTYPE_NAMES
 from ..errors import ColibriError, ColibriFileChangedError, ColibriFormatError
-from . import checks
+from . import checks, mxfp4, quant
 from .spec import (
     EXPERT_DTYPE, HEADER_SIZE, PROJS, RECORD_DTYPE, RECORD_FLAG_CRC, RECORD_SIZE, expert_name,
 )

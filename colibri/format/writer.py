@@ -33,9 +33,10 @@ except ImportError:  # no advisory locks (Windows): stale temporary files are le
 
 import numpy as np
 
-from .. import dtypes, quant
+from .. import dtypes
 from ..dtypes import DTYPE_NAMES, DTYPES
 from ..errors import ColibriError
+from . import quant
 from .checks import check_metadata, first_missing, with_metadata_crc
 from .spec import (
     ALIGNMENT, EXPERT_RE, EXPERT_RECORD_SIZE, EXPERT_STRUCT, FORMAT_VERSION, HEADER_FLAG_CRC,

@@ -1,5 +1,5 @@
 # colibri/pyx/biased_experts.pxi: routed experts with biases and / or the swigluoai
-# activation (GPT-OSS; colibri/moe.py, BiasedExperts) in one nogil call: the decode step's
+# activation (GPT-OSS; colibri/engine/moe.py, BiasedExperts) in one nogil call: the decode step's
 # one token (PreparedBiasedExperts); T token rows grouped by expert are biased_grouped.pxi's.
 
 cdef extern from "csrc/swigluoai.h" nogil:
@@ -154,7 +154,7 @@ cdef class PreparedBiasedExperts:
     BiasedExperts (the same bits) but the activation (csrc/swigluoai.h / silu_mul: within a
     few ulp of NumPy's).
 
-    Over an expert cache's arena (colibri.expert_cache) the stacks hold its slots:
+    Over an expert cache's arena (colibri.experts.expert_cache) the stacks hold its slots:
     n_experts is then the biases' first dimension E (default: the stacks' count), and
     `p(x, ids, weights, out, slots)` reads expert ids[k]'s weights from stack row slots[k]
     (int32 (1, K)) and its biases from row ids[k]; the order of the sums is still the

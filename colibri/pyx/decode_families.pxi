@@ -2,7 +2,7 @@
 # layers add to the compiled decode step (decode_layer.pxi), as nogil calls on its scratch:
 #   - _norm_row: the model's norm of a row, RMSNorm or LayerNorm (PhiMoE, DBRX:
 #     norms.layer_norm's operations in NumPy's summation order, csrc/decode_layer.h);
-#   - _mla_attention: MLA.decode (colibri/mla.py) — the q projection (or q LoRA: wq_a, its
+#   - _mla_attention: MLA.decode (colibri/engine/mla.py) — the q projection (or q LoRA: wq_a, its
 #     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
 #     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
 #   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi's
@@ -19,7 +19,7 @@ cdef extern from "csrc/decode_layer.h" nogil:
 BIASED_TOP_K_MAX = BIASED_MAX_K     # the experts per token _biased_token takes
 
 ctypedef struct DMla:
-    # one layer's latent attention (colibri.mla.MLA): Wmats of the current ISA
+    # one layer's latent attention (colibri.engine.mla.MLA): Wmats of the current ISA
     Wmat wq, wq_a, wq_b, wkv_a    # (H*(Dn+Dr), D) or (Rq, D) + (H*(Dn+Dr), Rq); (Rkv+Dr, D)
     Wmat kvb                      # kv_b (H*(Dn+Dv), Rkv), f32 activations (PreparedMLA's)
     const float *bq               # their biases or NULL
@@ -42,7 +42,7 @@ ctypedef struct DMlaBuf:
 
 
 ctypedef struct DBiased:
-    # one layer's biased / swigluoai experts (colibri.moe.BiasedExperts)
+    # one layer's biased / swigluoai experts (colibri.engine.moe.BiasedExperts)
     const float *bg               # (E, I), (E, I), (E, D) or NULL
     const float *bu
     const float *bd

@@ -37,7 +37,7 @@ cdef enum:
     QK_NONE = 0
     QK_FULL = 1
     QK_PER_HEAD = 2
-    STAGE_ATTENTION = 0             # DecodeBinding.seconds, as colibri.runtime.STAGES
+    STAGE_ATTENTION = 0             # DecodeBinding.seconds, as colibri.kernels.runtime.STAGES
     STAGE_ROUTER = 1
     STAGE_EXPERTS = 2
     STAGE_SHARED = 3
@@ -112,7 +112,7 @@ ctypedef struct DBind:
 cdef class DecodeLayers:
     """Every layer of a model for the compiled decode step: `DecodeLayers(specs, hidden,
     n_heads, n_kv_heads, head_dim, rope_pairs, eps, scale, residual_mult, threads,
-    activations, mla=None)`, specs a list of one dict per layer (colibri.decode_layer builds
+    activations, mla=None)`, specs a list of one dict per layer (colibri.engine.decode_layer builds
     them: WeightRefs and float32 vectors, checked here once); mla: (nope_dim, rope_dim, v_dim,
     kv_rank, q_rank, latent_eps) for latent attention (scale then its softmax scale);
     layer_norm: LayerNorm instead of RMSNorm. Bind it to a cache with DecodeBinding."""

@@ -6,7 +6,7 @@
 # threads: how many a piece of work is worth
 
 # The knobs' values live here; their defaults and the reasons for them are defined once, in
-# colibri.runtime (KNOBS), which sets every knob at import: the initial values below are
+# colibri.kernels.runtime (KNOBS), which sets every knob at import: the initial values below are
 # overwritten before any kernel runs.
 cdef Py_ssize_t _min_bytes = 1 << 18
 
@@ -68,7 +68,7 @@ cdef inline int _team(double work, int threads) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # GEMM path: from how many tokens per matrix the prefill path replaces the row kernel
 
-# set at import by colibri.runtime (GEMM_MIN_TOKENS: the default and its measurement)
+# set at import by colibri.kernels.runtime (GEMM_MIN_TOKENS: the default and its measurement)
 cdef Py_ssize_t _gemm_min = 4
 
 
@@ -85,7 +85,7 @@ def get_gemm_min_tokens():
     return _gemm_min
 
 
-# set at import by colibri.runtime (IGEMM_MIN_TOKENS); 0: each path's measured crossover
+# set at import by colibri.kernels.runtime (IGEMM_MIN_TOKENS); 0: each path's measured crossover
 cdef Py_ssize_t _igemm_min = 0
 cdef Py_ssize_t _NEVER = 1 << 62
 

@@ -20,24 +20,24 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..batching import ContextLengthError, QueueFullError
-from ..sampling import SEED_LIMIT, SamplingParams
+from ..generation.batching import ContextLengthError, QueueFullError
+from ..generation.sampling import SEED_LIMIT, SamplingParams
 from ..version import __version__
+from .auth import OPEN_PATHS, KeyGuard
 from .best_of import choose_best
 from .bridge import Generation, wait_disconnect
 from .echo import add_echo
 from .engine import Engine, ModelHolder, ReloadResult
 from .errors import (APIError, context_length_error, error_body, install_error_handlers,
                      queue_full_error)
-from .auth import OPEN_PATHS, KeyGuard
 from .limits import BodyLimit
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .openapi import install_openapi
 from .responses import (SSE_DONE, ChoiceState, Envelope, chat_body, chat_chunk, chat_chunks,
                         completion_body, completion_chunk, sse, usage_body, usage_chunk)
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorBody
 from .settings import Settings
 from .structured import prepare, response_constraint, tool_plan
-from .openapi import install_openapi
 from .tokenize_routes import register_tokenize_routes
 from .webui import WEBUI_PATHS, register_webui
 

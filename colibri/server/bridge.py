@@ -17,8 +17,8 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from ..batching import ContextLengthError, QueueFullError, RequestHandle, TokenEvent
-from ..sampling import SamplingParams
+from ..generation.batching import ContextLengthError, QueueFullError, RequestHandle, TokenEvent
+from ..generation.sampling import SamplingParams
 from .engine import Engine
 
 log = logging.getLogger("colibri.server")

@@ -17,7 +17,7 @@ A choice that a stop token (EOS) ended lists that token last (its text is not ec
 vLLM and OpenAI's legacy completions do: lm-eval reads `token_logprobs[len(context):-1]`
 as the continuation, taking the last entry for the generated token.
 
-The prompt's log-probabilities come from its prefill (colibri.prompt_logprobs: the raw
+The prompt's log-probabilities come from its prefill (colibri.generation.prompt_logprobs: the raw
 logits, float64 log-softmax), taken by the first choice of each prompt and shared by its
 others. `max_tokens: 0` scores the prompt without generating. The text echoed is the prompt
 as sent, or for token ids their decoded text.

@@ -26,11 +26,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..batching import Scheduler
+from ..engine.model import Model
 from ..errors import ColibriError
 from ..format import ColibriFile
-from ..model import Model
-from ..validation import validate
+from ..format.validation import validate
+from ..generation.batching import Scheduler
 from .settings import Settings
 
 __all__ = ["Engine", "ModelHolder", "ReloadResult", "version_of"]
@@ -60,7 +60,7 @@ class Engine:
         if settings.draft is None:
             self.scheduler = Scheduler(model, **sizes)
         else:                                     # speculation in every slot
-            from ..speculative_batch import Speculation, SpeculativeScheduler
+            from ..generation.speculative_batch import Speculation, SpeculativeScheduler
             self.scheduler = SpeculativeScheduler(
                 model, Speculation(model, settings.draft, settings.draft_tokens), **sizes)
         self.ctx = self.scheduler.ctx

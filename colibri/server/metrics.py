@@ -5,7 +5,7 @@ colibri_completion_tokens_total. Read from the engine at each scrape: colibri_to
 (generated tokens over the last 10 s), colibri_queue_depth, colibri_slots_busy,
 colibri_slots_total, colibri_kv_bytes_in_use, colibri_kv_bytes_budget, colibri_rss_bytes (this
 process), colibri_model_info{version, path}, colibri_reloads_total,
-colibri_reload_failures_total, the prefix cache's (colibri.prefix_cache) of the version
+colibri_reload_failures_total, the prefix cache's (colibri.engine.prefix_cache) of the version
 serving: colibri_prefix_cache_hits_total / _misses_total (prompt tokens copied from it /
 computed), colibri_prefix_cache_lookups_total (prompts), colibri_prefix_cache_evictions_total
 (blocks), colibri_prefix_cache_bytes, colibri_prefix_cache_capacity_bytes,

@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 
-from ..batching import TokenEvent
+from ..generation.batching import TokenEvent
 
 __all__ = ["ChoiceState", "Envelope", "completion_body", "chat_body", "completion_chunk",
            "chat_chunk", "chat_chunks", "usage_body", "sse", "SSE_DONE"]

@@ -9,8 +9,8 @@ message that says so. response_format (json_object, json_schema) and tools / too
 checked here for shape; what they mean is colibri/server/structured.py's. /v1/completions takes `echo` (the prompt
 echoed, and with `logprobs` its tokens scored: colibri/server/echo.py) and `best_of`.
 
-Bounds (the sampling ones are colibri.sampling's REAL_BOUNDS, the rules every caller shares):
-temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
+Bounds (the sampling ones are colibri.generation.sampling's REAL_BOUNDS, the rules every caller
+shares): temperature [0, 2], top_p (0, 1], min_p [0, 1], presence/frequency penalties
 [-2, 2], repetition_penalty (0, 10], top_k [0, 2^31), seed >= 0 (taken modulo 2^63), n and best_of [1, 16],
 logprobs / top_logprobs [0, 20], max_tokens [1, 2^31) ([0, 2^31) on /v1/completions: 0
 scores or echoes the prompt without generating), at most 16 stop strings of 1..256
@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, REAL_BOUNDS
+from ..generation.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, REAL_BOUNDS
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ColibriOptions",
            "StreamOptions", "ErrorBody", "MAX_N", "MAX_TOP_LOGPROBS", "MAX_PROMPTS"]
@@ -103,7 +103,7 @@ class FunctionName(_Strict):
 
 
 def _bounded(name: str, default: float):
-    """A Field over colibri.sampling.REAL_BOUNDS[name]: the range the engine checks."""
+    """A Field over colibri.generation.sampling.REAL_BOUNDS[name]: the range the engine checks."""
     lo, hi, lo_open = REAL_BOUNDS[name]
     return Field(default, gt=lo, le=hi) if lo_open else Field(default, ge=lo, le=hi)
 
@@ -117,7 +117,7 @@ class _Sampling(_Strict):
     """The fields both routes share."""
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=_INT31)
-    # the ranges are colibri.sampling's, the one set of rules every caller checks
+    # the ranges are colibri.generation.sampling's, the one set of rules every caller checks
     temperature: Finite = _bounded("temperature", 1.0)     # OpenAI's default, not greedy
     top_p: Finite = _bounded("top_p", 1.0)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)

@@ -12,17 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..api import default_model_path
+from ..engine.kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
+from ..engine.model import DEFAULT_ACTIVATIONS
 from ..errors import ColibriError
+from ..generation.sampling import MAX_TOP_K, REAL_BOUNDS
 from ..kernels import ACTIVATIONS
-from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
-from ..model import DEFAULT_ACTIVATIONS
 from ..ray_local import is_loopback
-from ..sampling import MAX_TOP_K, REAL_BOUNDS
 
 __all__ = ["Settings", "parse_bytes", "is_loopback", "SAMPLING_DEFAULTS"]
 
 # request field -> (flag of `colibri serve`, lowest, highest, lowest excluded): the sampling
-# bounds are colibri.sampling's, which the request schemas (schemas.py) and the engine check too
+# bounds are colibri.generation.sampling's, which the request schemas (schemas.py) and the engine
+# check too
 SAMPLING_DEFAULTS = {"temperature": ("--temp", *REAL_BOUNDS["temperature"]),
                      "top_k": ("--top-k", 0, MAX_TOP_K, False),
                      "top_p": ("--top-p", *REAL_BOUNDS["top_p"]),
@@ -75,11 +76,12 @@ class Settings:
     max_body: bytes a request body may hold (413 past it).
     max_n: choices per request at most (n x prompts).
     model_name: the id /v1/models lists and responses carry (None: the file's stem).
-    draft: speculative decoding in every slot (colibri.speculative_batch): "prompt-lookup" or
+    draft: speculative decoding in every slot (colibri.generation.speculative_batch):
+    "prompt-lookup" or
         a draft .colibri file with the model's tokenizer; None: off. draft_tokens: the most
         drafts per verification (1..32).
     webui: serve the chat and routing page at / (webui.py); False: / is a 404.
-    expert_shards: N > 0 puts the experts on N Ray actors (colibri.expert_shards), joining
+    expert_shards: N > 0 puts the experts on N Ray actors (colibri.experts.expert_shards), joining
         the cluster at ray_address (None: a local instance on loopback); shard_threads:
         kernel threads per actor (None: threads); shard_memory_budget: bytes of experts
         each actor may hold (an expert cache per actor; None: no limit; needs expert_shards).

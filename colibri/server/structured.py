@@ -10,8 +10,8 @@ with tools, the choice state that turns the model's tool-call text into `tool_ca
 response_format json_object is any JSON object, json_schema its schema (enforced whether
 `strict` is true or not, as vLLM does); both apply to every choice (n > 1: each its own
 matcher). tool_choice "auto" leaves the output free and parses calls out of it in the
-model's own format (colibri/tool_calls.py); "required" and a named function constrain it to
-that format's call syntax with the functions' parameter schemas (one call for a named
+model's own format (colibri/generation/tool_calls.py); "required" and a named function constrain it
+to that format's call syntax with the functions' parameter schemas (one call for a named
 function, one or more for required unless parallel_tool_calls is false); "none" leaves the
 tools out of the prompt and the output is text. A choice that made calls has finish_reason
 "tool_calls", its message `tool_calls` [{id, type: "function", function: {name,
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import uuid
 
-from ..batching import TokenEvent
 from ..errors import ColibriError
-from ..constraints import ConstraintError, ConstraintSpec, MissingExtraError, compile_spec
-from ..tool_calls import (_PYTHON_TAG, ArgsPiece, CallStart, ToolCall, ToolFormat,
-                          ToolStreamParser, call_constraint, detect_format)
+from ..generation.batching import TokenEvent
+from ..generation.constraints import (ConstraintError, ConstraintSpec, MissingExtraError,
+                                      compile_spec)
+from ..generation.tool_calls import (_PYTHON_TAG, ArgsPiece, CallStart, ToolCall, ToolFormat,
+                                     ToolStreamParser, call_constraint, detect_format)
 from .errors import APIError
 from .responses import ChoiceState
 

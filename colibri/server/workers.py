@@ -48,7 +48,7 @@ import traceback
 from dataclasses import replace
 
 from ..format import ColibriFile
-from ..runtime import default_threads
+from ..kernels.runtime import default_threads
 from .app import create_app
 from .engine import ModelHolder
 from .run import log_config, serve

@@ -48,16 +48,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels, runtime
+from .. import kernels
 from ..api import default_model_path, load
-from ..decode_layer import decode_path
+from ..engine.decode_layer import decode_path
+from ..engine.kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
+from ..engine.model import DEFAULT_ACTIVATIONS
 from ..errors import ColibriError
+from ..experts.residency import fault_counts
+from ..experts.telemetry import ExpertTelemetry
 from ..format import ColibriFile
-from ..kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
-from ..kv_cache import DEFAULT_KV_DTYPE, kv_dtype_name
-from ..model import DEFAULT_ACTIVATIONS
-from ..residency import fault_counts
-from ..telemetry import ExpertTelemetry
+from ..kernels import runtime
+from ..kernels.kernel_paths import format_kernel_paths, kernel_paths, matmul_formats
 from ..version import __version__
 from .inspect import model_config, totals
 
@@ -70,7 +71,7 @@ __all__ = ["run_bench", "bytes_per_token", "model_facts", "format_markdown", "fo
 # in a fraction of a second.
 DEFAULT_BANDWIDTH_BYTES = 256 * 2**20
 
-# Stages of Model.timings (colibri.runtime.STAGES) folded into the columns of the table.
+# Stages of Model.timings (colibri.kernels.runtime.STAGES) folded into the columns of the table.
 SHARE_GROUPS = {"router": ("router",), "experts": ("experts", "shared", "dense"),
                 "attention": ("attention",), "head": ("head",)}
 
@@ -292,7 +293,7 @@ def run_bench(model_path: str | os.PathLike | None = None, *,
         (0 skips it and the roofline ceiling).
     progress: called with a short line before each test (e.g. print to stderr).
     telemetry: record every timed token's expert hits / misses and bytes read
-        (colibri.telemetry: mincore on the blocks used, or the expert cache's counters) into
+        (colibri.experts.telemetry: mincore on the blocks used, or the expert cache's counters) into
         the row's "telemetry" (TokenTelemetry.summary); page faults per token
         (major_faults_per_token, minor_faults_per_token, from getrusage) are in every row.
     load_options: more keyword arguments of colibri.load (memory_budget, mlock, mmap, ...).

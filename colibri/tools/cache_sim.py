@@ -9,7 +9,7 @@
 Each token's MoE layers are visited in order and each layer's K experts in order, as a
 decode runs them; `chunk` > 1 replays calls of that many tokens (a prefill: layer by layer,
 every token of the call at each layer). The decisions are those of the live cache: both run
-colibri.eviction.SlotTable.lookup, so on the same routing the simulated and the live hits
+colibri.experts.eviction.SlotTable.lookup, so on the same routing the simulated and the live hits
 are equal (tests/test_cache_sim.py checks it).
 
 Predicted speed: a token reads bytes_per_token from a disk of `bandwidth` bytes/s on top of
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..eviction import POLICIES, SlotTable, make_policy
-from ..expert_cache import memory_plan
+from ..experts.eviction import POLICIES, SlotTable, make_policy
+from ..experts.expert_cache import memory_plan
 from ..format import ColibriFile
 from .plot import _axes
 
@@ -105,7 +105,7 @@ def simulate(experts: np.ndarray, n_slots: int, policy: str = "lru", *,
 
     n_experts: E (default: the largest id + 1); chunk: tokens per forward call (1: decode).
     A call whose layer needs more distinct blocks than there are slots raises
-    colibri.eviction.CacheFullError, as the live cache would.
+    colibri.experts.eviction.CacheFullError, as the live cache would.
     """
     experts = np.asarray(experts)
     if experts.ndim != 3:

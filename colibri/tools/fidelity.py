@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.kv_cache import DEFAULT_MAX_CTX
+from ..engine.model import Model
 from ..errors import ColibriError
-from ..kv_cache import DEFAULT_MAX_CTX
-from ..model import Model
 from .trace import Trace, iter_trace
 
 __all__ = ["RoutingFidelity", "compare_routing", "routing_fidelity", "fidelity_rows"]

@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import quant, validation
 from ..config import ConfigError, ModelConfig
 from ..errors import ColibriError
 from ..families import FAMILIES
-from ..format import ColibriFile, QuantizedTensor
+from ..format import ColibriFile, QuantizedTensor, quant, validation
 
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w_gate|w_up|w_down)")
 
@@ -165,7 +164,7 @@ def check_arch(cf: ColibriFile) -> list[str]:
 
 
 def validate(cf: ColibriFile, progress: bool = False) -> list[str]:
-    """Every problem a full read and a trial use find (colibri.validation.validate):
+    """Every problem a full read and a trial use find (colibri.format.validation.validate):
     checksums, padding, non-finite values, the typed config against the tensors and against
     config.json, the tokenizer and chat template. (Structure is checked at open.)"""
     return validation.validate(cf, progress=progress)

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.kv_cache import DEFAULT_KV_DTYPE
+from ..engine.model import DEFAULT_ACTIVATIONS, Model
 from ..errors import ColibriError
-from ..kv_cache import DEFAULT_KV_DTYPE
-from ..model import DEFAULT_ACTIVATIONS, Model
-from ..tokenizer import NoTokenizerError
+from ..generation.tokenizer import NoTokenizerError
 from .fidelity import RoutingFidelity, compare_routing, fidelity_rows
 from .trace import Trace
 

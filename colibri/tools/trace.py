@@ -12,7 +12,8 @@
     tr.tokens         list[str] (T)      each token's text (decoded on first use)
     tr.layers         list[int] (M)      the model's MoE layer numbers (dense layers route nothing)
     tr.telemetry      TokenTelemetry | None   with telemetry=True: expert hits / misses (T, M),
-                                         bytes read (T,), page faults (T,) (colibri.telemetry)
+                                         bytes read (T,), page faults (T,)
+                                         (colibri.experts.telemetry)
 
 A trace is taken from the forward pass itself (`Model.forward(..., return_routing=True)`), so
 `experts` and `weights` are the ids and weights the expert kernels received, not a recomputation.
@@ -35,10 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.kv_cache import DEFAULT_MAX_CTX
 from ..errors import ColibriError
-from ..kv_cache import DEFAULT_MAX_CTX
-from ..telemetry import ExpertTelemetry, TokenTelemetry
-from ..tokenizer import NoTokenizerError
+from ..experts.telemetry import ExpertTelemetry, TokenTelemetry
+from ..generation.tokenizer import NoTokenizerError
 from .stats import RoutingStats
 
 __all__ = ["Trace", "trace", "iter_trace", "routing_stats", "UnknownLayerError", "format_route"]
@@ -385,7 +386,7 @@ def iter_trace(model, source, *, batch_size: int = DEFAULT_BATCH, max_tokens: in
     window: tokens per KV cache; a longer sequence continues in a fresh window whose positions
         restart at 0 (default: the model's context length, at most 4096).
     telemetry: also record each token's expert hits / misses, bytes read and page faults
-        (Trace.telemetry, colibri.telemetry; with batch_size=1 every token is its own call,
+        (Trace.telemetry, colibri.experts.telemetry; with batch_size=1 every token is its own call,
         as in a decode).
     Only the last position's logits are computed (the head is skipped for the others).
     """
