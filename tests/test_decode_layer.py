@@ -414,7 +414,7 @@ def test_gate_sigmoid_is_numpys():
 
 _ENV_CHECK = """
 import sys, numpy as np, colibri.api as api
-from colibri import runtime
+from colibri.kernels import runtime
 assert runtime.get_isa() == sys.argv[1], runtime.get_isa()
 for path in sys.argv[2:]:
     m = api.load(path, threads=2, activations="int16")

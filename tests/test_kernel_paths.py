@@ -95,7 +95,7 @@ def test_amx_selfcheck_mismatch_disables_amx_with_one_warning():
     process, says why, and warns once however often it fails."""
     if "avx512vnni" not in runtime.available_isas():
         pytest.skip("the tile emulation needs the avx512vnni path")
-    p = _python("from colibri import _kernels, runtime\n"
+    p = _python("from colibri import _kernels\nfrom colibri.kernels import runtime\n"
                 "print(_kernels._amx_selfcheck_drill(False))\n"
                 "print(_kernels._amx_selfcheck_drill(True), _kernels._amx_selfcheck_drill(True))\n"
                 "print('amx' in runtime.available_isas())\n"

@@ -42,7 +42,7 @@ def test_isa_selection():
 def test_env_forces_isa_at_import(tmp_path):
     # cwd away from the checkout, so the installed package (with its compiled kernels) is
     # imported, not the source folder
-    code = "from colibri import runtime; print(runtime.get_isa())"
+    code = "from colibri.kernels import runtime; print(runtime.get_isa())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**__import__("os").environ, "COLIBRI_ISA": "scalar"}, timeout=120,
                          cwd=tmp_path)
@@ -69,7 +69,7 @@ def test_spin_us_setting_and_env(tmp_path):
         runtime.set_spin_us(-1)
     runtime.set_spin_us(None)
     assert runtime.spin_us() == runtime.SPIN_US.default
-    code = "from colibri import runtime; print(runtime.spin_us())"
+    code = "from colibri.kernels import runtime; print(runtime.spin_us())"
     for value, ok in (("0", True), ("250", True), ("soon", False), ("-3", False)):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**__import__("os").environ, "COLIBRI_SPIN_US": value},

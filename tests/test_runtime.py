@@ -18,7 +18,7 @@ from colibri.kernels import runtime
 
 # What a fresh interpreter reports; cwd away from the checkout (tmp_path) so the installed
 # package (with its compiled kernels) is imported, not the source folder.
-REPORT = ("import json; from colibri import runtime as r; print(json.dumps({"
+REPORT = ("import json; from colibri.kernels import runtime as r; print(json.dumps({"
           "'isa': r.get_isa(), 'threads': r.default_threads(), "
           "**{k.name: k.get() for k in r.KNOBS}}))")
 VARIABLES = ("COLIBRI_ISA", "COLIBRI_NUM_THREADS", "OMP_NUM_THREADS",
