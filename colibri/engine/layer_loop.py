@@ -37,6 +37,7 @@ from .run_state import RunState
 __all__ = ["PaddedBatch", "RaggedBatch", "TokenStep", "forward_pass", "run_layers",
            "tracer", "Record", "unpadded", "is_token_step", "AttentionLayer"]
 
+
 class AttentionLayer(Protocol):
     """What a layer's attention gives the loop (attention.Attention, mla.MLA): one method
     per description of the rows; each writes the new rows' keys and values to the cache at
@@ -61,8 +62,21 @@ class AttentionLayer(Protocol):
 Record = Callable[..., None]
 
 
+class _NewRows:
+    """What PaddedBatch and RaggedBatch share: buffers allocated per pass, no compiled path."""
+
+    def buffers(self, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(xa, xf, y): the normed inputs of attention and FFN (T, D), the MoE's output
+        buffer (None: it allocates)."""
+        T = self.rows
+        return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
+
+    def run_compiled(self, model) -> bool:
+        return False
+
+
 @dataclass
-class PaddedBatch:
+class PaddedBatch(_NewRows):
     """B sequences of S new rows each, rows b * S + s; valid bool (B, S) (False: padding),
     pos int64 (B, S) their RoPE positions; cache: a KVCache of batch B or None."""
     valid: np.ndarray
@@ -81,12 +95,6 @@ class PaddedBatch:
     def rows(self) -> int:
         return self.valid.size
 
-    def buffers(self, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(xa, xf, y): the normed inputs of attention and FFN (T, D), the MoE's output
-        buffer (None: it allocates)."""
-        T = self.rows
-        return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
-
     def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         """Layer `layer`'s attention of the normed rows x (T, D) -> (T, D)."""
         B, S = self.valid.shape
@@ -99,9 +107,6 @@ class PaddedBatch:
         o = attn(x.reshape(B, S, -1), self.cos, self.sin, self.masks[w], self.cache, layer)
         return o.reshape(B * S, -1)
 
-    def run_compiled(self, model) -> bool:
-        return False
-
     def commit(self) -> None:
         if self.cache is not None:
             self.cache.commit(self.valid, self.pos)
@@ -110,7 +115,7 @@ class PaddedBatch:
 
 
 @dataclass
-class RaggedBatch:
+class RaggedBatch(_NewRows):
     """N sequences, each of its own cache: segments[j] holds rows [start, start + n)."""
     segments: list[Segment]
 
@@ -119,15 +124,8 @@ class RaggedBatch:
         s = self.segments[-1]
         return s.start + s.n
 
-    def buffers(self, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        T = self.rows
-        return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
-
     def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         return attn.forward_segments(x, self.segments, layer)
-
-    def run_compiled(self, model) -> bool:
-        return False
 
     def commit(self) -> None:
         for s in self.segments:
@@ -182,10 +180,8 @@ def is_token_step(cache, rows: int) -> bool:
     """Whether `rows` new rows through `cache` make a TokenStep: one row, a cache of one
     sequence with room for it and no padding. The one place that decides it (Model.forward,
     its fast entry Model.decode_call, the ragged step's segments)."""
-    if rows != 1 or cache is None or cache.batch != 1 or cache.length >= cache.ctx:
-        return False
-    n = cache.length                                     # unpadded(cache), inlined: per step
-    return np.count_nonzero(cache.valid[0, :n]) == n
+    return (rows == 1 and cache is not None and cache.batch == 1
+            and cache.length < cache.ctx and unpadded(cache))
 
 
 def tracer(trace: RoutingTrace, B: int, S: int, threads: int) -> Record:
