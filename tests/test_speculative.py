@@ -1,7 +1,8 @@
-"""Speculative decoding (colibri.generation.speculative, colibri.generation.drafters): greedy output
-token for token that of plain decoding on several families and the shipped model, the cache rollback
-bit for bit against a cache that never saw the rejected tokens (MLA, sliding windows, sinks), and
-the rejection rule keeping the target distribution (chi-square)."""
+"""Speculative decoding (generate(..., draft=...): colibri.generation.speculative's rule, the
+drafters, a SpeculativeScheduler's loop): greedy output token for token that of plain decoding on
+several families and the shipped model, a drafter of one's own, the statistics, the context limit,
+the cache rollback bit for bit against a cache that never saw the rejected tokens (MLA, sliding
+windows, sinks), and the rejection rule keeping the target distribution (chi-square)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ import colibri.api as api
 from colibri.generation.drafters import (Backoff, DraftMismatchError, DraftModel, PromptLookup,
                                          make_drafter)
 from colibri.generation.sampling import Sampler
-from colibri.generation.speculative import SpeculativeStats, iter_speculative, judge, verify
+from colibri.generation.speculative import SpeculativeStats, judge, verify
 
 pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -25,7 +26,7 @@ def untimed_backoff(monkeypatch):
     """Back off on acceptance only: on these tiny models a verification costs several plain
     steps, and the timed backoff would (rightly) stop speculating after a probe or two,
     leaving the paths under test unexercised."""
-    import colibri.generation.speculative as where
+    import colibri.generation.speculative_batch as where
     monkeypatch.setattr(where, "Backoff", lambda k, timed=True: Backoff(k, timed=False))
 
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +143,77 @@ def test_shipped_model_prompt_lookup_and_stops():
     ids = m.generate(m.tokenizer.encode(code), max_new_tokens=30)
     np.testing.assert_array_equal(m.generate(m.tokenizer.encode(code), max_new_tokens=30,
                                              draft="prompt-lookup"), ids)
+
+
+class Fixed:
+    """A drafter of one's own (start, propose, accepted only): drafts `ahead` copied from a
+    known continuation, the calls it saw recorded."""
+
+    def __init__(self, continuation, ahead=True):
+        self.continuation, self.ahead = list(continuation), ahead
+        self.calls, self.proposed, self.started = [], 0, None
+
+    def start(self, prompt, ctx):
+        self.started, self.n_prompt = (len(prompt), ctx), len(prompt)
+
+    def propose(self, history, k, sampler=None, n_prompt=0):
+        at = len(history) - self.n_prompt
+        drafts = self.continuation[at:at + k] if self.ahead else []
+        self.proposed += bool(drafts)
+        return drafts, None
+
+    def accepted(self, length):
+        self.calls.append(length)
+
+
+def test_a_drafter_of_ones_own_and_the_stats():
+    m = api.load(colibri.default_model_path())
+    M, K = len(m.moe_layers), m.config.num_experts_per_tok
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 2
+    plain = m.generate(m.tokenizer.encode(code), max_new_tokens=30, stop=[])
+    # drafts that are the continuation: every one accepted, fewer passes
+    d = Fixed(plain)
+    spec = m.generate(m.tokenizer.encode(code), max_new_tokens=30, stop=[], draft=d,
+                      num_draft_tokens=4)
+    st = m.last_stats
+    np.testing.assert_array_equal(spec, plain)
+    assert isinstance(st, SpeculativeStats) and d.started[0] == len(m.tokenizer.encode(code))
+    assert st.verify_passes == d.proposed > 0 and st.accepted_tokens == st.draft_tokens
+    assert st.decode_steps < 29 and st.generated_tokens == 30
+    assert st.draft_seconds > 0 and st.draft_seconds < st.decode_seconds
+    plain_passes = st.decode_steps - st.verify_passes
+    assert plain_passes * M * K < st.experts_read <= (plain_passes * M * K
+                                                       + (st.draft_tokens + st.verify_passes) * M * K)
+    assert d.calls and d.calls == sorted(d.calls)
+    # drafts never offered: plain passes only, each reading M * K experts
+    m.generate(code, max_new_tokens=12, stop=[], draft=Fixed(plain, ahead=False))
+    st = m.last_stats
+    assert st.verify_passes == st.draft_tokens == 0 and st.decode_steps == 11
+    assert st.experts_read == 11 * M * K and st.experts_per_token == M * K
+    # wrong drafts: rejected, the output still plain decoding's
+    wrong = Fixed([(t + 1) % m.vocab_size for t in plain])
+    np.testing.assert_array_equal(m.generate(m.tokenizer.encode(code), max_new_tokens=30,
+                                             stop=[], draft=wrong), plain)
+    assert m.last_stats.verify_passes > 0 and m.last_stats.accepted_tokens == 0
+    # one request at a time: a batched scheduler refuses a drafter that keeps state
+    from colibri.generation.speculative_batch import Speculation, SpeculativeScheduler
+    with pytest.raises(ValueError, match="parallel=1"):
+        SpeculativeScheduler(m, Speculation(m, Fixed(plain)), parallel=2)
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "self"])
+def test_generation_up_to_the_context_limit(draft):
+    m = api.load(colibri.default_model_path())
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n" * 2
+    ids = m.tokenizer.encode(code)
+    for room in (1, 2, 7):
+        kw = dict(max_new_tokens=40, stop=[], ctx=len(ids) + room)
+        plain = m.generate(ids, **kw)
+        spec = m.generate(ids, draft=m if draft == "self" else draft, **kw)
+        st = m.last_stats
+        np.testing.assert_array_equal(spec, plain)
+        assert st.generated_tokens == room and st.finish_reason == "ctx"
+        assert st.decode_steps <= room - 1           # no pass feeds the last token
 
 
 def test_bad_arguments_are_named(tmp_path):
@@ -320,10 +392,9 @@ def test_sampling_keeps_the_target_distribution(tiny_vocab, drafter):
     drafted = accepted = 0
     for seed in range(runs):
         d = PromptLookup(2, 1) if drafter == "prompt-lookup" else DraftModel(draft, target)
-        st = SpeculativeStats()
-        toks = [s.token for s in iter_speculative(
-            target, prompt, Sampler(seed=seed, **settings), d, max_new_tokens=n_tok,
-            num_draft_tokens=2, stats=st)]
+        toks = target.generate(prompt, max_new_tokens=n_tok, stop=[], seed=seed, draft=d,
+                               num_draft_tokens=2, **settings)
+        st = target.last_stats
         drafted += st.draft_tokens
         accepted += st.accepted_tokens
         for i, t in enumerate(toks):

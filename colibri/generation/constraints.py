@@ -275,7 +275,7 @@ def constrained_choice(sampler, x: np.ndarray, constraint: Constraint | None
     """(token, the logits it was drawn from, ended): sampler.choose over x (V,) penalised
     logits, masked first when there is a constraint, which then takes the token; ended is True
     when the token closed the grammar (an EOS at its end: a stop, not part of the output).
-    The one hook the decode loops (batching.Scheduler, speculative.iter_speculative) call."""
+    The one hook the decode loop (batching.Scheduler) calls."""
     if constraint is None:
         return sampler.choose(x), x, False
     x = constraint.mask(x)

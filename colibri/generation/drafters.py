@@ -1,5 +1,5 @@
-"""Where speculative decoding's draft tokens come from (colibri.generation.speculative verifies
-them).
+"""Where speculative decoding's draft tokens come from (colibri.generation.speculative_batch
+verifies them with colibri.generation.speculative's rule).
 
     PromptLookup(max_ngram=3, min_ngram=1)   n-gram match in the prompt and the output so far
                                              (transformers' prompt_lookup_num_tokens, vLLM's
@@ -12,10 +12,12 @@ them).
 A drafter's propose(history, k, sampler) returns (drafts: list of at most k ids, q float64
 (len, V) or None): q[i] is the distribution drafts[i] was drawn from, None for a point mass
 (prompt lookup, or a greedy draft model). After a verification the caller reports how far
-the history stayed (accepted(history_length)) so a draft model can drop what was rejected.
+the history stayed (accepted(history_length)) so a draft model can drop what was rejected;
+start(prompt, ctx) begins a sequence. Any object with these three methods is a drafter.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -24,7 +26,7 @@ from ..errors import ColibriError
 from .sampling import Sampler, sample_from_probs
 
 __all__ = ["PromptLookup", "DraftModel", "Backoff", "DraftMismatchError", "make_drafter",
-           "check_same_vocabulary",
+           "is_drafter", "check_same_vocabulary",
            "PROMPT_LOOKUP", "DEFAULT_DRAFT_TOKENS"]
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -122,6 +124,13 @@ class DraftModel:
     def start(self, prompt, ctx: int) -> None:
         self.cache = self.model.new_cache(ctx=ctx)
         self.fed = 0
+
+    def another(self) -> "DraftModel":
+        """A DraftModel of the same two models (their vocabularies checked already) with no
+        cache yet: one for each sequence."""
+        twin = copy.copy(self)
+        twin.cache, twin.fed = None, 0
+        return twin
 
     def propose(self, history, k: int, sampler: Sampler, n_prompt: int = 0):
         """Up to k ids the draft model continues `history` with (greedy when the sampler is,
@@ -233,11 +242,17 @@ class Backoff:
         return f"Backoff(k={self.k}, length={self.length}, misses={self.misses})"
 
 
+def is_drafter(obj) -> bool:
+    """True for an object with a drafter's start, propose and accepted methods."""
+    return all(callable(getattr(obj, name, None)) for name in ("start", "propose", "accepted"))
+
+
 def make_drafter(target, draft, *, max_ngram: int = 3, min_ngram: int = 1):
     """The drafter for `draft`: "prompt-lookup", a colibri Model, a path to a .colibri
     file (loaded with the target's threads, activations and KV dtype), or a drafter made
-    here already (PromptLookup(max_ngram=...), DraftModel)."""
-    if isinstance(draft, (PromptLookup, DraftModel)):
+    already (PromptLookup(max_ngram=...), DraftModel, an object of one's own with start,
+    propose and accepted: returned as it is)."""
+    if is_drafter(draft):
         return draft
     if isinstance(draft, str) and draft == PROMPT_LOOKUP:
         return PromptLookup(max_ngram, min_ngram)
@@ -249,5 +264,5 @@ def make_drafter(target, draft, *, max_ngram: int = 3, min_ngram: int = 1):
                              kv_dtype=target.kv_dtype)           # a Model, as the target
     if hasattr(draft, "new_cache") and hasattr(draft, "forward"):
         return DraftModel(draft, target)
-    raise TypeError(f"draft must be {PROMPT_LOOKUP!r}, a .colibri path or a colibri Model, got "
-                    f"{type(draft).__name__}")
+    raise TypeError(f"draft must be {PROMPT_LOOKUP!r}, a .colibri path, a colibri Model or a "
+                    f"drafter (start, propose, accepted), got {type(draft).__name__}")

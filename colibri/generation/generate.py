@@ -5,7 +5,8 @@ generation loop (prefill, sample, stop, feed back), stepped in the caller's thre
                                     one request, its text decoded here
     generate(model, [p, p, ...])    several prompts together (continuous batching), each
                                     stopping on its own, their text from the scheduler
-    generate(..., draft=...)        speculative decoding: colibri.generation.speculative's own loop
+    generate(..., draft=...)        speculative decoding: one request of a SpeculativeScheduler
+                                    (colibri.generation.speculative_batch), the same loop
 
 For one prompt text is produced incrementally here (tokenizer.IncrementalDecoder): a piece
 is emitted only when it holds whole characters, and text stop sequences are held back until
@@ -21,7 +22,9 @@ from ..errors import ColibriError
 from ..resources import ResourceError, check_allocation
 from .batching import Scheduler, TokenEvent
 from .constraints import compile_spec
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from .speculative import SpeculativeStats
+from .speculative_batch import Speculation, SpeculativeScheduler
 from .steps import GenerationStats, Step
 from .stops import StopText, default_stop_ids, split_stop
 from .tokenizer import IncrementalDecoder, NoTokenizerError
@@ -101,6 +104,7 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
         num_draft_tokens (1..32): the most drafts per verification pass. The same tokens as
         without it at temperature 0, the same distribution when sampling; one prompt only;
         model.last_stats is then a speculative.SpeculativeStats (acceptance, experts read).
+        It runs as one request of a speculative_batch.SpeculativeScheduler.
     input_embeds: float (S, D) prompt embeddings instead of a prompt (prompt_or_ids=None); the
         result is text when the model has a tokenizer, else ids.
     Returns the generated text (for text prompts) or an int64 array of new ids (for ids),
@@ -157,25 +161,17 @@ def generate(model, prompt_or_ids, max_new_tokens: int = 64, temperature: float 
     if ctx is not None and n >= ctx:
         raise ColibriError(f"the prompt has {n} tokens but ctx is {ctx}: "
                            f"nothing left to generate into")
-    if draft is not None:
-        from .speculative import speculative_steps
-        sampler = Sampler(temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                          presence_penalty, frequency_penalty)
-        steps, stats = speculative_steps(
-            model, draft, num_draft_tokens, ids, sampler, max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids, cache=None if ctx is None else model.new_cache(ctx=ctx),
-            constraint=None if spec is None else spec.start(model))
-    else:
-        _check_room(model, n, max_new_tokens, ctx)
-        budget = max_new_tokens if ctx is None else min(max_new_tokens, ctx - n)
-        params = SamplingParams(
-            max_tokens=budget, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed, stop_ids=list(stop_ids),
-            return_routing=return_routing, constraint=spec, detokenize=False)
-        stats = GenerationStats(prompt_tokens=n)
-        steps = _scheduled_steps(model, ids, input_embeds, params, stats,
-                                 ctx_bound=budget < max_new_tokens)
+    _check_room(model, n, max_new_tokens, ctx)
+    budget = max_new_tokens if ctx is None else min(max_new_tokens, ctx - n)
+    params = SamplingParams(
+        max_tokens=budget, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, stop_ids=list(stop_ids),
+        return_routing=return_routing, constraint=spec, detokenize=False)
+    speculation = None if draft is None else Speculation(model, draft, num_draft_tokens)
+    stats = (GenerationStats if draft is None else SpeculativeStats)(prompt_tokens=n)
+    steps = _scheduled_steps(model, ids, input_embeds, params, stats,
+                             ctx_bound=budget < max_new_tokens, speculation=speculation)
     model.last_stats = stats
     with_text = is_text or return_routing and model.tokenizer is not None
     it = _with_text(model, steps, ids, stop_texts, stats) if with_text else steps
@@ -215,28 +211,33 @@ def _check_room(model, n_prompt: int, max_new_tokens: int, ctx: int | None) -> N
                                                f"({per_token} bytes per token)")
 
 
-def _scheduler(model, prompts: list[int], budgets: list[int], parallel: int) -> Scheduler:
+def _scheduler(model, prompts: list[int], budgets: list[int], parallel: int,
+               speculation: Speculation | None = None) -> Scheduler:
     """A Scheduler for sequences of these prompt lengths and token budgets, stepped by the
     caller: `parallel` slots, the longest prompt prefilled in one chunk, a KV budget of the
     slots' caches plus the model's prefix cache (admission never evicts it to make room;
-    the prefix cache bounds itself)."""
+    the prefix cache bounds itself); with speculation a SpeculativeScheduler."""
     longest = max(n + b for n, b in zip(prompts, budgets))
     pc = model.prefix_cache
     kv_budget = (parallel * longest * model.prefix_cache.token_bytes
                  + (pc.capacity if pc.enabled else 0))
-    return Scheduler(model, parallel=parallel, ctx=max(2, longest), kv_budget=kv_budget,
-                     max_queue=len(prompts), prefill_chunk=max(64, max(prompts)),
-                     prefix_cache=pc)
+    sizes = dict(parallel=parallel, ctx=max(2, longest), kv_budget=kv_budget,
+                 max_queue=len(prompts), prefill_chunk=max(64, max(prompts)), prefix_cache=pc)
+    if speculation is None:
+        return Scheduler(model, **sizes)
+    return SpeculativeScheduler(model, speculation, **sizes)
 
 
 def _scheduled_steps(model, ids: list[int], input_embeds, params: SamplingParams,
-                     stats: GenerationStats, ctx_bound: bool) -> Iterator[Step]:
+                     stats: GenerationStats, ctx_bound: bool,
+                     speculation: Speculation | None = None) -> Iterator[Step]:
     """The Steps of one request through a Scheduler (submitted now, so that bad settings
     raise at the call; stepped as the Steps are asked for: a token is yielded as soon as it
     is sampled, or with return_routing once the pass that consumed it has run). ctx_bound:
-    ctx, not max_new_tokens, set the budget (a "length" end is then "ctx")."""
+    ctx, not max_new_tokens, set the budget (a "length" end is then "ctx"). speculation:
+    through a SpeculativeScheduler, its counts then copied into stats (SpeculativeStats)."""
     n = stats.prompt_tokens
-    sched = _scheduler(model, [n], [params.max_tokens], 1)
+    sched = _scheduler(model, [n], [params.max_tokens], 1, speculation)
     events: list[TokenEvent] = []
     handle = sched.submit(ids, params, on_event=events.append, input_embeds=input_embeds)
 
@@ -276,6 +277,8 @@ def _scheduled_steps(model, ids: list[int], input_embeds, params: SamplingParams
             sched.stop(drain=False)
             stats.cached_tokens = handle.cached_tokens
             stats.timings = model.timings.copy()
+            if speculation is not None:
+                speculation.counts.copy_into(stats)
     return run()
 
 

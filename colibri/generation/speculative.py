@@ -8,8 +8,11 @@
                                        so the MLA latent cache, sliding windows and sinks need
                                        nothing else)
     judge(...)                         the acceptance rule for one draft token
-    iter_speculative(...)              one sequence's decode loop with drafts
-    (colibri.generation.drafters)
+    SpeculativeStats, DraftCounts      what a speculative run counts
+
+The decode loop with drafts is the Scheduler's (colibri.generation.speculative_batch:
+SpeculativeScheduler, the client of this rule that generate(..., draft=...) and `serve
+--draft` step); the drafts come from colibri.generation.drafters.
 
 The rule (Leviathan et al. 2023, Chen et al. 2023): draft d drawn from q is accepted with
 probability min(1, p(d) / q(d)); on rejection the token is drawn from norm(max(0, p - q)); when
@@ -28,23 +31,34 @@ outputs token for token.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..engine.kv_cache import KVCache
-from ..resources import ResourceError
-from .constraints import Constraint, constrained_choice
-from .drafters import Backoff, DEFAULT_DRAFT_TOKENS
-from .sampling import Sampler, greedy, sample_from_probs
-from .steps import GenerationStats, Step
+from .sampling import sample_from_probs
+from .steps import GenerationStats
 
-__all__ = ["verify", "judge", "iter_speculative", "speculative_steps", "SpeculativeStats",
+__all__ = ["verify", "judge", "distinct_experts", "SpeculativeStats", "DraftCounts",
            "MAX_DRAFT_TOKENS"]
 
 MAX_DRAFT_TOKENS = 32
+
+
+@dataclass
+class DraftCounts:
+    """What speculation did over the requests of a SpeculativeScheduler (for generate's one
+    request: SpeculativeStats's fields of the same names)."""
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
+    experts_read: int = 0
+    draft_seconds: float = 0.0
+
+    def copy_into(self, stats: "SpeculativeStats") -> None:
+        for f in fields(self):
+            setattr(stats, f.name, getattr(self, f.name))
 
 
 @dataclass
@@ -113,141 +127,7 @@ def judge(p: np.ndarray, draft: int, q: np.ndarray | None, rng: np.random.Genera
     return False, sample_from_probs(residual, rng)
 
 
-def _experts(routing: np.ndarray) -> int:
-    """Distinct experts summed over the MoE layers of routing int (M, n, K)."""
+def distinct_experts(routing: np.ndarray) -> int:
+    """Distinct experts summed over the MoE layers of routing int (M, n, K): what a pass of
+    n rows read."""
     return sum(int(np.unique(layer).size) for layer in routing)
-
-
-def iter_speculative(model, prompt: Sequence[int], sampler: Sampler, drafter, *,
-                     max_new_tokens: int, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-                     stop_ids: Sequence[int] = (), cache: KVCache | None = None,
-                     stats: SpeculativeStats | None = None,
-                     constraint: Constraint | None = None) -> Iterator[Step]:
-    """One sequence decoded with speculation: one Step per generated token (text pieces
-    left empty), the same tokens as plain decoding at temperature 0 and the same
-    distribution when sampling. drafter: a colibri.generation.drafters drafter; num_draft_tokens:
-    the
-    most drafts per verification (colibri.generation.drafters.Backoff shortens and pauses them)."""
-    prompt = [int(t) for t in prompt]
-    n_prompt = len(prompt)
-    if n_prompt == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer))
-            or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
-        raise ValueError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got "
-                         f"{num_draft_tokens!r}")
-    stats = stats if stats is not None else SpeculativeStats()
-    stats.prompt_tokens = n_prompt
-    if cache is None:
-        try:
-            cache = model.new_cache(ctx=n_prompt + max_new_tokens + 1)
-        except ResourceError as e:
-            raise ResourceError(f"a prompt of {n_prompt} tokens and max_new_tokens="
-                                f"{max_new_tokens}: {e}") from None
-    drafter.start(prompt, cache.ctx)
-    stops = set(int(s) for s in stop_ids)
-    plain_experts = len(model.moe_layers) * model.config.num_experts_per_tok
-    # timing decides only where output cannot depend on it: greedy, or sampling unseeded
-    backoff = Backoff(num_draft_tokens, timed=sampler.is_greedy or sampler.seed is None)
-    model.timings.reset()
-    t0 = time.perf_counter()
-    logits = model.forward(np.asarray(prompt, dtype=np.int64), cache=cache, last_only=True)[-1]
-    stats.prefill_seconds = time.perf_counter() - t0
-    history = list(prompt)
-    forced: tuple[int, bool] | None = None      # a token drawn by the rejection rule
-    stats.finish_reason = "length"
-    produced = 0
-    try:
-        while produced < max_new_tokens:
-            if cache.remaining == 0:
-                stats.finish_reason = "ctx"
-                break
-            if forced is None:
-                x = sampler.penalise(logits, history, history[n_prompt:])
-                tok, _, ended = constrained_choice(sampler, x, constraint)
-            else:
-                (tok, ended), forced = forced, None
-            if ended or tok in stops:
-                stats.finish_reason = "stop"
-                break
-            history.append(tok)
-            produced += 1
-            stats.generated_tokens += 1
-            yield Step(produced - 1, tok)
-            if constraint is not None and constraint.done:
-                stats.finish_reason = "stop"
-                break
-            if produced == max_new_tokens:
-                break
-            # the pass that consumes tok, carrying drafts when there are any
-            t1 = time.perf_counter()
-            k = min(backoff.next_length(), max_new_tokens - produced - 1, cache.remaining - 1)
-            drafts, q = drafter.propose(history, k, sampler, n_prompt) if k > 0 else ([], None)
-            stats.draft_seconds += time.perf_counter() - t1
-            n0 = cache.length
-            if drafts:
-                rows, routing = verify(model, cache, [tok] + drafts, return_routing=True)
-                stats.experts_read += _experts(routing)
-                stats.verify_passes += 1
-                stats.draft_tokens += len(drafts)
-            else:
-                rows = model.forward(np.array([tok]), cache=cache, last_only=True)
-                stats.experts_read += plain_experts
-            seconds = time.perf_counter() - t1
-            stats.decode_seconds += seconds
-            stats.decode_steps += 1
-            accepted, stop = 0, False
-            for i, d in enumerate(drafts):
-                x = sampler.penalise(rows[i], history, history[n_prompt:])
-                if constraint is not None:
-                    x = constraint.mask(x)
-                if sampler.is_greedy:
-                    ok, alt = greedy(x) == d, None
-                else:
-                    ok, alt = judge(sampler.distribution(x), d,
-                                    None if q is None else q[i], sampler.rng)
-                if not ok:
-                    if alt is not None:
-                        ended = constraint.accept(alt) if constraint is not None else False
-                        forced = (alt, ended)
-                    else:
-                        logits = rows[i]
-                    break
-                ended = constraint.accept(d) if constraint is not None else False
-                if ended or d in stops:
-                    stop = True
-                    break
-                accepted += 1
-                history.append(d)
-                produced += 1
-                stats.generated_tokens += 1
-                yield Step(produced - 1, d)
-                if constraint is not None and constraint.done:
-                    stop = True
-                    break
-            else:
-                logits = rows[len(drafts)]
-            stats.accepted_tokens += accepted
-            backoff.update(len(drafts), accepted, seconds)
-            if drafts:
-                cache.truncate(n0 + 1 + accepted)
-                drafter.accepted(len(history))
-            if stop:
-                stats.finish_reason = "stop"
-                break
-    finally:
-        stats.timings = model.timings.copy()
-
-
-def speculative_steps(model, draft, num_draft_tokens: int, prompt: Sequence[int],
-                      sampler: Sampler, **kwargs) -> tuple[Iterator[Step], SpeculativeStats]:
-    """(the Steps, their stats) of generate(..., draft=...): `draft` as make_drafter takes
-    it; kwargs those of iter_speculative (max_new_tokens, stop_ids, cache, constraint)."""
-    from .drafters import make_drafter
-    drafter = make_drafter(model, draft)
-    stats = SpeculativeStats()
-    steps = iter_speculative(model, prompt, sampler, drafter, num_draft_tokens=num_draft_tokens,
-                             stats=stats, **kwargs)
-    return steps, stats

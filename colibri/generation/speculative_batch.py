@@ -1,4 +1,5 @@
-"""Speculative decoding inside continuous batching, per sequence.
+"""Speculative decoding inside continuous batching, per sequence: the one decode loop with
+drafts (generate(..., draft=...) steps it for one prompt, `serve --draft` for every slot).
 
     sched = SpeculativeScheduler(model, Speculation(model, "prompt-lookup", 4), parallel=4)
 
@@ -10,7 +11,8 @@ by row, emitting each accepted token through the scheduler's own path (stops, st
 max_tokens, grammar), then rolls the request's cache back to what was accepted. Requests
 asking for logprobs, prompt_logprobs or routing decode plainly (their events describe one
 pass per token). A draft model's KV caches (one per request) are outside the scheduler's
-KV budget.
+KV budget. Speculation.counts (DraftCounts) adds up the drafts, acceptances, verification
+passes, experts read and drafting seconds of the speculating requests.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .batching import Scheduler
 from .drafters import Backoff, DraftModel, PromptLookup, make_drafter
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import greedy
-from .speculative import MAX_DRAFT_TOKENS, judge
+from .speculative import MAX_DRAFT_TOKENS, DraftCounts, distinct_experts, judge
 
 __all__ = ["Speculation", "SequenceSpeculation", "SpeculativeScheduler"]
 
@@ -34,12 +36,15 @@ class SequenceSpeculation:
         self.drafter, self.backoff = drafter, backoff
         self.drafts: list[int] = []
         self.q = None
-        self.draft_tokens = self.accepted_tokens = 0
+        self.draft_seconds = 0.0            # drafting this step (its backoff times the pass with it)
 
 
 class Speculation:
-    """What a Scheduler speculates with: draft ("prompt-lookup", a .colibri path or a Model
-    with the target's tokenizer) and num_draft_tokens (1..32)."""
+    """What a Scheduler speculates with: draft (what make_drafter takes: "prompt-lookup", a
+    .colibri path or a Model with the target's tokenizer, or a drafter) and num_draft_tokens
+    (1..32). Each request gets a DraftModel of its own (its KV cache); prompt lookup keeps no
+    state and is shared; a drafter of one's own is used as given, one request at a time
+    (own_state: SpeculativeScheduler then takes parallel=1)."""
 
     def __init__(self, model, draft, num_draft_tokens: int = 4):
         if (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer))
@@ -47,15 +52,17 @@ class Speculation:
             raise ValueError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
                              f"got {num_draft_tokens!r}")
         self.k = int(num_draft_tokens)
-        first = make_drafter(model, draft)             # checks the file / tokenizer once
-        self._draft_model = first.model if isinstance(first, DraftModel) else None
-        self._lookup = first if isinstance(first, PromptLookup) else None
+        self.drafter = make_drafter(model, draft)      # checks the file / tokenizer once
+        self.own_state = not isinstance(self.drafter, (PromptLookup, DraftModel))
         self.model = model
-        self.draft_tokens = self.accepted_tokens = 0
+        self.counts = DraftCounts()
+        # a plain decode step reads K experts in each MoE layer
+        self.plain_experts = len(model.moe_layers) * model.config.num_experts_per_tok
 
     def describe(self) -> str:
-        return ("prompt-lookup" if self._lookup is not None
-                else str(self._draft_model.file.path))
+        d = self.drafter
+        return ("prompt-lookup" if isinstance(d, PromptLookup) else
+                str(d.model.file.path) if isinstance(d, DraftModel) else repr(d))
 
     # -- admission ---------------------------------------------------------------------------
     def attach(self, r) -> None:
@@ -65,8 +72,7 @@ class Speculation:
                 or r.embeds is not None):
             r.spec = None
             return
-        drafter = self._lookup if self._lookup is not None else DraftModel(self._draft_model,
-                                                                           self.model)
+        drafter = self.drafter.another() if isinstance(self.drafter, DraftModel) else self.drafter
         drafter.start(r.prompt, r.cache.ctx)
         timed = r.sampler.is_greedy or r.sampler.seed is None
         r.spec = SequenceSpeculation(drafter, Backoff(self.k, timed=timed))
@@ -77,13 +83,16 @@ class Speculation:
         s = r.spec
         if s is None:
             return []
-        s.drafts, s.q = [], None
+        s.drafts, s.q, s.draft_seconds = [], None, 0.0
         if r.constraint is not None and r.constraint.done:
             return []
+        t0 = time.perf_counter()
         room = min(r.params.max_tokens - len(r.generated) - 1, r.cache.remaining - 1)
         k = min(s.backoff.next_length(), room)
         if k > 0:
             s.drafts, s.q = s.drafter.propose(r.history, k, r.sampler, len(r.prompt))
+        s.draft_seconds = time.perf_counter() - t0
+        self.counts.draft_seconds += s.draft_seconds
         return list(s.drafts)
 
     @staticmethod
@@ -92,14 +101,15 @@ class Speculation:
 
     def forward(self, model, segments, want_routing: bool):
         """Scheduler._forward for a step with drafts: (last rows (N, V), routing or None,
-        {segment index: its rows (S_i, V)} of the segments carrying drafts)."""
+        {segment index: (its rows (S_i, V), the distinct experts they read)} of the segments
+        carrying drafts). The routing is always recorded: it counts the experts read."""
         prompt_rows = logits_rows(segments)
         rows = self.rows(segments, prompt_rows)
-        out = model.forward_ragged([(r.cache, ids) for r, ids in segments],
-                                   return_routing=want_routing, logits_rows=rows)
-        logits, routing = out if want_routing else (out, None)
+        logits, routing = model.forward_ragged([(r.cache, ids) for r, ids in segments],
+                                               return_routing=True, logits_rows=rows)
         last, spec = self.split(segments, rows, logits, prompt_rows)
-        return last, routing, spec
+        spec = {j: (block, distinct_experts(routing[j])) for j, block in spec.items()}
+        return last, routing if want_routing else None, spec
 
     @staticmethod
     def rows(segments, prompt_rows):
@@ -131,16 +141,20 @@ class Speculation:
         return last, spec
 
     # -- after the pass ----------------------------------------------------------------------
-    def settle(self, sched, r, block: np.ndarray | None, seconds: float) -> bool:
-        """After a step that took `seconds`: with block (n, V), r's rows, judge its drafts,
-        emit through sched._take, roll r's cache back to what was accepted and return True;
-        without (a plain step for r), note the seconds for its backoff and return False
+    def settle(self, sched, r, verified: tuple[np.ndarray, int] | None, seconds: float,
+               decoded: bool) -> bool:
+        """After a step whose pass took `seconds`: with verified (r's rows (n, V), the experts
+        they read), judge r's drafts, emit through sched._take, roll r's cache back to what
+        was accepted and return True; without (a plain step for r), count a decode step's
+        experts and seconds when it decoded (not the end of its prefill) and return False
         (the scheduler samples as usual)."""
         s = getattr(r, "spec", None)
-        if block is None:
-            if s is not None:
-                s.backoff.update(0, 0, seconds)
+        if verified is None:
+            if s is not None and decoded:
+                s.backoff.update(0, 0, seconds + s.draft_seconds)
+                self.counts.experts_read += self.plain_experts
             return False
+        block, experts = verified
         drafts, n0 = s.drafts, r.cache.length - len(s.drafts) - 1
         accepted, rejected = 0, False
         for i, d in enumerate(drafts):
@@ -155,22 +169,26 @@ class Speculation:
                                 None if s.q is None else s.q[i], r.sampler.rng)
                 tok = d if ok else alt
             ended = r.constraint.accept(tok) if r.constraint is not None else False
+            taken = len(r.generated)
             sched._take(r, tok, x, ended)
-            if r.cache is None:                 # it ended (stop, length, grammar)
-                break
             if not ok:
                 rejected = True
                 break
+            if len(r.generated) == taken:       # a stop: not an accepted token
+                break
             accepted += 1
+            if r.cache is None:                 # it ended (grammar complete, stop string)
+                break
         else:
             if r.cache is not None:             # every draft accepted: the bonus token
                 Scheduler._advance(sched, r, block[len(drafts)], None)
-        s.draft_tokens += len(drafts)
-        s.accepted_tokens += accepted
-        self.draft_tokens += len(drafts)
-        self.accepted_tokens += accepted
-        s.backoff.update(len(drafts), accepted, seconds)
-        if r.cache is not None:
+        c = self.counts
+        c.verify_passes += 1
+        c.experts_read += experts
+        c.draft_tokens += len(drafts)
+        c.accepted_tokens += accepted
+        s.backoff.update(len(drafts), accepted, seconds + s.draft_seconds)
+        if r.cache is not None:                 # still running
             if rejected:
                 r.cache.truncate(n0 + 1 + accepted)
             s.drafter.accepted(len(r.history) - 1)     # the last token is not fed yet
@@ -184,19 +202,24 @@ class SpeculativeScheduler(Scheduler):
 
     def __init__(self, model, speculation: Speculation, **kwargs):
         super().__init__(model, **kwargs)
+        if speculation.own_state and self.parallel > 1:
+            raise ValueError(f"the drafter {speculation.drafter!r} keeps one sequence's state: "
+                             f"speculate with it at parallel=1, or give \"prompt-lookup\" or a "
+                             f"draft model (one drafter per request)")
         self.speculation = speculation
-        self._blocks: dict = {}                # request id -> its rows of this step
+        self._blocks: dict = {}                # request id -> (its rows, experts) of this step
+        self._decoding: set[int] = set()       # ids of the requests this step decodes for
         self._seconds = 0.0                    # of this step's pass
 
     def _admit(self) -> None:
         super()._admit()
         for r in self._running:
-            if not hasattr(r, "spec_ready"):
-                r.spec_ready = True
+            if not hasattr(r, "spec"):
                 self.speculation.attach(r)
 
     def _plan(self):
         segments = super()._plan()
+        self._decoding = {id(r) for r, _ in segments if not r.prefilling}
         return [(r, ids if r.prefilling else ids + self.speculation.propose(r))
                 for r, ids in segments]
 
@@ -213,11 +236,12 @@ class SpeculativeScheduler(Scheduler):
         return logits, routing
 
     def _advance(self, r, logits, routing) -> None:
-        if not self.speculation.settle(self, r, self._blocks.pop(id(r), None), self._seconds):
+        if not self.speculation.settle(self, r, self._blocks.pop(id(r), None), self._seconds,
+                                       id(r) in self._decoding):
             super()._advance(r, logits, routing)
 
     def stats(self) -> dict:
         out = super().stats()
-        out.update(draft_tokens=self.speculation.draft_tokens,
-                   accepted_tokens=self.speculation.accepted_tokens)
+        c = self.speculation.counts
+        out.update(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens)
         return out

@@ -1,7 +1,6 @@
 """The records of a decode loop: Step (one generated token) and GenerationStats (counts and
 seconds of a run, model.last_stats). colibri.generate makes Steps of one request's
-scheduler events, speculative.iter_speculative yields them; colibri.generation.generate re-exports
-both names."""
+scheduler events (speculative or not); colibri.generation.generate re-exports both names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
