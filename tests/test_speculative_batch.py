@@ -85,3 +85,41 @@ def test_serve_with_draft_through_the_openai_client():
     from colibri.errors import ColibriError
     with pytest.raises(ColibriError, match="no such file"):
         Settings(draft="/nonexistent.colibri").check()
+
+
+def test_a_prompt_of_embeddings_beside_drafting_requests(shipped):
+    """A request whose prompt is embeddings prefills alone (Scheduler._forward_embeds) while
+    other requests carry drafts in the same step; everyone gets the plain Scheduler's tokens.
+    Drafting pauses and resumes (the backoff), so the second request comes at each step of
+    the first's decoding in turn: some of those steps carry drafts."""
+    tok = shipped.tokenizer
+    code = tok.encode(CODE + CODE)
+    emb = shipped.embed(np.array([tok.encode("def mul(a, b):")]))[0]
+    params = SamplingParams(max_tokens=30, stop_ids=[])
+
+    def run(sched, after):
+        first = sched.submit(code, params)
+        for _ in range(after):
+            sched.step()
+        second = sched.submit([], params, input_embeds=emb)
+        while sched.step():
+            pass
+        return [e.token for e in first], [e.token for e in second]
+
+    mixed = 0
+    for after in range(2, 12):
+        want = run(Scheduler(shipped, parallel=2), after)
+        spec = SpeculativeScheduler(shipped, Speculation(shipped, "prompt-lookup", 4),
+                                    parallel=2)
+        plan = spec._plan
+
+        def watched():
+            nonlocal mixed
+            segments = plan()
+            mixed += (spec.speculation.active(segments)
+                      and any(r.embeds is not None and r.prefilling for r, _ in segments))
+            return segments
+
+        spec._plan = watched
+        assert run(spec, after) == want, after
+    assert mixed > 0

@@ -225,14 +225,22 @@ class SpeculativeScheduler(Scheduler):
 
     def _forward(self, segments, want_routing: bool):
         t0 = time.perf_counter()
-        if self.speculation.active(segments):
-            logits, routing, blocks = self.speculation.forward(self.model, segments,
-                                                               want_routing)
-            self._blocks = {id(segments[j][0]): b for j, b in blocks.items()}
+        self._blocks = {}
+        own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
+        if own and self.speculation.active(segments):
+            # a prompt of embeddings runs alone (Scheduler._forward_embeds), the drafting
+            # segments together through _speculate (its blocks keyed by request)
+            logits, routing = self._forward_embeds(segments, own, want_routing)
         else:
-            logits, routing = super()._forward(segments, want_routing)
-            self._blocks = {}
+            logits, routing = self._speculate(segments, want_routing)
         self._seconds = time.perf_counter() - t0
+        return logits, routing
+
+    def _speculate(self, segments, want_routing: bool):
+        if not self.speculation.active(segments):
+            return super()._forward(segments, want_routing)
+        logits, routing, blocks = self.speculation.forward(self.model, segments, want_routing)
+        self._blocks.update({id(segments[j][0]): b for j, b in blocks.items()})
         return logits, routing
 
     def _advance(self, r, logits, routing) -> None:
