@@ -17,6 +17,7 @@ from .engine.kv_cache import DEFAULT_KV_DTYPE, KVCache
 from .engine.model import DEFAULT_ACTIVATIONS, Model
 from .engine.routing import RoutingTrace
 from .errors import ColibriError
+from .generation.generate import generate as _generate
 
 __all__ = ["load", "forward", "generate", "stream", "default_model_path", "Model", "RoutingTrace",
            "KVCache"]
@@ -119,17 +120,22 @@ def forward(model: Model, input_ids: np.ndarray | None = None, cache: KVCache | 
 
 
 def generate(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
-    """Continue a text prompt (-> text) or token ids (-> int64 ids); see model.generate.
-    A list of prompts runs them together (continuous batching) and returns a list; with
-    stream=True it yields (index, piece) pairs.
+    """Continue a text prompt (-> text) or token ids (-> int64 ids); also
+    `model.generate(prompt_or_ids, ...)`. A list of prompts runs them together (continuous
+    batching) and returns a list; with stream=True it yields (index, piece) pairs.
 
     Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
     frequency_penalty, seed, stop, stream, chat, ctx, return_routing, parallel
     (colibri.generation.generate module docs).
     """
-    return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
+    return _generate(model, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
 def stream(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
     """generate(..., stream=True): an iterator of text pieces (or ids) as they are produced."""
-    return model.generate(prompt_or_ids, max_new_tokens=max_new_tokens, stream=True, **kwargs)
+    return generate(model, prompt_or_ids, max_new_tokens=max_new_tokens, stream=True, **kwargs)
+
+
+# model.generate(...) is generate(model, ...). It is attached here, above both, and not written
+# in engine/model.py: generation/ runs over the engine, so the engine never imports it.
+Model.generate = generate

@@ -189,7 +189,7 @@ class ColibriLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         """The conversation as text, rendered with the model file's chat template (the
-        sandboxed renderer of colibri.generation.chat_template); continuing the last message
+        sandboxed renderer of colibri.format.chat_template); continuing the last message
         (lm-eval's add_generation_prompt=False) goes through transformers'
         continue_final_message."""
         if not self.colibri_tokenizer.has_chat_template:

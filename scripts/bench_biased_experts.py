@@ -1,7 +1,8 @@
-"""Bounded speed check of one MoE layer's biased experts (GPT-OSS: moe.BiasedExperts) over T
-token rows, on a model file's own expert stacks: the compiled grouped call (what
-BiasedExperts runs for T > 1) against its specification, the Python loop
-(BiasedExperts.reference), routing ids drawn uniformly (top-K distinct experts per token).
+"""Bounded speed check of one MoE layer's biased experts (GPT-OSS:
+colibri.kernels.biased_experts.BiasedExperts) over T token rows, on a model file's own expert
+stacks: the compiled grouped call (what BiasedExperts runs for T > 1) against its specification,
+the Python loop (BiasedExperts.reference), routing ids drawn uniformly (top-K distinct experts
+per token).
 
     python scripts/bench_biased_experts.py FILE [--tokens 128] [--layer 0] [--threads 1]
                                            [--activations int16,int8] [--repeat 3]

@@ -31,7 +31,7 @@ import openai
 
 import colibri
 from colibri.format import ColibriFile
-from colibri.generation.tokenizer import tokenizer_from_files
+from colibri.format.tokenizer import tokenizer_from_files
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from colibri import kernels as K
 from colibri.format import mxfp4
 from colibri.kernels import runtime
 from colibri.kernels import _reference as R
-from colibri.engine.moe import BiasedExperts
+from colibri.kernels.biased_experts import BiasedExperts
 from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, make_weight, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from colibri.families import get_family  # noqa: E402
-from colibri.engine.moe import swigluoai  # noqa: E402
+from colibri.kernels.biased_experts import swigluoai  # noqa: E402
 from family_parity import *  # noqa: E402,F401,F403 - the shared parity tests
 from family_parity import FamilyRef  # noqa: E402
 

@@ -12,7 +12,7 @@ import colibri.api as api  # noqa: E402
 from colibri.commands import generate as gen_cmd  # noqa: E402
 from colibri.convert import ConversionWarning, convert  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.generation.tokenizer import IncrementalDecoder, NoTokenizerError  # noqa: E402
+from colibri.format.tokenizer import IncrementalDecoder, NoTokenizerError  # noqa: E402
 
 TEXT = "Hello wörld! 🙂 日本語 experts"
 
@@ -306,7 +306,7 @@ def test_cli_main_one_line_error_and_success(model, monkeypatch, capsys):
 
 def test_tokenizer_falls_back_to_files_on_disk(model, monkeypatch):
     import transformers
-    from colibri.generation.tokenizer import Tokenizer
+    from colibri.format.tokenizer import Tokenizer
 
     class Broken:
         def __init__(self, *a, **k):

@@ -179,7 +179,7 @@ def _experts(key, shape, fmt, biased=True):
 
 
 def _biased(ws, bs, activation, threads=1, activations="f32"):
-    from colibri.engine.moe import BiasedExperts
+    from colibri.kernels.biased_experts import BiasedExperts
     return BiasedExperts(*ws, *bs, activation, 1.702, 1.5, threads, activations)
 
 

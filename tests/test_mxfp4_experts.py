@@ -1,11 +1,11 @@
-"""BiasedExperts (colibri/engine/moe.py, GPT-OSS's experts: biases, swigluoai) on MXFP4 stacks:
-against a NumPy reference (decoded weights, float64), and bit for bit against the plain
-per-expert composition of kernels.linear calls (what it did before it grouped and prepared
-its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts
-with many tokens take each matrix's GEMM path as kernels.linear does (on int8 / int16
-activations the integer GEMM, csrc/igemm.h), or on int16 where that path does not take them
-the f32 GEMM (kernels.mxfp4_f32_activations). tests/test_biased_experts_prefill.py has the
-grouped call against BiasedExperts.reference."""
+"""BiasedExperts (colibri/kernels/biased_experts.py, GPT-OSS's experts: biases, swigluoai) on
+MXFP4 stacks: against a NumPy reference (decoded weights, float64), and bit for bit against the
+plain per-expert composition of kernels.linear calls (what it did before it grouped and prepared
+its calls; one token, the compiled call, up to its activation's exp: a few ulp); experts with
+many tokens take each matrix's GEMM path as kernels.linear does (on int8 / int16 activations the
+integer GEMM, csrc/igemm.h), or on int16 where that path does not take them the f32 GEMM
+(kernels.mxfp4_f32_activations). tests/test_biased_experts_prefill.py has the grouped call
+against BiasedExperts.reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +15,7 @@ from colibri import kernels as K
 from colibri.format import mxfp4
 from colibri.kernels import runtime
 from colibri.kernels import _reference as R
-from colibri.engine.moe import BiasedExperts, swigluoai
+from colibri.kernels.biased_experts import BiasedExperts, swigluoai
 from colibri.kernels.weights import WeightRef
 from kernel_helpers import F32, rng_for
 from kernel_helpers import isa, parallel_everything  # noqa: F401 (fixtures)

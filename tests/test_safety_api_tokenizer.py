@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from colibri.generation import chat_template  # noqa: E402
+from colibri.format import chat_template  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.generation.tokenizer import (MAX_TEXT_CHARS, Tokenizer, TokenizerError,  # noqa: E402
+from colibri.format.tokenizer import (MAX_TEXT_CHARS, Tokenizer, TokenizerError,  # noqa: E402
                                           check_tokenizer)
 from test_tokenizer import CHAT_TEMPLATE, make_files  # noqa: E402
 

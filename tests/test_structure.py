@@ -1,5 +1,6 @@
 """The package's structure rules: no import circle between its modules (imports at module
-level and inside functions alike), and no package file over 600 lines.
+level and inside functions alike), no pair of folders importing each other both ways, and no
+package file over 600 lines.
 
 The import graph is built with `ast` from the source text, so nothing is imported to check
 it: every `import x` / `from x import y` anywhere in a module is an edge to the colibri
@@ -96,6 +97,37 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# The one upward reach the folder rule allows: a notebook asks Model._repr_html_ for its HTML,
+# which the display tool above the engine makes (loaded on demand, inside the method).
+ON_DEMAND_UPWARD = {("colibri.engine.model", "colibri.tools.display")}
+
+
+def floor(module: str) -> str | None:
+    """The first level under colibri/ that a module is in: its folder (colibri.engine.moe ->
+    "engine") or, for a top-level module, the module itself (colibri.api -> "api", a floor of
+    one module). None for colibri/__init__.py, the public face, which gathers names from every
+    floor and is imported by no module of the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def floor_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """{floor a: {floor b: the module imports (a's module, b's module) that make a -> b}}, the
+    allowed ON_DEMAND_UPWARD imports left out."""
+    floors: dict[str, dict[str, list[tuple[str, str]]]] = {}
+    for mod, deps in graph.items():
+        a = floor(mod)
+        if a is None:
+            continue
+        arrows = floors.setdefault(a, {})
+        for dep in sorted(deps):
+            b = floor(dep)
+            if b is not None and b != a and (mod, dep) not in ON_DEMAND_UPWARD:
+                arrows.setdefault(b, []).append((mod, dep))
+                floors.setdefault(b, {})
+    return floors
+
+
 def test_the_cycle_finder_finds_a_circle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -112,6 +144,33 @@ def test_the_graph_sees_function_level_and_relative_imports():
 def test_no_import_circle():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_floor_graph_maps_modules_to_their_folders():
+    graph = {"colibri.a.x": {"colibri.b.y"}, "colibri.b.y": {"colibri.a.z"},   # a <-> b
+             "colibri.a.z": {"colibri.api"}, "colibri.api": {"colibri.c.w"},   # a -> api -> c
+             "colibri.c.w": set(), "colibri": {"colibri.a.x"}}  # the package face: no floor
+    floors = floor_graph(graph)
+    assert floors["a"] == {"b": [("colibri.a.x", "colibri.b.y")],
+                           "api": [("colibri.a.z", "colibri.api")]}
+    assert cycles({f: set(to) for f, to in floors.items()}) == [["a", "b"]]
+    assert "colibri" not in floors
+    floors = floor_graph({**graph, "colibri.c.w": {"colibri.a.z"}})     # a -> api -> c -> a
+    assert cycles({f: set(to) for f, to in floors.items()}) == [["a", "api", "b", "c"]]
+
+
+def test_no_import_circle_between_folders():
+    """Each folder (and each top-level module) is a floor: imports between floors run one way
+    (whichever module, at module level or inside a function), and no ring of floors closes
+    (format -> generation -> engine -> format would, with no two of them both ways)."""
+    floors = floor_graph(import_graph())
+    found = cycles({f: set(to) for f, to in floors.items()})
+    assert not found, "floors in a circle: " + "; ".join(
+        " / ".join(ring) + ": " + ", ".join(
+            f"{a} -> {b} ({m} -> {d}{f' and {len(e) - 1} more' if len(e) > 1 else ''})"
+            for a in ring for b, e in sorted(floors[a].items()) if b in ring
+            for m, d in e[:1])
+        for ring in found)
 
 
 def test_no_package_file_over_600_lines():

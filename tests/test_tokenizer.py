@@ -1,4 +1,4 @@
-"""colibri.generation.tokenizer: the tokenizer rebuilt from the files a .colibri file embeds.
+"""colibri.format.tokenizer: the tokenizer rebuilt from the files a .colibri file embeds.
 
 On the shipped model's tokenizer (byte-level BPE, <s> prepended, three role tokens and
 a chat template) and on one
@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from colibri.api import load  # noqa: E402
 from colibri.errors import ColibriError  # noqa: E402
-from colibri.generation.tokenizer import (IncrementalDecoder, NoTokenizerError, Tokenizer,  # noqa: E402
+from colibri.format.tokenizer import (IncrementalDecoder, NoTokenizerError, Tokenizer,  # noqa: E402
                                           tokenizer_from_files)
 
 TEXTS = ["def fib(n):\n    return n", "héllo → 世界 🙂", "  two  spaces\n\ttab", "x"]

@@ -17,7 +17,7 @@ import colibri.api as api  # noqa: E402
 import colibri.tools.trace as trace_mod  # noqa: E402
 from routing_models import converted, mixtral, qwen  # noqa: F401,E402 (fixtures)
 from colibri.convert import ConversionWarning, convert  # noqa: E402
-from colibri.generation.tokenizer import NoTokenizerError  # noqa: E402
+from colibri.format.tokenizer import NoTokenizerError  # noqa: E402
 from colibri.tools.stats import RoutingStats  # noqa: E402
 from colibri.tools.trace import (Trace, UnknownLayerError, iter_trace, routing_stats,  # noqa: E402
                                  softmax, trace)

@@ -2,11 +2,12 @@
  * call (colibri/pyx/biased_experts.pxi, PreparedBiasedGrouped: GPT-OSS's experts over T > 1
  * token rows) between its kernel calls.
  *
- * Each is the NumPy operation of moe.BiasedExperts.reference (the specification), element for
- * element, so the grouped call gets its bits:
- *   - swigluoai (moe._swigluoai_into): g' = minimum(g, limit), u' = clip(u, -limit, limit)
- *     (NaN kept NaN), t = exp(-(g' * alpha)), u = (u' + 1) * (g' * (1 / (t + 1)));
- *   - silu_mul (moe._silu_mul_into): t = exp(-g), u = (g * (1 / (t + 1))) * u;
+ * Each is the NumPy operation of BiasedExperts.reference (colibri/kernels/biased_experts.py,
+ * the specification), element for element, so the grouped call gets its bits:
+ *   - swigluoai (biased_experts._swigluoai_into): g' = minimum(g, limit),
+ *     u' = clip(u, -limit, limit) (NaN kept NaN), t = exp(-(g' * alpha)),
+ *     u = (u' + 1) * (g' * (1 / (t + 1)));
+ *   - silu_mul (biased_experts._silu_mul_into): t = exp(-g), u = (g * (1 / (t + 1))) * u;
  *   - the combine: y += o * w (the expert output scaled, then added: two roundings).
  * exp is NumPy's own float32 loop (decode_layer.h's colibri_exp_loop, found once at import),
  * called on contiguous runs of up to COLIBRI_BX_RUN elements: an element's result depends
@@ -33,7 +34,8 @@ static inline void colibri_bx_exp(float *t, ptrdiff_t n)
     colibri_exp_loop(args, dims, steps, colibri_exp_data);
 }
 
-/* u[i] = swigluoai(g[i], u[i]) for i < n (g overwritten with g'), as moe._swigluoai_into. */
+/* u[i] = swigluoai(g[i], u[i]) for i < n (g overwritten with g'), as
+ * biased_experts._swigluoai_into. */
 COLIBRI_ROWOPS_FN void colibri_bx_swigluoai(float *g, float *u, ptrdiff_t n, float alpha,
                                             float limit)
 {
@@ -62,7 +64,7 @@ COLIBRI_ROWOPS_FN void colibri_bx_swigluoai(float *g, float *u, ptrdiff_t n, flo
     }
 }
 
-/* u[i] = silu(g[i]) * u[i] for i < n, as moe._silu_mul_into. */
+/* u[i] = silu(g[i]) * u[i] for i < n, as biased_experts._silu_mul_into. */
 COLIBRI_ROWOPS_FN void colibri_bx_silu_mul(const float *g, float *u, ptrdiff_t n)
 {
     COLIBRI_NO_CONTRACT

@@ -1,4 +1,5 @@
-/* colibri/csrc/swigluoai.h: GPT-OSS's expert activation (colibri/engine/moe.py, swigluoai), in place:
+/* colibri/csrc/swigluoai.h: GPT-OSS's expert activation (colibri/kernels/biased_experts.py,
+ * swigluoai), in place:
  *   g' = min(g, limit), u' = clamp(u, -limit, limit)        (a NaN stays NaN, as NumPy's)
  *   u  = (u' + 1) * (g' * sigmoid(alpha * g'))
  * Scalar: libm expf, the operations of the NumPy form in its order (g' * (1 / (1 + exp(-a))));

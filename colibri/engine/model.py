@@ -38,9 +38,9 @@ from ..experts.expert_cache import (DEFAULT_POLICY, check_memory_budget, hold_we
                                     weights_buffer)
 from ..experts.expert_shards import shard_experts
 from ..format import ColibriFile, QuantizedTensor, quant, router_name
+from ..format.tokenizer import tokenizer_from_files
 from ..format.validation import check_loadable
-from ..generation.generate import generate
-from ..generation.tokenizer import tokenizer_from_files
+from ..kernels.biased_experts import BiasedExperts
 from ..kernels.runtime import MAX_THREADS, Timings, blas_on_one_thread, default_threads
 from ..kernels.weights import WeightRef, expert_ref, fused_ref, vector, weight_ref
 from .attention import Attention
@@ -49,7 +49,7 @@ from .decode_layer import compile_layers
 from .kv_cache import DEFAULT_KV_DTYPE, DEFAULT_MAX_CTX, KVCache, kv_dtype_name
 from .layer_loop import PaddedBatch, TokenStep, forward_pass, is_token_step, tracer
 from .mla import MLA, softmax_scale
-from .moe import BiasedExperts, DenseMLP, MoE
+from .moe import DenseMLP, MoE
 from .norms import layer_norm
 from .prefix_cache import PrefixCache
 from .ragged import forward_ragged
@@ -122,6 +122,9 @@ class Model:
 
     config: the typed geometry (ModelConfig); vocab_size, hidden_size, n_layers, n_heads,
     n_kv_heads, head_dim, eps, moe_layers are shorthands of its fields.
+
+    model.generate(prompt_or_ids, ...) is colibri.generate(model, ...): colibri/api.py
+    attaches it, since generation/ runs over the engine and the engine does not import it.
     """
 
     def __init__(self, file: str | os.PathLike | ColibriFile, threads: int | None = None,
@@ -506,11 +509,6 @@ class Model:
                     claimed.add(id(seg[0]))
                     held.enter_context(seg[0].claim())
             return forward_ragged(self, segments, return_routing, logits_rows)
-
-    # -- generation -------------------------------------------------------------------------------
-    def generate(self, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
-        """Generate text or ids; see colibri.generation.generate.generate for the arguments."""
-        return generate(self, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 
     def close(self) -> None:
         for part in (self.expert_shards, self.expert_cache):    # the actors first

@@ -252,7 +252,7 @@ class ExpertCache:
                                   expert_stride=self.plan.slot_bytes))
         be = moe.biased_experts
         if be is not None:
-            # the same BiasedExperts over the slots (moe.py is above this module)
+            # the same BiasedExperts over the slots (colibri.kernels.biased_experts)
             arena_experts = dataclasses.replace(be, w_gate=refs[0], w_up=refs[1],
                                                 w_down=refs[2], n_experts=f.n_experts)
             return lambda x, ids, slots, weights, y: arena_experts(x, ids, weights, y, slots)

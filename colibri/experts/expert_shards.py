@@ -311,7 +311,14 @@ class ExpertShards:
                 slots, out = ray.get(ref, timeout=max(0.0, t0 + self.timeout
                                                       - time.perf_counter()))
             except Exception as e:   # noqa: BLE001 - the graph's errors are many: all end it
-                self._graph_failed(layer, e)
+                why = _first_line(e)
+            else:
+                why = None
+            if why is not None:
+                # raised outside the except block, so the error carries no Ray exception: their
+                # tracebacks hold the graph's zero-copy outputs, which must not outlive Ray
+                # (freed after its shutdown, at exit, they crash the process)
+                self._graph_failed(layer, why)
             og[slots] = out
             dt = time.perf_counter() - t0
             if slots.size:
@@ -321,7 +328,7 @@ class ExpertShards:
                     st.seconds[s] += dt
         return og
 
-    def _graph_failed(self, layer: int, e: BaseException):
+    def _graph_failed(self, layer: int, why: str):
         """A graph call failed: find the shards that do not answer, tear the graph down
         (the next call waits for them and compiles it again), raise ExpertShardError."""
         ray = self._ray
@@ -345,8 +352,8 @@ class ExpertShards:
                 self.stats_.failures[s] += 1
         who = (f"expert shard {bad[0]}" if len(bad) == 1 else
                f"expert shards {', '.join(map(str, bad))}" if bad else "the expert shards")
-        raise ExpertShardError(f"{who} failed layer {layer}: {_first_line(e)} (Ray restarts "
-                               f"a dead actor; later calls reach it)") from None
+        raise ExpertShardError(f"{who} failed layer {layer}: {why} (Ray restarts "
+                               f"a dead actor; later calls reach it)")
 
     # -- the model's side -----------------------------------------------------------------------
     def attach(self, model) -> None:

@@ -1,7 +1,7 @@
 """Where a MoE layer's routed experts come from: an explicit source per layer (MoE.expert_source).
 
     MappedExperts    the mapping's own kernel call (kernels.prepare_expert_ffn, or
-                     moe.BiasedExperts): what every layer has at load
+                     biased_experts.BiasedExperts): what every layer has at load
     CachedExperts    a memory budget's expert cache (colibri.experts.expert_cache): the blocks in
     its
                      slots, read on demand
@@ -86,7 +86,7 @@ def without(source: ExpertSource, gone: ExpertSource) -> ExpertSource:
 
 class MappedExperts(ExpertSource):
     """The mapping's kernel call: call(x, ids, weights, y) over the file's expert stacks
-    (a prepared kernels.prepare_expert_ffn, or a moe.BiasedExperts)."""
+    (a prepared kernels.prepare_expert_ffn, or a biased_experts.BiasedExperts)."""
 
     compiled_reason = None
 

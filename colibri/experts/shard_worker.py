@@ -37,9 +37,9 @@ def fingerprint(f: ColibriFile) -> str:
 def _expert_calls(f: ColibriFile, buf: np.ndarray, layer: int, threads: int,
                   activations: str):
     """The routed-expert call of one MoE layer as Model builds it: (call, biased), call(x,
-    ids, weights, out) over the mapping; biased: a moe.BiasedExperts (else the fused kernel)."""
+    ids, weights, out) over the mapping; biased: a BiasedExperts (else the fused kernel)."""
     from .. import kernels
-    from ..engine.moe import BiasedExperts
+    from ..kernels.biased_experts import BiasedExperts
     from ..kernels.weights import expert_ref, vector
     c = f.model_config
     mlp = ("w_gate", "w_up", "w_down")

@@ -7,10 +7,16 @@ One little-endian file per model:
 
 The modules, in data-flow order:
 
-    spec     the layout as data: magic, version, record layouts, alignment, tensor names
-    checks   what a reader verifies before mapping a file (§8), and validate()'s full read
-    reader   ColibriFile: the checked read-only mapping and its zero-copy views
-    writer   TensorSpec, ColibriWriter (planned layout, atomic write), save()
+    spec           the layout as data: magic, version, record layouts, alignment, tensor names
+    checks         what a reader verifies before mapping a file (§8), and validate()'s full read
+    reader         ColibriFile: the checked read-only mapping and its zero-copy views
+    writer         TensorSpec, ColibriWriter (planned layout, atomic write), save()
+
+and what the metadata's text makes (imported on use, not by this package):
+
+    tokenizer      the Tokenizer rebuilt from the embedded tokenizer files
+    chat_template  the embedded chat template, rendered in a bounded sandbox
+    validation     --validate: config vs tensors and config.json, the tokenizer, every byte
 
 The weight formats (dtype codes, bits, row strides) are colibri.dtypes'; their encodings
 colibri.format.quant's.

@@ -17,8 +17,8 @@ import warnings
 from ..config import ConfigError, ModelConfig
 from ..errors import ColibriError
 from ..families import FAMILIES, canonical_tensors, get_family
-from ..generation.tokenizer import tokenizer_from_files
 from . import ColibriFile
+from .tokenizer import tokenizer_from_files
 
 PROBE_TEXT = "Hello, world! 123 éß 日本語"
 PROBE_CHAT = [{"role": "user", "content": "Hello"}]

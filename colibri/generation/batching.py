@@ -46,12 +46,12 @@ from ..engine.checks import is_int as _is_int
 from ..engine.kv_cache import DEFAULT_MAX_CTX, KVCache
 from ..engine.routing import RoutingTrace, decode_ids
 from ..errors import ColibriError
+from ..format.tokenizer import IncrementalDecoder
 from .constraints import constrained_choice
 from .prefix_sharing import PrefixCache, PrefixSharing
 from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import MAX_LOGPROBS, SamplingParams, log_softmax, top_logprobs
 from .stops import StopText, default_stop_ids
-from .tokenizer import IncrementalDecoder
 
 __all__ = ["SamplingParams", "TokenEvent", "RequestHandle", "Scheduler",
            "ContextLengthError", "QueueFullError", "FINISH_REASONS", "MAX_LOGPROBS"]

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import ColibriError
+from ..format.tokenizer import IncrementalDecoder, NoTokenizerError
 from ..resources import ResourceError, check_allocation
 from .batching import Scheduler, TokenEvent
 from .constraints import compile_spec
@@ -27,7 +28,6 @@ from .speculative import SpeculativeStats
 from .speculative_batch import Speculation, SpeculativeScheduler
 from .steps import GenerationStats, Step
 from .stops import StopText, default_stop_ids, split_stop
-from .tokenizer import IncrementalDecoder, NoTokenizerError
 
 __all__ = ["generate", "stream", "Step", "GenerationStats", "prompt_ids", "is_batch",
            "default_stop_ids"]

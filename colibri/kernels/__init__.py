@@ -30,6 +30,10 @@ float32 arithmetic in one compiled call) and prepared calls (``prepare_linear``,
 ``prepare_route``, ``prepare_expert_ffn``: weights and settings checked once, each call
 checks only its arrays). The ``*_into`` names are the compiled functions themselves, for the
 decode step (arrays only, no conversions; a bad argument is a ValueError).
+
+``biased_experts.BiasedExperts`` is the expert FFN with biases and / or swigluoai (GPT-OSS)
+over ``prepare_biased_experts*``, with its Python specification: what a MoE layer, an expert
+cache's arena and an expert shard all run.
 """
 from __future__ import annotations
 
@@ -499,16 +503,16 @@ def prepare_biased_experts(w_gate: WeightRef, w_up: WeightRef, w_down: WeightRef
                            limit: float, *, threads: int | None = None,
                            activations: str = "f32", n_experts: int | None = None
                            ) -> Callable[..., None]:
-    """One token's routed experts with biases and / or swigluoai (moe.BiasedExperts' decode)
-    as one compiled call, its stacks (E, I, D), (E, I, D), (E, D, I) and biases float32
-    (E, I), (E, I), (E, D) (or None) checked once.
+    """One token's routed experts with biases and / or swigluoai (BiasedExperts' decode,
+    colibri.kernels.biased_experts) as one compiled call, its stacks (E, I, D), (E, I, D),
+    (E, D, I) and biases float32 (E, I), (E, I), (E, D) (or None) checked once.
 
     Returns p with p(x, ids, weights, out): x float32 (1, D), ids int32 (1, K), weights
     float32 (1, K), out float32 (1, D) not overlapping x, all C-contiguous: out = sum over
     the K slots in ascending id order (stable) of w * (down(act(gate(x) + b_gate, up(x) +
     b_up)) + b_down), act "swigluoai" (alpha, limit) or "silu" (silu(g) * u); the row
     kernels of prepare_linear on each expert (the same bits), the activation compiled
-    (csrc/swigluoai.h: within a few ulp of moe.swigluoai).
+    (csrc/swigluoai.h: within a few ulp of biased_experts.swigluoai).
 
     Over an expert cache's arena the stacks are its slots (n_slots, ...), the biases (E, ...)
     with E = n_experts, and p(x, ids, weights, out, slots) reads expert ids[k] from stack
@@ -525,7 +529,7 @@ EXP_LOOP: bool = bool(_kernels.EXP_LOOP)
 
 
 def mxfp4_f32_activations(w: WeightRef, activations: str, n: int) -> bool:
-    """True when moe.BiasedExperts runs matrix w for an expert of n tokens on f32
+    """True when BiasedExperts runs matrix w for an expert of n tokens on f32
     activations (the f32 GEMM) instead of `activations`: MXFP4 on int16, from 8 tokens,
     below the integer GEMM's crossover on the current ISA path."""
     weight_refs(w=w)
@@ -542,7 +546,7 @@ def prepare_biased_experts_grouped(w_gate: WeightRef, w_up: WeightRef, w_down: W
 
     Returns p with p(x, ids, weights, out[, slots]): x float32 (T, D), ids int32 (T, K),
     weights float32 (T, K), out float32 (T, D) (may be x), slots as prepare_biased_experts':
-    moe.BiasedExperts.reference's result bit for bit (slots grouped by expert once; each
+    BiasedExperts.reference's result bit for bit (slots grouped by expert once; each
     expert's matrices over its tokens on the path a prepared linear of them takes, biases
     after; the activation NumPy's operations and exp; the outputs summed per token in
     ascending expert order). RuntimeError if NumPy's float32 exp loop was not found

@@ -531,7 +531,7 @@ def biased_experts_ref(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                        b_gate: np.ndarray | None, b_up: np.ndarray | None,
                        b_down: np.ndarray | None, activation: str, alpha: float = 1.702,
                        limit: float = 7.0) -> np.ndarray:
-    """Routed experts with biases and swigluoai or silu (moe.BiasedExperts) in float64: x
+    """Routed experts with biases and swigluoai or silu (BiasedExperts) in float64: x
     (T, D) -> float32 (T, D), y[t] = sum_k weights[t, k] * (W_down[e] @ act(W_gate[e] @ x[t]
     + b_gate[e], W_up[e] @ x[t] + b_up[e]) + b_down[e]), e = ids[t, k]."""
     x64 = np.asarray(x, dtype=np.float64)

@@ -1,6 +1,7 @@
-# colibri/pyx/biased_experts.pxi: routed experts with biases and / or the swigluoai
-# activation (GPT-OSS; colibri/engine/moe.py, BiasedExperts) in one nogil call: the decode step's
-# one token (PreparedBiasedExperts); T token rows grouped by expert are biased_grouped.pxi's.
+# colibri/pyx/biased_experts.pxi: routed experts with biases and / or the swigluoai activation
+# (GPT-OSS; colibri/kernels/biased_experts.py, BiasedExperts) in one nogil call: the decode
+# step's one token (PreparedBiasedExperts); T token rows grouped by expert are
+# biased_grouped.pxi's.
 
 cdef extern from "csrc/swigluoai.h" nogil:
     void colibri_swigluoai(int isa, const float *g, float *u, Py_ssize_t n, float alpha,

@@ -42,7 +42,7 @@ ctypedef struct DMlaBuf:
 
 
 ctypedef struct DBiased:
-    # one layer's biased / swigluoai experts (colibri.engine.moe.BiasedExperts)
+    # one layer's biased / swigluoai experts (colibri.kernels.biased_experts.BiasedExperts)
     const float *bg               # (E, I), (E, I), (E, D) or NULL
     const float *bu
     const float *bd

@@ -47,7 +47,7 @@ import numpy as np
 from ..engine.kv_cache import DEFAULT_KV_DTYPE
 from ..engine.model import DEFAULT_ACTIVATIONS, Model
 from ..errors import ColibriError
-from ..generation.tokenizer import NoTokenizerError
+from ..format.tokenizer import NoTokenizerError
 from .fidelity import RoutingFidelity, compare_routing, fidelity_rows
 from .trace import Trace
 

@@ -39,7 +39,7 @@ import numpy as np
 from ..engine.kv_cache import DEFAULT_MAX_CTX
 from ..errors import ColibriError
 from ..experts.telemetry import ExpertTelemetry, TokenTelemetry
-from ..generation.tokenizer import NoTokenizerError
+from ..format.tokenizer import NoTokenizerError
 from .stats import RoutingStats
 
 __all__ = ["Trace", "trace", "iter_trace", "routing_stats", "UnknownLayerError", "format_route"]

@@ -9,7 +9,7 @@ implemented here. tokenizers and transformers are imported when a tokenizer is f
 not at `import colibri`: transformers alone takes longer to import (~0.6 s) than the whole
 package, and a model used with token ids never needs it.
 
-Model-supplied code is bounded: the chat template renders in colibri.generation.chat_template's
+Model-supplied code is bounded: the chat template renders in colibri.format.chat_template's
 sandbox (steps, seconds and characters capped); a text longer than MAX_TEXT_CHARS is refused before
 it is tokenized (2M characters take ~4 s to tokenize on one core, measured in
 docs/safety-api.md); a Rust panic of the tokenizers library (pyo3's PanicException, a
@@ -239,7 +239,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:
         """The text of a conversation rendered with the chat template
-        (colibri.generation.chat_template: sandboxed and bounded), as transformers renders it: the
+        (colibri.format.chat_template: sandboxed and bounded), as transformers renders it: the
         special tokens visible."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise TypeError(f"messages must be a list of dicts ({{'role', 'content'}}), got "
