@@ -11,9 +11,13 @@ import os
 import numpy as np
 
 import colibri
-from colibri.generation.generate import decode_one
-
 from .common import THREADS, make_model, model_folder
+
+
+def decode_one(model, token: int, cache) -> None:
+    """One decode step as colibri bench's tg loop runs it (colibri.forward of one token on
+    the cache): a call every commit of the suite has."""
+    model.forward(np.array([token]), cache=cache, last_only=True)
 
 
 class Model:
