@@ -111,15 +111,28 @@ def test_a_prompt_of_embeddings_beside_drafting_requests(shipped):
         want = run(Scheduler(shipped, parallel=2), after)
         spec = SpeculativeScheduler(shipped, Speculation(shipped, "prompt-lookup", 4),
                                     parallel=2)
-        plan = spec._plan
+        seen = set()                # what the current step ran: drafts, an embeddings prompt
+        speculate, forward, step = spec.speculation.forward, shipped.forward, spec.step
 
-        def watched():
+        def drafts(*a, **kw):
+            seen.add("drafts")
+            return speculate(*a, **kw)
+
+        def embeds(*a, **kw):
+            if kw.get("input_embeds") is not None:
+                seen.add("embeds")
+            return forward(*a, **kw)
+
+        def one_step():
+            seen.clear()
+            out = step()
             nonlocal mixed
-            segments = plan()
-            mixed += (spec.speculation.active(segments)
-                      and any(r.embeds is not None and r.prefilling for r, _ in segments))
-            return segments
+            mixed += seen == {"drafts", "embeds"}
+            return out
 
-        spec._plan = watched
-        assert run(spec, after) == want, after
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(spec.speculation, "forward", drafts)
+            mp.setattr(shipped, "forward", embeds)
+            mp.setattr(spec, "step", one_step)
+            assert run(spec, after) == want, after
     assert mixed > 0
