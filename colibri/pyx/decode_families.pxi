@@ -1,10 +1,11 @@
 # colibri/pyx/decode_families.pxi: what DeepSeek's, GPT-OSS's and the LayerNorm families'
 # layers add to the compiled decode step (decode_layer.pxi), as nogil calls on its scratch:
-#   - _norm_row: the model's norm of a row, RMSNorm or LayerNorm (PhiMoE, DBRX:
+#   - _norm_rows: the model's norm of rows, RMSNorm or LayerNorm (PhiMoE, DBRX:
 #     norms.layer_norm's operations in NumPy's summation order, csrc/decode_layer.h);
 #   - _mla_attention: MLA.decode (colibri/engine/mla.py) — the q projection (or q LoRA: wq_a, its
 #     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
-#     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
+#     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv), one row
+#     at a time (the step's T rows each write their latent, then attend up to it);
 #   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi's
 #     _biased_job / _biased_one: the same run, the same order of the sums), on carved
 #     scratch instead of the per-process buffer.
@@ -38,7 +39,7 @@ ctypedef struct DMlaBuf:
     float *ckv                    # (Rkv + Dr,) kv_a's output
     float *c                      # (Rkv,) the normed latent
     float *kr                     # (Dr,) k_rope, rotated
-    float *o                      # (H*Dv,) the heads' output
+    float *o                      # (T, H*Dv) the heads' output (the row's: set per row)
 
 
 ctypedef struct DBiased:
@@ -51,19 +52,20 @@ ctypedef struct DBiased:
 
 
 cdef Py_ssize_t _mla_buf_bytes(Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv,
-                               Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
-    return 4 * (H * (Dn + Dr) + Rq + H * Dr + 2 * R + 2 * Dr + H * Dv) + 7 * 64
+                               Py_ssize_t R, Py_ssize_t Rq, Py_ssize_t T) noexcept nogil:
+    return 4 * (H * (Dn + Dr) + Rq + H * Dr + 2 * R + 2 * Dr + T * H * Dv) + 7 * 64
 
 
 cdef void _mla_carve(char **cur, DMlaBuf *mb, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
-                     Py_ssize_t Dv, Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
+                     Py_ssize_t Dv, Py_ssize_t R, Py_ssize_t Rq, Py_ssize_t T) noexcept nogil:
+    """The vectors of one row's latent attention; o for T rows (wo runs once over them)."""
     mb.q = <float *>_carve(cur, 4 * H * (Dn + Dr))
     mb.qa = <float *>_carve(cur, 4 * Rq)
     mb.qr = <float *>_carve(cur, 4 * H * Dr)
     mb.ckv = <float *>_carve(cur, 4 * (R + Dr))
     mb.c = <float *>_carve(cur, 4 * R)
     mb.kr = <float *>_carve(cur, 4 * Dr)
-    mb.o = <float *>_carve(cur, 4 * H * Dv)
+    mb.o = <float *>_carve(cur, 4 * T * H * Dv)
 
 
 cdef Py_ssize_t _mla_work_bytes(const DMla *a, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
@@ -139,13 +141,16 @@ cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBias
     _biased_one(&j, threads, cur)
 
 
-cdef inline void _norm_row(bint layer_norm, const float *x, Py_ssize_t n, const float *w,
-                           const float *bias, float eps, float *out) noexcept nogil:
-    """The model's norm of one row x (n,) into out: Model._norm_rows_into's, the same bits."""
+cdef inline void _norm_rows(bint layer_norm, const float *x, Py_ssize_t T, Py_ssize_t n,
+                            const float *w, const float *bias, float eps,
+                            float *out) noexcept nogil:
+    """The model's norm of the rows x (T, n) into out: Model.norm_rows_into's, the same bits."""
+    cdef Py_ssize_t r
     if layer_norm:
-        colibri_layer_norm_row(x, n, w, bias, eps, out)
+        for r in range(T):
+            colibri_layer_norm_row(x + r * n, n, w, bias, eps, out + r * n)
     else:
-        colibri_rms_norm_rows(x, n, 1, n, w, eps, out, n)
+        colibri_rms_norm_rows(x, n, T, n, w, eps, out, n)
 
 
 def layer_norm_rows(x, weight, bias, float eps, out):
