@@ -341,15 +341,15 @@ cdef class DecodeLayers:
 
     cdef Py_ssize_t _work_bytes(self, Py_ssize_t slots, Py_ssize_t T) noexcept nogil:
         """Scratch any one kernel call of a pass of T rows needs (linear and expert FFN over
-        the T rows, attention of one row over up to `slots` positions, MLA's and the biased
-        experts' per-row calls), for the current knobs."""
+        the T rows, attention of one row over up to `slots` positions, the biased experts'
+        per-row call), for the current knobs."""
         cdef Py_ssize_t i, n = 4 * self.m.threads * slots * (self.m.H // self.m.Hkv), b
         cdef const DLayer *L
         for i in range(self.m.n_layers):
             L = &self.m.layers[i]
             if L.mla:
                 b = _mla_work_bytes(&L.a, self.m.H, self.m.Dn, self.m.Dr, self.m.Dv, slots,
-                                    self.m.threads, self.m.Rq > 0)
+                                    self.m.threads, self.m.Rq > 0, T)
             else:
                 b = _linear_bytes(T, &L.qkv, self.m.threads)
             n = b if b > n else n

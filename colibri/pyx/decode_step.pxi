@@ -3,7 +3,7 @@
 # DecodeBinding.rows, a speculative verification's T <= DECODE_MAX_ROWS, call it without
 # the GIL): per layer the norm of each row, the attention (GQA with its sinks, here: q|k|v
 # and wo as one call over the T rows, RoPE per row, the T keys and values stored, then each
-# row's attention over the cache up to its own slot; MLA: decode_families.pxi, row by row),
+# row's attention over the cache up to its own slot; MLA: decode_families.pxi, likewise),
 # the residual add, the norm, the router over the T rows and each row's routing, the
 # experts as one call grouped by expert (or the biased ones row by row:
 # decode_families.pxi), the shared expert and its gate, the residual add, with the time of
@@ -37,10 +37,8 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t T, Py_ssize_t
     cdef int32_t *one_id = <int32_t *>_carve(&cur, 4 * T)         # (T, 1): expert 0, weight 1
     cdef float *one_w = <float *>_carve(&cur, 4 * T)
     cdef float *z = <float *>_carve(&cur, 4 * T)                  # the shared gate's logits
-    cdef DMlaBuf mbr
     if m.mla:
         _mla_carve(&cur, &b.mb, H, m.Dn, m.Dr, m.Dv, m.R, m.Rq, T)
-        mbr = b.mb
     cdef char *work = cur
     cdef float gv
     cdef double t0, t1
@@ -55,12 +53,9 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t T, Py_ssize_t
         ly = &m.layers[i]
         # attention: norm, q|k|v, q/k norms, clip, RoPE, cache write + attention, wo
         _norm_rows(m.layer_norm, b.h, T, D, ly.attn_norm, ly.attn_norm_bias, m.eps, b.xa)
-        if ly.mla:                  # or the latent attention (decode_families.pxi), per row
-            for r in range(T):
-                mbr.o = b.mb.o + r * H * m.Dv
-                _mla_attention(&ly.a, &mbr, b.xa + r * D, b.fmt, b.kp[i], b.vp[i], slot0 + r,
-                               H, m.Dn, m.Dr, m.Dv, m.Rq, m.latent_eps, m.scale,
-                               cos + r * hr, sin + r * hr, th, work)
+        if ly.mla:                  # or the latent attention (decode_families.pxi)
+            _mla_attention(&ly.a, &b.mb, b.xa, T, b.fmt, b.kp[i], b.vp[i], slot0, H, m.Dn,
+                           m.Dr, m.Dv, m.Rq, m.latent_eps, m.scale, cos, sin, th, work)
             _linear_core(b.mb.o, T, &ly.wo, ly.wo_bias, b.o, 0, th, work)
         else:
             _gqa_attention(m, ly, b, i, T, slot0, cos, sin, work)
