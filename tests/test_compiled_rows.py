@@ -29,7 +29,7 @@ F32_TOL = 1e-5       # empty cache: the loop's NumPy attention against the compi
 # where the compiled rows run row by row what the loop runs over the T rows, the order of
 # the sums differs: GPT-OSS's biased experts (the one-token call per row against the grouped
 # call: measured up to 3e-5 of the largest logit, q4 with f32 activations, 3e-6 elsewhere, 0
-# on the integer activations) and MLA (the absorbed attention and its projections per row
+# on the integer activations) and MLA (its absorbed attention per row
 # against the loop's expanded NumPy attention of the segment), of the largest logit per
 # activation setting (int16 quantizes those differences again in the next layer; on int8 they
 # flip a group-limited routing choice now and then: DeepSeek-V2's logits then differ by 0.1,

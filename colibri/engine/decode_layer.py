@@ -22,7 +22,7 @@ DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
 The same call runs T <= DECODE_MAX_ROWS consecutive new tokens of one sequence
 (CompiledLayers.run_rows, layer_loop.SequenceRows: a speculative verification): each
 projection, the router and the experts one call over the T rows, each row's attention over
-the cache up to its own slot (MLA and the biased experts row by row); the decode step is its
+the cache up to its own slot (the biased experts row by row); the decode step is its
 T = 1 case.
 
 What the compiled layers do not do, the loop does (the fallback), chosen when the
