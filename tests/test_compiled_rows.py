@@ -132,16 +132,27 @@ def test_rows_over_an_empty_cache(converted, case):
 
 @pytest.mark.parametrize("case", ["mixtral", "gpt_oss", "deepseek_v3", "phimoe"])
 def test_one_row_is_the_decode_step(converted, case):
-    """T = 1 is the decode step's bits (its logits, the cache it leaves)."""
+    """T = 1 through CompiledLayers.run_rows is the decode step's bits (the last layer's
+    residual stream, the cache it leaves); forward_rows of one token is the step itself."""
     m = api.load(converted(case, "q4"), threads=2, activations="int16")
     try:
         (a_cache, b_cache), new = _pair(m, PROMPT)
+        fast = m.compiled_step
         for t in new[:4]:
-            a = m.forward_rows(a_cache, np.array([t]))
-            b = api.forward(m, np.array([t]), cache=b_cache)
-            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+            pos = a_cache.length                          # no padding: the slot's position
+            h = np.ascontiguousarray(m.embed(np.array([[t]]))[0])                 # (1, D)
+            cos, sin = m.rope.cos_sin_one(pos)
+            assert fast.run_rows(m.run_state(a_cache), a_cache, h, cos[None], sin[None],
+                                 m.timings)
+            a_cache.commit_one(pos)
+            api.forward(m, np.array([t]), cache=b_cache)
+            np.testing.assert_array_equal(h.view(np.uint32),
+                                          b_cache.run_state.h.view(np.uint32))
         for x, y in zip(a_cache.k + a_cache.v, b_cache.k + b_cache.v):
             np.testing.assert_array_equal(x, y)
+        a = m.forward_rows(a_cache, new[4:5])
+        b = api.forward(m, new[4:5], cache=b_cache)
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     finally:
         m.close()
 

@@ -156,6 +156,10 @@ def forward_rows(model, cache: KVCache, ids) -> np.ndarray:
     forward_ragged's path for the one segment (its values, up to the summation order)."""
     checked = check_segments(model, [(cache, ids)])
     n = checked[0][1].size
+    if n == 1:                          # the decode step (its bits, fewer allocations)
+        out = model.decode_call(checked[0][1], cache, None, False)
+        if out is not None:
+            return out
     batch = SequenceRows if is_sequence_rows(cache, n) else RaggedBatch
     with blas_on_one_thread():
         return _run(model, checked, False, [np.arange(n)], batch)
