@@ -69,6 +69,7 @@ Sections, in colibri/pyx/, included in this order:
   biased_grouped.pxi   PreparedBiasedGrouped: T token rows of them grouped by expert
   decode_families.pxi  the compiled decode step's MLA attention and biased experts (nogil)
   decode_layer.pxi     DecodeLayers, DecodeBinding: every layer of a decode step in one call
+                       (or of T <= 33 rows of one sequence: a speculative verification)
   decode_step.pxi      that call's sequence of kernels, layer by layer
 """
 from libc.stdlib cimport free, malloc

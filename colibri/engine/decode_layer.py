@@ -19,6 +19,12 @@ kernels.prepare_mla_absorbed) and GPT-OSS's attention sinks and biased swigluoai
 DBRX's LayerNorm (norms.layer_norm's operations in NumPy's summation order)
 (pyx/decode_families.pxi).
 
+The same call runs T <= DECODE_MAX_ROWS consecutive new tokens of one sequence
+(CompiledLayers.run_rows, layer_loop.SequenceRows: a speculative verification): each
+projection, the router and the experts one call over the T rows, each row's attention over
+the cache up to its own slot (the biased experts row by row); the decode step is its
+T = 1 case.
+
 What the compiled layers do not do, the loop does (the fallback), chosen when the
 model is built (`uncovered`: the reason, or None): a norm other than RMSNorm / LayerNorm,
 q / k / v that are not one fused projection, an expert activation other than silu /
@@ -132,7 +138,8 @@ class CompiledLayers:
     its key and value going to slot cache.length, as Model._step's loop does; False (nothing
     done) when this step must take the Python loop: an MoE layer's expert source the
     compiled step cannot run (only the mapping's kernel call, which it calls itself), the
-    reason then in `declined` (None after a compiled step).
+    reason then in `declined` (None after a compiled step). run_rows: the same for T
+    consecutive tokens (layer_loop.SequenceRows, a speculative verification).
     """
     declined: str | None = None
 
@@ -182,6 +189,26 @@ class CompiledLayers:
             seconds[name] += s
         if bad >= 0:
             raise layer_nan_error(bad, state.xa, state.o, state.xf)
+        return True
+
+
+    def run_rows(self, state: RunState, cache, h: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray, timings) -> bool:
+        """Every layer on T consecutive new tokens of the cache's sequence: h float32 (T, D)
+        their embeddings (updated in place to the last layer's residual stream), keys and
+        values to slots cache.length.. cache.length + T - 1, cos / sin (T, Dr/2); each row
+        attends causally. As run, False (nothing done) when the expert sources decline."""
+        why = self.sources_reason()
+        self.declined = why
+        if why is not None:
+            return False
+        b = self._binding(state, cache)
+        bad = b.rows(cache.k, cache.v, cache.length, cos, sin, h)
+        seconds = timings.seconds
+        for name, s in zip(_STAGES, b.seconds.tolist()):
+            seconds[name] += s
+        if bad >= 0:
+            raise layer_nan_error(bad, *b.nan_rows)
         return True
 
 

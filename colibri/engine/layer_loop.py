@@ -11,6 +11,9 @@ head. Attention mixes rows of one sequence, so the description of the rows says 
     none; NumPy attention over masks (attention.Attention.__call__ / mla.MLA.__call__).
   - RaggedBatch: N sequences of S_i rows each, each through its own cache (the step of
     continuous batching, colibri.engine.ragged); attention per sequence (forward_segments).
+  - SequenceRows: a RaggedBatch of one sequence's few new rows after its cache (speculative
+    decoding's verification); where colibri.engine.decode_layer covers the model, all its
+    layers run as one compiled call over the rows (the decode step extended to T rows).
   - TokenStep: one token of one sequence through a cache without padding, every vector in
     the cache's RunState (the decode step); attention over the cache compiled (decode).
     Where colibri.engine.decode_layer covers the model, all its layers run as one compiled call
@@ -28,14 +31,18 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import _kernels
 from .attention import Segment, build_mask
 from .checks import check_logits, run_moe
 from .moe import MoE
 from .routing import RoutingTrace, trace_layer
 from .run_state import RunState
 
-__all__ = ["PaddedBatch", "RaggedBatch", "TokenStep", "forward_pass", "run_layers",
-           "tracer", "Record", "unpadded", "is_token_step", "AttentionLayer"]
+DECODE_MAX_ROWS = _kernels.DECODE_MAX_ROWS   # the rows of one compiled SequenceRows pass
+
+__all__ = ["PaddedBatch", "RaggedBatch", "SequenceRows", "TokenStep", "forward_pass",
+           "run_layers", "tracer", "Record", "unpadded", "is_token_step", "is_sequence_rows",
+           "AttentionLayer", "DECODE_MAX_ROWS"]
 
 
 class AttentionLayer(Protocol):
@@ -71,7 +78,7 @@ class _NewRows:
         T = self.rows
         return np.empty((T, D), np.float32), np.empty((T, D), np.float32), None
 
-    def run_compiled(self, model) -> bool:
+    def run_compiled(self, model, h: np.ndarray) -> bool:
         return False
 
 
@@ -139,6 +146,22 @@ class RaggedBatch(_NewRows):
     checks_logits = False
 
 
+@dataclass
+class SequenceRows(RaggedBatch):
+    """RaggedBatch of one segment: T <= DECODE_MAX_ROWS new rows after a cache without
+    padding, with room for them (a speculative verification; is_sequence_rows decides).
+    Every layer runs as one compiled call over the T rows (CompiledLayers.run_rows) when the
+    model has one and it takes them; else run_layers runs them as for any RaggedBatch."""
+
+    def run_compiled(self, model, h: np.ndarray) -> bool:
+        fast, s = model.compiled_step, self.segments[0]
+        if fast is None:
+            return False
+        cos = np.ascontiguousarray(s.cos.reshape(s.n, -1))                   # (T, Dr/2)
+        sin = np.ascontiguousarray(s.sin.reshape(s.n, -1))
+        return fast.run_rows(model.run_state(s.cache), s.cache, h, cos, sin, model.timings)
+
+
 @dataclass(slots=True)                  # made once per decode step: the lighter object
 class TokenStep:
     """One token of one sequence at RoPE position `position`, through `cache` (batch 1, no
@@ -159,9 +182,9 @@ class TokenStep:
     def attend(self, attn: AttentionLayer, x: np.ndarray, layer: int) -> np.ndarray:
         return attn.decode(x, self.cos, self.sin, self.cache, layer, self.state)
 
-    def run_compiled(self, model) -> bool:
+    def run_compiled(self, model, h: np.ndarray) -> bool:
         """Every layer in one compiled call (colibri.engine.decode_layer) when the model has one and
-        it takes this step; False: run_layers runs them."""
+        it takes this step (h is state.h); False: run_layers runs them."""
         fast = model.compiled_step
         return fast is not None and fast.run(self.state, self.cache, self.cos, self.sin,
                                              model.timings)
@@ -182,6 +205,13 @@ def is_token_step(cache, rows: int) -> bool:
     its fast entry Model.decode_call, the ragged step's segments)."""
     return (rows == 1 and cache is not None and cache.batch == 1
             and cache.length < cache.ctx and unpadded(cache))
+
+
+def is_sequence_rows(cache, rows: int) -> bool:
+    """Whether `rows` new rows through `cache` make SequenceRows: 1 <= rows <=
+    DECODE_MAX_ROWS, a cache of one sequence with room for them and no padding."""
+    return (1 <= rows <= DECODE_MAX_ROWS and cache.batch == 1
+            and cache.length + rows <= cache.ctx and unpadded(cache))
 
 
 def tracer(trace: RoutingTrace, B: int, S: int, threads: int) -> Record:
@@ -227,7 +257,7 @@ def forward_pass(model, batch, h: np.ndarray, t0: float, record: Record | None =
     if model.embedding_mult is not None:                     # Granite's muP
         np.multiply(h, model.embedding_mult, out=h)
     t0 = tm.add("embed", t0)
-    if record is not None or not batch.run_compiled(model):
+    if record is not None or not batch.run_compiled(model, h):
         run_layers(model, batch, h, record)
     t0 = time.perf_counter()
     if head_rows is None:                  # the decode step norms into its RunState's xa

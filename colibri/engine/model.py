@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +52,7 @@ from .mla import MLA, softmax_scale
 from .moe import DenseMLP, MoE
 from .norms import layer_norm
 from .prefix_cache import PrefixCache
-from .ragged import forward_ragged
+from .ragged import forward_ragged, forward_rows
 from .rope import Rope
 from .routing import RoutingTrace, drop_batch
 from .run_state import RunState
@@ -371,7 +371,7 @@ class Model:
             out[...] = self.embed(np.array([[token]]))[0]
         return out
 
-    def _run_state(self, cache: KVCache) -> RunState:
+    def run_state(self, cache: KVCache) -> RunState:
         """The cache's RunState for this model (made on first use, remade for another
         geometry)."""
         state = cache.run_state
@@ -428,7 +428,7 @@ class Model:
                     or int(p.reshape(-1)[0]) != position):
                 return None
         t0 = time.perf_counter()
-        state = self._run_state(cache)
+        state = self.run_state(cache)
         self.embed_row(token, state.h)
         trace = RoutingTrace([], [], []) if return_routing else None
         logits = self._step(state, position, cache, trace, t0)
@@ -459,7 +459,7 @@ class Model:
         B, S = valid.shape
         if B == 1 and valid[0, 0] and is_token_step(cache, S):
             t0 = time.perf_counter()
-            state = self._run_state(cache)
+            state = self.run_state(cache)
             if data.dtype == np.int64:
                 self.embed_row(int(data[0, 0]), state.h)
             else:
@@ -509,6 +509,13 @@ class Model:
                     claimed.add(id(seg[0]))
                     held.enter_context(seg[0].claim())
             return forward_ragged(self, segments, return_routing, logits_rows)
+
+    def forward_rows(self, cache: KVCache, ids) -> np.ndarray:
+        """T new tokens ids int (T,) of one sequence through `cache` (batch 1) in one pass:
+        logits float32 (T, V), row i predicting the token after ids[i]; the cache advances
+        by T (colibri.engine.ragged.forward_rows: a speculative verification)."""
+        with cache.claim() if type(cache) is KVCache else nullcontext():
+            return forward_rows(self, cache, ids)
 
     def close(self) -> None:
         for part in (self.expert_shards, self.expert_cache):    # the actors first

@@ -24,9 +24,10 @@ from ..errors import ForeignCacheError
 from ..kernels.runtime import blas_on_one_thread
 from .attention import Segment
 from .kv_cache import KVCache
-from .layer_loop import RaggedBatch, forward_pass, is_token_step, unpadded
+from .layer_loop import (RaggedBatch, SequenceRows, forward_pass, is_sequence_rows,
+                         is_token_step, unpadded)
 
-__all__ = ["forward_ragged", "check_segments", "ROW_ATTENTION_MAX"]
+__all__ = ["forward_ragged", "forward_rows", "check_segments", "ROW_ATTENTION_MAX"]
 
 # Segments of up to this many tokens after a cache (non-empty, no padding) attend row by row through
 # the decode step's compiled attention (attention.Segment.row_tables): for a few rows that is
@@ -147,7 +148,25 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False,
         return _run(model, checked, return_routing, rows)
 
 
-def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None):
+def forward_rows(model, cache: KVCache, ids) -> np.ndarray:
+    """Model.forward_rows: logits float32 (T, V) of each of T new tokens ids int (T,) of one
+    sequence through `cache` (batch 1), which advances by T. With no padding in the cache and
+    T <= DECODE_MAX_ROWS (layer_loop.SequenceRows) every layer runs as one compiled call over
+    the T rows where the compiled step covers the model; otherwise, or when it declines,
+    forward_ragged's path for the one segment (its values, up to the summation order)."""
+    checked = check_segments(model, [(cache, ids)])
+    n = checked[0][1].size
+    if n == 1:                          # the decode step (its bits, fewer allocations)
+        out = model.decode_call(checked[0][1], cache, None, False)
+        if out is not None:
+            return out
+    batch = SequenceRows if is_sequence_rows(cache, n) else RaggedBatch
+    with blas_on_one_thread():
+        return _run(model, checked, False, [np.arange(n)], batch)
+
+
+def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None,
+         batch=RaggedBatch):
     t0 = time.perf_counter()
     segs = _segments(model, checked)
     ids = np.concatenate([i for _, i in checked])                                  # (T,)
@@ -159,7 +178,7 @@ def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | N
         rows = np.array([s.start + s.n - 1 for s in segs])                         # (N,)
     else:
         rows = np.concatenate([s.start + r for s, r in zip(segs, logits_rows)])  # (sum R_i,)
-    logits = forward_pass(model, RaggedBatch(segs), h, t0, record, rows)
+    logits = forward_pass(model, batch(segs), h, t0, record, rows)
     if not return_routing:
         return logits
     K = model.config.num_experts_per_tok

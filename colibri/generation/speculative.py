@@ -98,13 +98,15 @@ class SpeculativeStats(GenerationStats):
 def verify(model, cache: KVCache, tokens: Sequence[int], return_routing: bool = False):
     """Feed tokens int (n,) (the last sampled token, then the drafts) to `cache` in one pass;
     logits float32 (n, V): row i predicts the token after tokens[i] [, routing int32
-    (M, n, K)]. The cache holds the n tokens afterwards: truncate it to the accepted length."""
+    (M, n, K)]. The cache holds the n tokens afterwards: truncate it to the accepted length.
+    Without routing, one pass over the n rows (Model.forward_rows: the compiled decode step
+    extended to n rows where it covers the model)."""
     ids = np.asarray(tokens, dtype=np.int64)
-    rows = [np.arange(ids.size)]
-    out = model.forward_ragged([(cache, ids)], return_routing=return_routing, logits_rows=rows)
     if not return_routing:
-        return out.reshape(ids.size, -1)
-    logits, routing = out
+        return model.forward_rows(cache, ids)
+    rows = [np.arange(ids.size)]
+    logits, routing = model.forward_ragged([(cache, ids)], return_routing=True,
+                                           logits_rows=rows)
     return logits.reshape(ids.size, -1), routing[0]
 
 

@@ -1,10 +1,12 @@
 # colibri/pyx/decode_families.pxi: what DeepSeek's, GPT-OSS's and the LayerNorm families'
 # layers add to the compiled decode step (decode_layer.pxi), as nogil calls on its scratch:
-#   - _norm_row: the model's norm of a row, RMSNorm or LayerNorm (PhiMoE, DBRX:
+#   - _norm_rows: the model's norm of rows, RMSNorm or LayerNorm (PhiMoE, DBRX:
 #     norms.layer_norm's operations in NumPy's summation order, csrc/decode_layer.h);
 #   - _mla_attention: MLA.decode (colibri/engine/mla.py) — the q projection (or q LoRA: wq_a, its
 #     RMSNorm, wq_b), kv_a, the latent's RMSNorm, RoPE of q_rope and k_rope, then PreparedMLA's
-#     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv);
+#     absorbed attention (_mla_core, pyx/mla.pxi) — into the heads' output (H*Dv); over T
+#     rows the projections one call each, then row by row RoPE, the latent written and the
+#     attention up to it;
 #   - _biased_token: PreparedBiasedExperts' one-token call (pyx/biased_experts.pxi's
 #     _biased_job / _biased_one: the same run, the same order of the sums), on carved
 #     scratch instead of the per-process buffer.
@@ -32,13 +34,14 @@ ctypedef struct DMla:
 
 ctypedef struct DMlaBuf:
     # a step's MLA vectors (carved once per binding)
-    float *q                      # (H, Dn+Dr)
-    float *qa                     # (Rq,)
-    float *qr                     # (H, Dr) q_rope, rotated
-    float *ckv                    # (Rkv + Dr,) kv_a's output
-    float *c                      # (Rkv,) the normed latent
-    float *kr                     # (Dr,) k_rope, rotated
-    float *o                      # (H*Dv,) the heads' output
+    # a pass's MLA vectors of its T rows (carved per call)
+    float *q                      # (T, H, Dn+Dr)
+    float *qa                     # (T, Rq)
+    float *qr                     # (H, Dr) one row's q_rope, rotated
+    float *ckv                    # (T, Rkv + Dr) kv_a's output
+    float *c                      # (T, Rkv) the normed latent
+    float *kr                     # (Dr,) one row's k_rope, rotated
+    float *o                      # (T, H*Dv) the heads' output
 
 
 ctypedef struct DBiased:
@@ -51,25 +54,27 @@ ctypedef struct DBiased:
 
 
 cdef Py_ssize_t _mla_buf_bytes(Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv,
-                               Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
-    return 4 * (H * (Dn + Dr) + Rq + H * Dr + 2 * R + 2 * Dr + H * Dv) + 7 * 64
+                               Py_ssize_t R, Py_ssize_t Rq, Py_ssize_t T) noexcept nogil:
+    return 4 * (T * (H * (Dn + Dr) + Rq + R + Dr + R + H * Dv) + H * Dr + Dr) + 7 * 64
 
 
 cdef void _mla_carve(char **cur, DMlaBuf *mb, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
-                     Py_ssize_t Dv, Py_ssize_t R, Py_ssize_t Rq) noexcept nogil:
-    mb.q = <float *>_carve(cur, 4 * H * (Dn + Dr))
-    mb.qa = <float *>_carve(cur, 4 * Rq)
+                     Py_ssize_t Dv, Py_ssize_t R, Py_ssize_t Rq, Py_ssize_t T) noexcept nogil:
+    """The vectors of T rows' latent attention (the rotated q_rope and k_rope: one row's)."""
+    mb.q = <float *>_carve(cur, 4 * T * H * (Dn + Dr))
+    mb.qa = <float *>_carve(cur, 4 * T * Rq)
     mb.qr = <float *>_carve(cur, 4 * H * Dr)
-    mb.ckv = <float *>_carve(cur, 4 * (R + Dr))
-    mb.c = <float *>_carve(cur, 4 * R)
+    mb.ckv = <float *>_carve(cur, 4 * T * (R + Dr))
+    mb.c = <float *>_carve(cur, 4 * T * R)
     mb.kr = <float *>_carve(cur, 4 * Dr)
-    mb.o = <float *>_carve(cur, 4 * H * Dv)
+    mb.o = <float *>_carve(cur, 4 * T * H * Dv)
 
 
 cdef Py_ssize_t _mla_work_bytes(const DMla *a, Py_ssize_t H, Py_ssize_t Dn, Py_ssize_t Dr,
                                 Py_ssize_t Dv, Py_ssize_t slots, int threads,
-                                bint lora) noexcept nogil:
-    """Scratch any one call of _mla_attention needs over up to `slots` positions."""
+                                bint lora, Py_ssize_t T) noexcept nogil:
+    """Scratch any one call of _mla_attention over T rows needs (a row's attention over up
+    to `slots` positions)."""
     cdef Py_ssize_t n = 0, b, m
     cdef int nth
     cdef Py_ssize_t hper, xp, per
@@ -82,40 +87,45 @@ cdef Py_ssize_t _mla_work_bytes(const DMla *a, Py_ssize_t H, Py_ssize_t Dn, Py_s
         m = 4 * (nth * per + 2 * H * a.kvb.cols + 16)
         n = m if m > n else n
     if lora:
-        b = _linear_bytes(1, &a.wq_a, threads)
+        b = _linear_bytes(T, &a.wq_a, threads)
         n = b if b > n else n
-        b = _linear_bytes(1, &a.wq_b, threads)
+        b = _linear_bytes(T, &a.wq_b, threads)
     else:
-        b = _linear_bytes(1, &a.wq, threads)
+        b = _linear_bytes(T, &a.wq, threads)
     n = b if b > n else n
-    b = _linear_bytes(1, &a.wkv_a, threads)
+    b = _linear_bytes(T, &a.wkv_a, threads)
     return b if b > n else n
 
 
-cdef void _mla_attention(const DMla *a, const DMlaBuf *mb, const float *x, int fmt,
-                         char *lat, char *rot, Py_ssize_t slot, Py_ssize_t H,
+cdef void _mla_attention(const DMla *a, const DMlaBuf *mb, const float *x, Py_ssize_t T,
+                         int fmt, char *lat, char *rot, Py_ssize_t slot0, Py_ssize_t H,
                          Py_ssize_t Dn, Py_ssize_t Dr, Py_ssize_t Dv, Py_ssize_t Rq,
                          float latent_eps, float scale, const float *cos, const float *sin,
                          int threads, char *work) noexcept nogil:
-    """MLA.decode up to its output projection: x (D,) normed -> mb.o (H*Dv), the latent and
-    rotated key written to slot `slot` of sequence 0's planes lat (S, Rkv) / rot (S, Dr)."""
-    cdef Py_ssize_t R = a.kvb.cols, qs = Dn + Dr, h
+    """MLA.decode up to its output projection for T consecutive rows: x (T, D) normed ->
+    mb.o (T, H*Dv); the projections one call over the rows, then per row RoPE, its latent
+    and rotated key written to slot slot0 + r of sequence 0's planes lat (S, Rkv) / rot
+    (S, Dr) and its absorbed attention up to that slot; cos / sin (T, Dr/2)."""
+    cdef Py_ssize_t R = a.kvb.cols, qs = Dn + Dr, h, r, qw = H * (Dn + Dr)
     cdef Py_ssize_t hr = Dr // 2
+    cdef const float *q
     if Rq > 0:                                        # q LoRA: wq_b(RMSNorm(wq_a(x)))
-        _linear_core(x, 1, &a.wq_a, a.bq_a, mb.qa, 0, threads, work)
-        colibri_rms_norm_rows(mb.qa, Rq, 1, Rq, a.q_a_norm, latent_eps, mb.qa, Rq)
-        _linear_core(mb.qa, 1, &a.wq_b, a.bq_b, mb.q, 0, threads, work)
+        _linear_core(x, T, &a.wq_a, a.bq_a, mb.qa, 0, threads, work)
+        colibri_rms_norm_rows(mb.qa, Rq, T, Rq, a.q_a_norm, latent_eps, mb.qa, Rq)
+        _linear_core(mb.qa, T, &a.wq_b, a.bq_b, mb.q, 0, threads, work)
     else:
-        _linear_core(x, 1, &a.wq, a.bq, mb.q, 0, threads, work)
-    for h in range(H):                                # q_rope, contiguous, rotated
-        memcpy(mb.qr + h * Dr, mb.q + h * qs + Dn, 4 * Dr)
-    colibri_rope_rows(mb.qr, Dr, H, hr, cos, sin)
-    _linear_core(x, 1, &a.wkv_a, a.bkv_a, mb.ckv, 0, threads, work)
-    colibri_rms_norm_rows(mb.ckv, R, 1, R, a.kv_a_norm, latent_eps, mb.c, R)
-    memcpy(mb.kr, mb.ckv + R, 4 * Dr)
-    colibri_rope_rows(mb.kr, Dr, 1, hr, cos, sin)
-    _mla_core(&a.kvb, fmt, mb.q, qs, mb.qr, lat, rot, mb.c, mb.kr, slot, H, Dn, Dv, Dr,
-              scale, threads, <float *>work, mb.o)
+        _linear_core(x, T, &a.wq, a.bq, mb.q, 0, threads, work)
+    _linear_core(x, T, &a.wkv_a, a.bkv_a, mb.ckv, 0, threads, work)
+    colibri_rms_norm_rows(mb.ckv, R + Dr, T, R, a.kv_a_norm, latent_eps, mb.c, R)
+    for r in range(T):
+        q = mb.q + r * qw
+        for h in range(H):                            # q_rope, contiguous, rotated
+            memcpy(mb.qr + h * Dr, q + h * qs + Dn, 4 * Dr)
+        colibri_rope_rows(mb.qr, Dr, H, hr, cos + r * hr, sin + r * hr)
+        memcpy(mb.kr, mb.ckv + r * (R + Dr) + R, 4 * Dr)
+        colibri_rope_rows(mb.kr, Dr, 1, hr, cos + r * hr, sin + r * hr)
+        _mla_core(&a.kvb, fmt, q, qs, mb.qr, lat, rot, mb.c + r * R, mb.kr, slot0 + r, H, Dn,
+                  Dv, Dr, scale, threads, <float *>work, mb.o + r * H * Dv)
 
 
 cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBiased *bx,
@@ -139,13 +149,16 @@ cdef void _biased_token(const Wmat *g, const Wmat *u, const Wmat *d, const DBias
     _biased_one(&j, threads, cur)
 
 
-cdef inline void _norm_row(bint layer_norm, const float *x, Py_ssize_t n, const float *w,
-                           const float *bias, float eps, float *out) noexcept nogil:
-    """The model's norm of one row x (n,) into out: Model._norm_rows_into's, the same bits."""
+cdef inline void _norm_rows(bint layer_norm, const float *x, Py_ssize_t T, Py_ssize_t n,
+                            const float *w, const float *bias, float eps,
+                            float *out) noexcept nogil:
+    """The model's norm of the rows x (T, n) into out: Model.norm_rows_into's, the same bits."""
+    cdef Py_ssize_t r
     if layer_norm:
-        colibri_layer_norm_row(x, n, w, bias, eps, out)
+        for r in range(T):
+            colibri_layer_norm_row(x + r * n, n, w, bias, eps, out + r * n)
     else:
-        colibri_rms_norm_rows(x, n, 1, n, w, eps, out, n)
+        colibri_rms_norm_rows(x, n, T, n, w, eps, out, n)
 
 
 def layer_norm_rows(x, weight, bias, float eps, out):

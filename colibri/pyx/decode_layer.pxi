@@ -1,6 +1,8 @@
 # colibri/pyx/decode_layer.pxi: the compiled decode step, every layer of one token in one
 # nogil call (DecodeLayers: the layers' weights and settings, checked once; DecodeBinding:
-# those layers over one cache and its RunState's buffers, one call per step).
+# those layers over one cache and its RunState's buffers, one call per step; or over T
+# consecutive tokens of that cache, one call per speculative verification: rows, the same
+# sequence with each linear and the experts called once over the T rows, decode_step.pxi).
 #
 # A layer is the Python step's sequence of kernel calls (Model._step, Attention.decode or
 # MLA.decode, MoE.__call__) in the same order through the same C functions: RMSNorm rows
@@ -44,7 +46,10 @@ cdef enum:
     STAGE_DENSE = 4
     N_STAGES = 5
 
+    MAX_ROWS = 33                   # rows of one DecodeBinding.rows call: 32 drafts + 1
+
 QK_NORM_CODES = {"none": QK_NONE, "full": QK_FULL, "per_head": QK_PER_HEAD}
+DECODE_MAX_ROWS = MAX_ROWS
 STAGE_NAMES = ("attention", "router", "experts", "shared", "dense")
 
 
@@ -93,14 +98,16 @@ ctypedef struct DModel:
 
 
 ctypedef struct DBind:
-    # what a step needs of DecodeBinding: the RunState's buffers and the cache planes
-    float *h
-    float *xa
+    # what a pass of T rows needs of DecodeBinding: its row buffers (a step's: the
+    # RunState's, T = 1; DecodeBinding.rows': carved from the scratch, h the caller's) and
+    # the cache planes
+    float *h                        # (T, D) the residual stream
+    float *xa                       # (T, D) the normed inputs of attention and FFN
     float *xf
-    float *o
+    float *o                        # (T, D) attention's output, the FFN's
     float *y
-    float *qkv
-    float *att
+    float *qkv                      # (T, H*Dh + 2*Hkv*Dh)
+    float *att                      # (T, H*Dh) the heads' attention
     double *sec                     # seconds per stage (N_STAGES)
     char **kp                       # per layer: sequence 0's key plane (Hkv, S, Dh)
     char **vp
@@ -332,34 +339,35 @@ cdef class DecodeLayers:
             self._load()
         return 0
 
-    cdef Py_ssize_t _work_bytes(self, Py_ssize_t slots) noexcept nogil:
-        """Scratch any one kernel call of a step needs (linear, expert FFN, attention over
-        up to `slots` positions), for the current knobs."""
+    cdef Py_ssize_t _work_bytes(self, Py_ssize_t slots, Py_ssize_t T) noexcept nogil:
+        """Scratch any one kernel call of a pass of T rows needs (linear and expert FFN over
+        the T rows, attention of one row over up to `slots` positions, the biased experts'
+        per-row call), for the current knobs."""
         cdef Py_ssize_t i, n = 4 * self.m.threads * slots * (self.m.H // self.m.Hkv), b
         cdef const DLayer *L
         for i in range(self.m.n_layers):
             L = &self.m.layers[i]
             if L.mla:
                 b = _mla_work_bytes(&L.a, self.m.H, self.m.Dn, self.m.Dr, self.m.Dv, slots,
-                                    self.m.threads, self.m.Rq > 0)
+                                    self.m.threads, self.m.Rq > 0, T)
             else:
-                b = _linear_bytes(1, &L.qkv, self.m.threads)
+                b = _linear_bytes(T, &L.qkv, self.m.threads)
             n = b if b > n else n
-            b = _linear_bytes(1, &L.wo, self.m.threads)
+            b = _linear_bytes(T, &L.wo, self.m.threads)
             n = b if b > n else n
             if L.biased:
                 b = _biased_bytes(L.K, &L.g, &L.u, &L.d)
             else:
-                b = _ffn_bytes(1, L.K if L.moe else 1, &L.g, &L.u, &L.d, self.m.threads)
+                b = _ffn_bytes(T, L.K if L.moe else 1, &L.g, &L.u, &L.d, self.m.threads)
             n = b if b > n else n
             if L.moe:
-                b = _linear_bytes(1, &L.router, self.m.threads)
+                b = _linear_bytes(T, &L.router, self.m.threads)
                 n = b if b > n else n
             if L.shared:
-                b = _ffn_bytes(1, 1, &L.sg, &L.su, &L.sd, self.m.threads)
+                b = _ffn_bytes(T, 1, &L.sg, &L.su, &L.sd, self.m.threads)
                 n = b if b > n else n
             if L.gated:
-                b = _linear_bytes(1, &L.sgate, self.m.threads)
+                b = _linear_bytes(T, &L.sgate, self.m.threads)
                 n = b if b > n else n
         return n
 
@@ -371,14 +379,22 @@ cdef class DecodeBinding:
     checked against the bound arrays at each step, rebound if they changed), cos / sin
     float32 (Dr/2,) of its position; returns -1, or the layer whose router logits were NaN
     (the step stopped there, the state's buffers holding that layer's vectors).
-    seconds: float64 (5,), the last step's time per stage (STAGE_NAMES)."""
+    `b.rows(k, v, slot0, cos, sin, h)`: the same for T <= DECODE_MAX_ROWS consecutive tokens
+    of the sequence (a speculative verification), h float32 (T, D) their embeddings, updated
+    in place to the last layer's residual stream, at slots slot0..slot0+T-1, cos / sin
+    (T, Dr/2); each row attends causally (the cache's slots up to its own); its other
+    vectors in the binding's scratch (the step is its T = 1 case, the same bits); when it
+    returns a layer, nan_rows holds that layer's (xa, o, xf) (T, D).
+    seconds: float64 (5,), the last call's time per stage (STAGE_NAMES)."""
     cdef readonly DecodeLayers layers
     cdef readonly object state
     cdef readonly object seconds
+    cdef readonly object nan_rows       # after rows returned a layer: its (xa, o, xf) (T, D)
     cdef list k_planes, v_planes
     cdef DBind b
     cdef object scratch
     cdef Py_ssize_t cap, gm, igm, mb
+    cdef Py_ssize_t ready               # the rows the scratch is sized for (current knobs)
     cdef int isa
 
     def __cinit__(self):
@@ -415,7 +431,9 @@ cdef class DecodeBinding:
         if self.b.kp == NULL or self.b.vp == NULL:
             raise MemoryError("DecodeBinding: no memory for the plane table")
         self.scratch = None
+        self.nan_rows = None
         self.cap = -1
+        self.ready = 0
         self._bind(k_planes, v_planes)
 
     def _bind(self, list k_planes, list v_planes):
@@ -446,29 +464,29 @@ cdef class DecodeBinding:
             fmt, S = kfmt, kd[2]
         self.b.fmt, self.b.S, self.b.es = fmt, S, 4 if fmt == COLIBRI_F32 else 2
         self.k_planes, self.v_planes = list(k_planes), list(v_planes)
-        self._grow()
+        self._grow(max(1, self.ready))
 
-    cdef int _grow(self) except -1:
-        """Scratch for the current knobs and ISA: the fixed part (router logits, routing
-        scratch, ids, weights, the shared expert's output, a dense MLP's id and weight) and
-        the part of the largest kernel call."""
+    cdef int _grow(self, Py_ssize_t T) except -1:
+        """Scratch of a pass of T rows for the current knobs and ISA: the row buffers (for
+        rows; a step uses its RunState's), the fixed part (router logits, routing scratch,
+        ids, weights, the shared expert's output, a dense MLP's ids and weights, MLA's
+        vectors) and the part of the largest kernel call."""
         self.layers._ensure()
         cdef DModel *m = &self.layers.m
-        cdef Py_ssize_t need = (4 * 5 * m.E_max + 8 * m.K_max + 4 * m.D + 8 + 10 * 64
-                                + self.layers._work_bytes(self.b.S))
-        if m.mla:
-            need += _mla_buf_bytes(m.H, m.Dn, m.Dr, m.Dv, m.R, m.Rq)
+        cdef Py_ssize_t need = (4 * T * (4 * m.D + 2 * m.nq + 2 * m.nk) + 6 * 64
+                                + _step_bytes(m, T) + self.layers._work_bytes(self.b.S, T))
         if need > self.cap:
             self.scratch = np.empty(need + 64, dtype=np.uint8)
             self.cap = need
         self.gm, self.igm, self.mb, self.isa = _gemm_min, _igemm_min, _min_bytes, _isa
+        self.ready = T
         return 0
 
-    def step(self, list k_planes, list v_planes, Py_ssize_t slot, cos, sin):
+    cdef int _prepare(self, list k_planes, list v_planes, Py_ssize_t T) except -1:
+        """Rebind the cache planes if they changed; regrow the scratch if the knobs or the
+        ISA changed or T rows need more."""
         cdef DModel *m = &self.layers.m
-        cdef Py_ssize_t cd[1]
-        cdef Py_ssize_t sd[1]
-        cdef Py_ssize_t i, bad
+        cdef Py_ssize_t i
         cdef bint same = len(k_planes) == m.n_layers and len(v_planes) == m.n_layers
         if same:
             for i in range(m.n_layers):
@@ -479,8 +497,16 @@ cdef class DecodeBinding:
         if not same:
             self._bind(k_planes, v_planes)
         if (self.isa != _isa or self.gm != _gemm_min or self.igm != _igemm_min
-                or self.mb != _min_bytes):
-            self._grow()
+                or self.mb != _min_bytes or T > self.ready):
+            self._grow(T)
+        return 0
+
+    def step(self, list k_planes, list v_planes, Py_ssize_t slot, cos, sin):
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t cd[1]
+        cdef Py_ssize_t sd[1]
+        cdef Py_ssize_t bad
+        self._prepare(k_planes, v_planes, 1)
         cdef const float *cp = _f32(cos, "cos", 1, False, cd)
         cdef const float *sp = _f32(sin, "sin", 1, False, sd)
         if cd[0] != m.h_rope or sd[0] != m.h_rope:
@@ -490,5 +516,46 @@ cdef class DecodeBinding:
             raise ValueError(f"step: slot {slot} is outside the cache's {self.b.S} slots")
         cdef char *base = _base(self.scratch)
         with nogil:
-            bad = _decode_step(m, &self.b, slot, cp, sp, base)
+            bad = _decode_step(m, &self.b, 1, slot, cp, sp, base)
         return bad
+
+    def rows(self, list k_planes, list v_planes, Py_ssize_t slot0, cos, sin, h):
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t hd[2]
+        cdef Py_ssize_t cd[2]
+        cdef Py_ssize_t sd[2]
+        cdef Py_ssize_t bad, T, N = m.nq + 2 * m.nk
+        cdef float *hp = _f32(h, "h", 2, True, hd)
+        T = hd[0]
+        if not 1 <= T <= MAX_ROWS or hd[1] != m.D:
+            raise ValueError(f"rows: h is ({hd[0]}, {hd[1]}), expected (T, {m.D}) with "
+                             f"1 <= T <= {MAX_ROWS}")
+        cdef const float *cp = _f32(cos, "cos", 2, False, cd)
+        cdef const float *sp = _f32(sin, "sin", 2, False, sd)
+        if cd[0] != T or sd[0] != T or cd[1] != m.h_rope or sd[1] != m.h_rope:
+            raise ValueError(f"rows: cos ({cd[0]}, {cd[1]}) and sin ({sd[0]}, {sd[1]}) must "
+                             f"be ({T}, {m.h_rope})")
+        self._prepare(k_planes, v_planes, T)
+        if slot0 < 0 or slot0 + T > self.b.S:
+            raise ValueError(f"rows: slots {slot0}..{slot0 + T - 1} are outside the cache's "
+                             f"{self.b.S} slots")
+        cdef char *cur = _base(self.scratch)
+        cdef DBind rb = self.b                  # the same planes, T-row buffers
+        rb.h = hp
+        rb.xa = <float *>_carve(&cur, 4 * T * m.D)
+        rb.xf = <float *>_carve(&cur, 4 * T * m.D)
+        rb.o = <float *>_carve(&cur, 4 * T * m.D)
+        rb.y = <float *>_carve(&cur, 4 * T * m.D)
+        rb.qkv = <float *>_carve(&cur, 4 * T * N)
+        rb.att = <float *>_carve(&cur, 4 * T * m.nq)
+        with nogil:
+            bad = _decode_step(m, &rb, T, slot0, cp, sp, cur)
+        if bad >= 0:                # what the NaN's error names: that layer's vectors
+            self.nan_rows = (self._view(rb.xa, T), self._view(rb.o, T), self._view(rb.xf, T))
+        return bad
+
+    cdef object _view(self, float *p, Py_ssize_t T):
+        """The (T, D) float32 rows at p in the scratch, as an array (a copy)."""
+        cdef Py_ssize_t off = <char *>p - <char *>colibri_array_data(self.scratch)
+        return self.scratch[off:off + 4 * T * self.layers.m.D].view(np.float32).reshape(
+            T, self.layers.m.D).copy()
