@@ -219,7 +219,6 @@ def test_declined_sources_take_the_loop(converted, monkeypatch):
         (a_cache, b_cache), new = _pair(m, PROMPT)
         monkeypatch.setattr(type(m.compiled_step), "sources_reason", lambda self: "a test")
         a = m.forward_rows(a_cache, new[:5])
-        assert m.compiled_step.declined == "a test"
         assert a_cache.decode_binding is None
         b = _python_rows(m, b_cache, new[:5])
         np.testing.assert_array_equal(a, b)
@@ -263,3 +262,49 @@ def test_each_isa_path(converted, isa):
 
 def test_max_rows_constant():
     assert _kernels.DECODE_MAX_ROWS == DECODE_MAX_ROWS
+
+
+@pytest.mark.parametrize("case,fmt", [c for c in CASES if c[1] != "f32"])
+def test_rows_record_the_loops_routing(converted, case, fmt):
+    """forward_rows(return_routing=True) through the compiled rows gives each MoE layer's
+    experts of each row, those the loop records (and its logits), T = 1, 5, 9; with no MoE
+    layer the routing is (0, T, K)."""
+    m = api.load(converted(case, fmt), threads=2, activations="int16")
+    try:
+        for T in (1, 5, 9):
+            (fast, slow), new = _pair(m, PROMPT, seed=T)
+            a, (ra,) = m.forward_rows(fast, new[:T], return_routing=True)
+            assert fast.decode_binding is not None            # the compiled rows ran
+            compiled, m.compiled_step = m.compiled_step, None
+            try:
+                b, (rb,) = m.forward_rows(slow, new[:T], return_routing=True)
+            finally:
+                m.compiled_step = compiled
+            assert ra.dtype == np.int32 and ra.shape == rb.shape
+            assert ra.shape[1:] == (T, m.config.num_experts_per_tok)
+            if _rowwise(m):             # the summation order may flip a near tie
+                assert (ra == rb).mean() > 0.9
+                np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * np.abs(b).max())
+            else:
+                np.testing.assert_array_equal(ra, rb, err_msg=f"T {T}")
+                np.testing.assert_array_equal(a, b)
+    finally:
+        m.close()
+
+
+def test_rows_routing_must_fit(converted):
+    """A routing array of the wrong shape or dtype is a ValueError naming what it expects."""
+    m = api.load(converted("mixtral", "q4"), threads=1)
+    try:
+        (c, _), _ = _pair(m, PROMPT)
+        b = m.compiled_step._binding(m.run_state(c), c)
+        hr = len(m.rope.cos_sin_one(0)[0])
+        h = np.zeros((2, m.config.hidden_size), np.float32)
+        cs = np.zeros((2, hr), np.float32)
+        K = m.config.num_experts_per_tok
+        for bad in (np.zeros((1, 2, K), np.int32), np.zeros((2, 2, K), np.int64),
+                    np.zeros((2, 2, K), np.int32)[:, ::-1]):
+            with pytest.raises(ValueError, match=r"routing must be .* shape \(2, 2, 2\)"):
+                b.rows(c.k, c.v, c.length, cs, cs, h, bad)
+    finally:
+        m.close()

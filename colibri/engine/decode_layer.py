@@ -192,18 +192,25 @@ class CompiledLayers:
         return True
 
 
+    @property
+    def moe_layers(self) -> int:
+        """How many of the layers are MoE layers (the first axis of run_rows' routing)."""
+        return len(self._moes)
+
     def run_rows(self, state: RunState, cache, h: np.ndarray, cos: np.ndarray,
-                 sin: np.ndarray, timings) -> bool:
+                 sin: np.ndarray, timings, routing: np.ndarray | None = None) -> bool:
         """Every layer on T consecutive new tokens of the cache's sequence: h float32 (T, D)
         their embeddings (updated in place to the last layer's residual stream), keys and
         values to slots cache.length.. cache.length + T - 1, cos / sin (T, Dr/2); each row
-        attends causally. As run, False (nothing done) when the expert sources decline."""
+        attends causally; routing, when given, int32 (moe_layers, T, K) receives each MoE
+        layer's experts of each row. As run, False (nothing done) when the expert sources
+        decline."""
         why = self.sources_reason()
         self.declined = why
         if why is not None:
             return False
         b = self._binding(state, cache)
-        bad = b.rows(cache.k, cache.v, cache.length, cos, sin, h)
+        bad = b.rows(cache.k, cache.v, cache.length, cos, sin, h, routing)
         seconds = timings.seconds
         for name, s in zip(_STAGES, b.seconds.tolist()):
             seconds[name] += s

@@ -147,11 +147,15 @@ class RaggedBatch(_NewRows):
 
 
 @dataclass
+@dataclass
 class SequenceRows(RaggedBatch):
     """RaggedBatch of one segment: T <= DECODE_MAX_ROWS new rows after a cache without
     padding, with room for them (a speculative verification; is_sequence_rows decides).
     Every layer runs as one compiled call over the T rows (CompiledLayers.run_rows) when the
-    model has one and it takes them; else run_layers runs them as for any RaggedBatch."""
+    model has one and it takes them; else run_layers runs them as for any RaggedBatch.
+    routing: None, or int32 (M, T, K) that the compiled call fills with each MoE layer's
+    experts of each row."""
+    routing: np.ndarray | None = None
 
     def run_compiled(self, model, h: np.ndarray) -> bool:
         fast, s = model.compiled_step, self.segments[0]
@@ -159,7 +163,8 @@ class SequenceRows(RaggedBatch):
             return False
         cos = np.ascontiguousarray(s.cos.reshape(s.n, -1))                   # (T, Dr/2)
         sin = np.ascontiguousarray(s.sin.reshape(s.n, -1))
-        return fast.run_rows(model.run_state(s.cache), s.cache, h, cos, sin, model.timings)
+        return fast.run_rows(model.run_state(s.cache), s.cache, h, cos, sin, model.timings,
+                             self.routing)
 
 
 @dataclass(slots=True)                  # made once per decode step: the lighter object

@@ -510,12 +510,13 @@ class Model:
                     held.enter_context(seg[0].claim())
             return forward_ragged(self, segments, return_routing, logits_rows)
 
-    def forward_rows(self, cache: KVCache, ids) -> np.ndarray:
+    def forward_rows(self, cache: KVCache, ids, return_routing: bool = False):
         """T new tokens ids int (T,) of one sequence through `cache` (batch 1) in one pass:
-        logits float32 (T, V), row i predicting the token after ids[i]; the cache advances
-        by T (colibri.engine.ragged.forward_rows: a speculative verification)."""
+        logits float32 (T, V), row i predicting the token after ids[i] [, routing: a list of
+        one int32 (M, T, K)]; the cache advances by T (colibri.engine.ragged.forward_rows: a
+        speculative verification)."""
         with cache.claim() if type(cache) is KVCache else nullcontext():
-            return forward_rows(self, cache, ids)
+            return forward_rows(self, cache, ids, return_routing)
 
     def close(self) -> None:
         for part in (self.expert_shards, self.expert_cache):    # the actors first

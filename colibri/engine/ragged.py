@@ -148,21 +148,31 @@ def forward_ragged(model, segments: Sequence, return_routing: bool = False,
         return _run(model, checked, return_routing, rows)
 
 
-def forward_rows(model, cache: KVCache, ids) -> np.ndarray:
+def forward_rows(model, cache: KVCache, ids, return_routing: bool = False):
     """Model.forward_rows: logits float32 (T, V) of each of T new tokens ids int (T,) of one
-    sequence through `cache` (batch 1), which advances by T. With no padding in the cache and
-    T <= DECODE_MAX_ROWS (layer_loop.SequenceRows) every layer runs as one compiled call over
-    the T rows where the compiled step covers the model; otherwise, or when it declines,
-    forward_ragged's path for the one segment (its values, up to the summation order)."""
+    sequence through `cache` (batch 1), which advances by T [, routing: [int32 (M, T, K)],
+    each MoE layer's experts of each row, as forward_ragged gives one segment's]. With no
+    padding in the cache and T <= DECODE_MAX_ROWS (layer_loop.SequenceRows) every layer runs
+    as one compiled call over the T rows where the compiled step covers the model and its
+    expert sources; otherwise forward_ragged's path for the one segment (its values, up to
+    the summation order)."""
     checked = check_segments(model, [(cache, ids)])
     n = checked[0][1].size
-    if n == 1:                          # the decode step (its bits, fewer allocations)
+    if n == 1 and not return_routing:   # the decode step (its bits, fewer allocations)
         out = model.decode_call(checked[0][1], cache, None, False)
         if out is not None:
             return out
-    batch = SequenceRows if is_sequence_rows(cache, n) else RaggedBatch
+    fast = model.compiled_step
+    if (is_sequence_rows(cache, n) and fast is not None
+            and fast.sources_reason() is None):
+        K = model.config.num_experts_per_tok
+        routing = np.empty((fast.moe_layers, n, K), np.int32) if return_routing else None
+        with blas_on_one_thread():
+            logits = _run(model, checked, False, [np.arange(n)],
+                          lambda segs: SequenceRows(segs, routing))
+        return (logits, [routing]) if return_routing else logits
     with blas_on_one_thread():
-        return _run(model, checked, False, [np.arange(n)], batch)
+        return _run(model, checked, return_routing, [np.arange(n)])
 
 
 def _run(model, checked, return_routing: bool, logits_rows: list[np.ndarray] | None = None,

@@ -99,15 +99,13 @@ def verify(model, cache: KVCache, tokens: Sequence[int], return_routing: bool = 
     """Feed tokens int (n,) (the last sampled token, then the drafts) to `cache` in one pass;
     logits float32 (n, V): row i predicts the token after tokens[i] [, routing int32
     (M, n, K)]. The cache holds the n tokens afterwards: truncate it to the accepted length.
-    Without routing, one pass over the n rows (Model.forward_rows: the compiled decode step
-    extended to n rows where it covers the model)."""
+    One pass over the n rows (Model.forward_rows: the compiled decode step extended to n rows
+    where it covers the model)."""
     ids = np.asarray(tokens, dtype=np.int64)
     if not return_routing:
         return model.forward_rows(cache, ids)
-    rows = [np.arange(ids.size)]
-    logits, routing = model.forward_ragged([(cache, ids)], return_routing=True,
-                                           logits_rows=rows)
-    return logits.reshape(ids.size, -1), routing[0]
+    logits, routing = model.forward_rows(cache, ids, return_routing=True)
+    return logits, routing[0]
 
 
 def judge(p: np.ndarray, draft: int, q: np.ndarray | None, rng: np.random.Generator

@@ -105,8 +105,13 @@ class Speculation:
         carrying drafts). The routing is always recorded: it counts the experts read."""
         prompt_rows = logits_rows(segments)
         rows = self.rows(segments, prompt_rows)
-        logits, routing = model.forward_ragged([(r.cache, ids) for r, ids in segments],
-                                               return_routing=True, logits_rows=rows)
+        if len(segments) == 1 and prompt_rows is None:     # one sequence: its rows compiled
+            (r, ids), = segments
+            logits, routing = model.forward_rows(r.cache, np.asarray(ids, dtype=np.int64),
+                                                 return_routing=True)
+        else:
+            logits, routing = model.forward_ragged([(r.cache, ids) for r, ids in segments],
+                                                   return_routing=True, logits_rows=rows)
         last, spec = self.split(segments, rows, logits, prompt_rows)
         spec = {j: (block, distinct_experts(routing[j])) for j, block in spec.items()}
         return last, routing if want_routing else None, spec

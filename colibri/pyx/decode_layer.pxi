@@ -109,6 +109,8 @@ ctypedef struct DBind:
     float *qkv                      # (T, H*Dh + 2*Hkv*Dh)
     float *att                      # (T, H*Dh) the heads' attention
     double *sec                     # seconds per stage (N_STAGES)
+    int32_t *route                  # NULL, or (M, T, route_k): each MoE layer's rows' experts
+    Py_ssize_t route_k
     char **kp                       # per layer: sequence 0's key plane (Hkv, S, Dh)
     char **vp
     int fmt
@@ -384,7 +386,9 @@ cdef class DecodeBinding:
     in place to the last layer's residual stream, at slots slot0..slot0+T-1, cos / sin
     (T, Dr/2); each row attends causally (the cache's slots up to its own); its other
     vectors in the binding's scratch (the step is its T = 1 case, the same bits); when it
-    returns a layer, nan_rows holds that layer's (xa, o, xf) (T, D).
+    returns a layer, nan_rows holds that layer's (xa, o, xf) (T, D). routing, when given:
+    int32 (M, T, K) C-contiguous, M the MoE layers, K the most experts a token takes; it
+    receives each MoE layer's experts of each row (-1 past a layer's own top-k).
     seconds: float64 (5,), the last call's time per stage (STAGE_NAMES)."""
     cdef readonly DecodeLayers layers
     cdef readonly object state
@@ -400,6 +404,7 @@ cdef class DecodeBinding:
     def __cinit__(self):
         self.b.kp = NULL
         self.b.vp = NULL
+        self.b.route = NULL
 
     def __dealloc__(self):
         free(self.b.kp)
@@ -519,7 +524,23 @@ cdef class DecodeBinding:
             bad = _decode_step(m, &self.b, 1, slot, cp, sp, base)
         return bad
 
-    def rows(self, list k_planes, list v_planes, Py_ssize_t slot0, cos, sin, h):
+    cdef int _check_routing(self, routing, Py_ssize_t T) except -1:
+        """routing must be int32 (M, T, K_max), C-contiguous and writable."""
+        cdef DModel *m = &self.layers.m
+        cdef Py_ssize_t i, M = 0
+        for i in range(m.n_layers):
+            M += m.layers[i].moe
+        want = (M, T, m.K_max)
+        if (not isinstance(routing, np.ndarray) or routing.dtype != np.int32
+                or routing.shape != want or not routing.flags.c_contiguous
+                or not routing.flags.writeable):
+            raise ValueError(f"rows: routing must be a writable C-contiguous int32 array of "
+                             f"shape {want}, found "
+                             f"{getattr(routing, 'dtype', type(routing).__name__)} "
+                             f"{getattr(routing, 'shape', '')}")
+        return 0
+
+    def rows(self, list k_planes, list v_planes, Py_ssize_t slot0, cos, sin, h, routing=None):
         cdef DModel *m = &self.layers.m
         cdef Py_ssize_t hd[2]
         cdef Py_ssize_t cd[2]
@@ -548,6 +569,12 @@ cdef class DecodeBinding:
         rb.y = <float *>_carve(&cur, 4 * T * m.D)
         rb.qkv = <float *>_carve(&cur, 4 * T * N)
         rb.att = <float *>_carve(&cur, 4 * T * m.nq)
+        rb.route, rb.route_k = NULL, 0
+        if routing is not None:
+            self._check_routing(routing, T)
+            if routing.size:            # else no MoE layer: nothing to record
+                rb.route = <int32_t *>colibri_array_data(routing)
+                rb.route_k = m.K_max
         with nogil:
             bad = _decode_step(m, &rb, T, slot0, cp, sp, cur)
         if bad >= 0:                # what the NaN's error names: that layer's vectors

@@ -23,7 +23,7 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t T, Py_ssize_t
                              const float *cos, const float *sin, char *cur) noexcept nogil:
     """Every layer for the T tokens in b.h (T, D) at slots slot0..slot0+T-1, cos / sin
     (T, Dr/2) (see DecodeBinding.step / rows); -1 or the layer of NaN router logits."""
-    cdef Py_ssize_t D = m.D, H = m.H, hr = m.h_rope, i, j, e, r, K
+    cdef Py_ssize_t D = m.D, H = m.H, hr = m.h_rope, i, j, e, r, K, mi = 0
     cdef int th = m.threads
     cdef const DLayer *ly
     cdef float *logits = <float *>_carve(&cur, 4 * T * m.E_max)   # (T, E)
@@ -78,6 +78,11 @@ cdef Py_ssize_t _decode_step(const DModel *m, DBind *b, Py_ssize_t T, Py_ssize_t
                 _route_token(logits + r * ly.E, ly.E, K, ly.rule, ly.norm_topk, False, 0,
                              ly.thresh, r, rp, rkey, ids + r * K, wts + r * K, &job, rgs,
                              rgids)
+            if b.route != NULL:         # the caller's record of this layer's choices
+                for r in range(T):
+                    for j in range(b.route_k):
+                        b.route[(mi * T + r) * b.route_k + j] = ids[r * K + j] if j < K else -1
+                mi += 1
             if ly.rscale != 1.0:
                 for j in range(T * K):
                     wts[j] = wts[j] * ly.rscale
