@@ -66,10 +66,13 @@ def test_backoff_shortens_and_pauses_then_recovers():
 
 def test_timed_backoff_pauses_when_verifying_costs_more_than_it_saves():
     b = Backoff(4)
-    assert [b.next_length() for _ in range(4)] == [0, 0, 0, 4]   # plain steps measured first
-    b.update(0, 0, 0.500)                  # the first builds the decode state: not counted
+    assert [b.next_length() for _ in range(4)] == [0, 0, 0, 1]   # plain steps measured first,
+    b.update(0, 0, 0.500)                  # then a probe of one draft; the first plain step
+    b.update(0, 0, 0.010)                  # builds the decode state: not counted
     b.update(0, 0, 0.010)
-    b.update(0, 0, 0.010)
+    for d, seconds in ((1, 0.012), (2, 0.016), (3, 0.020)):   # every draft kept, paying:
+        b.update(d, d, seconds)                                # one more each time
+        assert b.next_length() == d + 1
     b.update(4, 4, 0.030)                  # 5 tokens in 30 ms: 6 ms each, pays
     assert b.next_length() == 4 and b.misses == 0
     for i in range(10):                    # 3 of 4 accepted in 45 ms: 11.25 ms a token

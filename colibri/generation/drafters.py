@@ -174,7 +174,8 @@ class Backoff:
     speculation does not pay, so a text with nothing to look up runs at plain speed.
 
     After a verification of d drafts with a accepted: all accepted grows the length by one
-    (up to k); some rejected sets it to a + 1; none accepted is a miss. With timed=True the
+    (up to k); some rejected sets it to a + 1; none accepted is a miss. Timed, the length
+    starts at 1 (untimed at k). With timed=True the
     seconds of each pass count too: a verification whose seconds per token produced are
     above the running mean of a plain decode step's is a miss as well (on a CPU a pass of
     k+1 tokens can cost close to k+1 steps: then acceptance alone does not make it pay).
@@ -186,11 +187,14 @@ class Backoff:
 
     def __init__(self, k: int, max_pause: int = 64, timed: bool = True):
         self.k = int(k)
-        self.length = self.k
+        self.timed = bool(timed)
+        # timed, the first probe drafts one token (a pass of k + 1 rows costs up to k + 1
+        # steps: on a text with nothing to look up it would be lost), growing by one per
+        # pass that keeps every draft
+        self.length = 1 if self.timed else self.k
         self.misses = 0
         self.pause = 0
         self.max_pause = int(max_pause)
-        self.timed = bool(timed)
         self.plain_seconds: float | None = None      # running mean of a plain step
         self.spec_seconds: float | None = None       # of a verification, per token produced
         self.pause = 3 if self.timed else 0          # first measure plain steps (the first
