@@ -219,6 +219,7 @@ def test_declined_sources_take_the_loop(converted, monkeypatch):
         (a_cache, b_cache), new = _pair(m, PROMPT)
         monkeypatch.setattr(type(m.compiled_step), "sources_reason", lambda self: "a test")
         a = m.forward_rows(a_cache, new[:5])
+        assert m.compiled_step.declined == "a test"
         assert a_cache.decode_binding is None
         b = _python_rows(m, b_cache, new[:5])
         np.testing.assert_array_equal(a, b)

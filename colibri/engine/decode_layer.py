@@ -177,10 +177,14 @@ class CompiledLayers:
                 return why
         return None
 
+    def takes(self) -> bool:
+        """Whether the compiled layers can run the expert sources as they are now; the
+        reason they cannot kept in `declined` (None when they can)."""
+        self.declined = self.sources_reason()
+        return self.declined is None
+
     def run(self, state: RunState, cache, cos: np.ndarray, sin: np.ndarray, timings) -> bool:
-        why = self.sources_reason()
-        self.declined = why
-        if why is not None:
+        if not self.takes():
             return False
         b = self._binding(state, cache)
         bad = b.step(cache.k, cache.v, cache.length, cos, sin)
@@ -205,9 +209,7 @@ class CompiledLayers:
         attends causally; routing, when given, int32 (moe_layers, T, K) receives each MoE
         layer's experts of each row. As run, False (nothing done) when the expert sources
         decline."""
-        why = self.sources_reason()
-        self.declined = why
-        if why is not None:
+        if not self.takes():
             return False
         b = self._binding(state, cache)
         bad = b.rows(cache.k, cache.v, cache.length, cos, sin, h, routing)

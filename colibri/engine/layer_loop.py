@@ -147,7 +147,6 @@ class RaggedBatch(_NewRows):
 
 
 @dataclass
-@dataclass
 class SequenceRows(RaggedBatch):
     """RaggedBatch of one segment: T <= DECODE_MAX_ROWS new rows after a cache without
     padding, with room for them (a speculative verification; is_sequence_rows decides).

@@ -163,8 +163,7 @@ def forward_rows(model, cache: KVCache, ids, return_routing: bool = False):
         if out is not None:
             return out
     fast = model.compiled_step
-    if (is_sequence_rows(cache, n) and fast is not None
-            and fast.sources_reason() is None):
+    if is_sequence_rows(cache, n) and fast is not None and fast.takes():
         K = model.config.num_experts_per_tok
         routing = np.empty((fast.moe_layers, n, K), np.int32) if return_routing else None
         with blas_on_one_thread():
