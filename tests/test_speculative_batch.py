@@ -136,3 +136,42 @@ def test_a_prompt_of_embeddings_beside_drafting_requests(shipped):
             mp.setattr(spec, "step", one_step)
             assert run(spec, after) == want, after
     assert mixed > 0
+
+
+def test_steps_without_drafts_are_plain_scheduler_steps(shipped, monkeypatch):
+    """A step where no request carries drafts (nothing to look up, or a paused backoff)
+    runs the plain Scheduler's pass, and a paused backoff does not ask the drafter."""
+    class Never:                                  # a drafter with nothing to propose
+        asked = 0
+
+        def start(self, prompt, ctx):
+            pass
+
+        def propose(self, history, k, sampler, n_prompt=0):
+            Never.asked += 1
+            return [], None
+
+        def accepted(self, length):
+            pass
+
+    forwarded = []
+    real = Speculation.forward
+    monkeypatch.setattr(Speculation, "forward",
+                        lambda self, *a: forwarded.append(1) or real(self, *a))
+    tok = shipped.tokenizer
+    params = [SamplingParams(max_tokens=30, stop_ids=[])]
+    want = _run(Scheduler(shipped, parallel=1), [tok.encode(CODE)], params)
+    spec = SpeculativeScheduler(shipped, Speculation(shipped, Never(), 4), parallel=1)
+    assert _run(spec, [tok.encode(CODE)], params) == want
+    # 29 decode steps after the prefill's token; the last has no room for a draft
+    assert forwarded == [] and Never.asked == 28
+    assert spec.stats()["draft_tokens"] == 0
+
+    paused = Backoff(4, timed=False)
+    paused.pause = 10 ** 6
+    monkeypatch.setattr("colibri.generation.speculative_batch.Backoff",
+                        lambda k, timed=True: paused)
+    Never.asked = 0
+    spec = SpeculativeScheduler(shipped, Speculation(shipped, Never(), 4), parallel=1)
+    assert _run(spec, [tok.encode(CODE)], params) == want
+    assert Never.asked == 0 and forwarded == []

@@ -26,7 +26,7 @@ from .prompt_logprobs import logits_rows, take_prompt_logprobs
 from .sampling import greedy
 from .speculative import MAX_DRAFT_TOKENS, DraftCounts, distinct_experts, judge
 
-__all__ = ["Speculation", "SequenceSpeculation", "SpeculativeScheduler"]
+__all__ = ["SequenceSpeculation", "Speculation", "SpeculativeScheduler"]
 
 
 class SequenceSpeculation:
@@ -37,6 +37,7 @@ class SequenceSpeculation:
         self.drafts: list[int] = []
         self.q = None
         self.draft_seconds = 0.0            # drafting this step (its backoff times the pass with it)
+        self.decoding = False               # this step decodes for it (not a prompt chunk)
 
 
 class Speculation:
@@ -83,12 +84,17 @@ class Speculation:
         s = r.spec
         if s is None:
             return []
-        s.drafts, s.q, s.draft_seconds = [], None, 0.0
+        s.decoding = True
+        if s.drafts:
+            s.drafts, s.q = [], None
+        s.draft_seconds = 0.0
         if r.constraint is not None and r.constraint.done:
             return []
+        k = s.backoff.next_length()          # first: most steps of a paused backoff end here
+        if k <= 0:
+            return []
         t0 = time.perf_counter()
-        room = min(r.params.max_tokens - len(r.generated) - 1, r.cache.remaining - 1)
-        k = min(s.backoff.next_length(), room)
+        k = min(k, r.params.max_tokens - len(r.generated) - 1, r.cache.remaining - 1)
         if k > 0:
             s.drafts, s.q = s.drafter.propose(r.history, k, r.sampler, len(r.prompt))
         s.draft_seconds = time.perf_counter() - t0
@@ -146,19 +152,21 @@ class Speculation:
         return last, spec
 
     # -- after the pass ----------------------------------------------------------------------
-    def settle(self, sched, r, verified: tuple[np.ndarray, int] | None, seconds: float,
-               decoded: bool) -> bool:
-        """After a step whose pass took `seconds`: with verified (r's rows (n, V), the experts
-        they read), judge r's drafts, emit through sched._take, roll r's cache back to what
-        was accepted and return True; without (a plain step for r), count a decode step's
-        experts and seconds when it decoded (not the end of its prefill) and return False
-        (the scheduler samples as usual)."""
-        s = getattr(r, "spec", None)
-        if verified is None:
-            if s is not None and decoded:
-                s.backoff.update(0, 0, seconds + s.draft_seconds)
-                self.counts.experts_read += self.plain_experts
-            return False
+    def settle_plain(self, r, seconds: float) -> None:
+        """After a step that decoded r plainly (its pass took `seconds`): count a decode
+        step's experts and time it for r's backoff (not when it ended r's prefill)."""
+        s = r.spec
+        if s is not None and s.decoding:
+            s.decoding = False
+            s.backoff.update(0, 0, seconds + s.draft_seconds)
+            self.counts.experts_read += self.plain_experts
+
+    def settle(self, sched, r, verified: tuple[np.ndarray, int], seconds: float) -> None:
+        """After a step whose pass took `seconds` and gave verified (r's rows (n, V), the
+        experts they read): judge r's drafts, emit through sched._take and roll r's cache
+        back to what was accepted."""
+        s = r.spec
+        s.decoding = False
         block, experts = verified
         drafts, n0 = s.drafts, r.cache.length - len(s.drafts) - 1
         accepted, rejected = 0, False
@@ -198,7 +206,6 @@ class Speculation:
                 r.cache.truncate(n0 + 1 + accepted)
             s.drafter.accepted(len(r.history) - 1)     # the last token is not fed yet
         s.drafts, s.q = [], None
-        return True
 
 
 class SpeculativeScheduler(Scheduler):
@@ -213,10 +220,14 @@ class SpeculativeScheduler(Scheduler):
                              f"draft model (one drafter per request)")
         self.speculation = speculation
         self._blocks: dict = {}                # request id -> (its rows, experts) of this step
-        self._decoding: set[int] = set()       # ids of the requests this step decodes for
+        self._drafting = False                 # some segment of this step carries drafts
         self._seconds = 0.0                    # of this step's pass
 
+    # Most steps carry no drafts (a backoff pauses where drafts do not pay): those cost what
+    # a plain Scheduler step does, plus one next_length per decoding request.
     def _admit(self) -> None:
+        if not self._queue:                    # nothing to admit: every running r has .spec
+            return
         super()._admit()
         for r in self._running:
             if not hasattr(r, "spec"):
@@ -224,22 +235,32 @@ class SpeculativeScheduler(Scheduler):
 
     def _plan(self):
         segments = super()._plan()
-        self._decoding = {id(r) for r, _ in segments if not r.prefilling}
-        return [(r, ids if r.prefilling else ids + self.speculation.propose(r))
-                for r, ids in segments]
+        propose, drafting = self.speculation.propose, False
+        for j, (r, ids) in enumerate(segments):
+            if not r.prefilling:
+                drafts = propose(r)
+                if drafts:
+                    segments[j] = (r, ids + drafts)
+                    drafting = True
+        self._drafting = drafting
+        return segments
 
     def _forward(self, segments, want_routing: bool):
         t0 = time.perf_counter()
-        self._blocks = {}
-        own = [j for j, (r, _) in enumerate(segments) if r.embeds is not None and r.prefilling]
-        if own and self.speculation.active(segments):
-            # a prompt of embeddings runs alone (Scheduler._forward_embeds), the drafting
-            # segments together through _speculate (its blocks keyed by request)
-            logits, routing = self._forward_embeds(segments, own, want_routing)
+        if not self._drafting:
+            out = super()._forward(segments, want_routing)
         else:
-            logits, routing = self._speculate(segments, want_routing)
+            self._blocks = {}
+            own = [j for j, (r, _) in enumerate(segments)
+                   if r.embeds is not None and r.prefilling]
+            if own:
+                # a prompt of embeddings runs alone (Scheduler._forward_embeds), the drafting
+                # segments together through _speculate (its blocks keyed by request)
+                out = self._forward_embeds(segments, own, want_routing)
+            else:
+                out = self._speculate(segments, want_routing)
         self._seconds = time.perf_counter() - t0
-        return logits, routing
+        return out
 
     def _speculate(self, segments, want_routing: bool):
         if not self.speculation.active(segments):
@@ -249,9 +270,12 @@ class SpeculativeScheduler(Scheduler):
         return logits, routing
 
     def _advance(self, r, logits, routing) -> None:
-        if not self.speculation.settle(self, r, self._blocks.pop(id(r), None), self._seconds,
-                                       id(r) in self._decoding):
+        verified = self._blocks.pop(id(r), None) if self._drafting else None
+        if verified is None:
+            self.speculation.settle_plain(r, self._seconds)
             super()._advance(r, logits, routing)
+        else:
+            self.speculation.settle(self, r, verified, self._seconds)
 
     def stats(self) -> dict:
         out = super().stats()
