@@ -125,8 +125,9 @@ def generate(model: Model, prompt_or_ids, max_new_tokens: int = 64, **kwargs):
     batching) and returns a list; with stream=True it yields (index, piece) pairs.
 
     Keyword arguments: temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-    frequency_penalty, seed, stop, stream, chat, ctx, return_routing, parallel
-    (colibri.generation.generate module docs).
+    frequency_penalty, seed, stop, stream, chat, ctx, return_routing, input_embeds, parallel,
+    json_schema / regex / grammar (structured output), draft and num_draft_tokens
+    (speculative decoding); colibri.generation.generate.generate documents each.
     """
     return _generate(model, prompt_or_ids, max_new_tokens=max_new_tokens, **kwargs)
 

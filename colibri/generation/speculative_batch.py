@@ -60,11 +60,6 @@ class Speculation:
         # a plain decode step reads K experts in each MoE layer
         self.plain_experts = len(model.moe_layers) * model.config.num_experts_per_tok
 
-    def describe(self) -> str:
-        d = self.drafter
-        return ("prompt-lookup" if isinstance(d, PromptLookup) else
-                str(d.model.file.path) if isinstance(d, DraftModel) else repr(d))
-
     # -- admission ---------------------------------------------------------------------------
     def attach(self, r) -> None:
         """Give an admitted request its speculation state (None when it decodes plainly)."""
