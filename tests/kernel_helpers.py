@@ -115,3 +115,22 @@ def poison_expert(*weights_and_e):
         start = w.offset + e * w.expert_stride
         w.buf[start:start + (w.rows - 1) * w.row_stride + dtypes.row_stride(
             w.dtype, w.cols, w.group_size)] = 0xFF
+
+
+def on_each_model_forced(load, isa: int, cases, check, activations=("f32", "int16", "int8")):
+    """check(model) for each (case, fmt) of `cases` on each activations setting, the model
+    loaded by load(case, fmt, activations) and path `isa` forced while check runs (as
+    COLIBRI_ISA does; the previous path restored, the model closed)."""
+    previous = runtime.get_isa()
+    try:
+        for case, fmt in cases:
+            for act in activations:
+                m = load(case, fmt, act)
+                try:
+                    runtime.set_isa(isa)
+                    check(m)
+                finally:
+                    runtime.set_isa(previous)
+                    m.close()
+    finally:
+        runtime.set_isa(previous)

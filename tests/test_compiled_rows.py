@@ -22,6 +22,7 @@ from colibri import _kernels  # noqa: E402
 from colibri.engine.layer_loop import DECODE_MAX_ROWS  # noqa: E402
 from colibri.generation.speculative import MAX_DRAFT_TOKENS, verify  # noqa: E402
 from colibri.kernels import runtime  # noqa: E402
+from kernel_helpers import on_each_model_forced  # noqa: E402
 from test_decode_layer import CONFIGS, converted  # noqa: E402,F401
 
 PROMPT = 3
@@ -246,19 +247,9 @@ ISA_CASES = [("qwen2_moe", "q4"), ("olmoe", "q8"), ("glm4_moe", "q4"), ("deepsee
 @pytest.mark.parametrize("isa", runtime.available_isas())
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does): the loop's bits on each."""
-    previous = runtime.get_isa()
-    try:
-        for case, fmt in ISA_CASES:
-            for activations in ("f32", "int16", "int8"):
-                m = api.load(converted(case, fmt), threads=2, activations=activations)
-                try:
-                    runtime.set_isa(isa)
-                    _rows_are_the_loop(m, (1, 3, 9))
-                finally:
-                    runtime.set_isa(previous)
-                    m.close()
-    finally:
-        runtime.set_isa(previous)
+    on_each_model_forced(lambda case, fmt, act: api.load(converted(case, fmt), threads=2,
+                                                      activations=act),
+                         isa, ISA_CASES, lambda m: _rows_are_the_loop(m, (1, 3, 9)))
 
 
 def test_max_rows_constant():

@@ -36,6 +36,7 @@ from colibri.errors import NonFiniteError  # noqa: E402
 from colibri.engine.norms import layer_norm  # noqa: E402
 from family_parity import make_checkpoint  # noqa: E402
 from hf_factory import tiny_config  # noqa: E402
+from kernel_helpers import on_each_model_forced  # noqa: E402
 from step_counter import python_steps  # noqa: E402
 from test_family_gpt_oss import _mxfp4_checkpoint  # noqa: E402
 
@@ -163,19 +164,9 @@ ISA_CASES = [(c, f) for c in ("qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does), the compiled layers reloading their row
     kernels when the path changes under them."""
-    previous = runtime.get_isa()
-    try:
-        for case, fmt in ISA_CASES:
-            for activations in ("f32", "int16", "int8"):
-                m = api.load(converted(case, fmt), threads=2, activations=activations)
-                try:
-                    runtime.set_isa(isa)
-                    _lockstep(m, steps=5)
-                finally:
-                    runtime.set_isa(previous)
-                    m.close()
-    finally:
-        runtime.set_isa(previous)
+    on_each_model_forced(lambda case, fmt, act: api.load(converted(case, fmt), threads=2,
+                                                      activations=act),
+                         isa, ISA_CASES, lambda m: _lockstep(m, steps=5))
 
 
 def test_a_knob_change_regrows_the_scratch(converted):
