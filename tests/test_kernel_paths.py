@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,7 @@ def test_row_and_gemm_bodies_follow_the_crossover():
     start = runtime.igemm_crossover(isa, "int16")
     ffn = rows["grouped expert FFN"]["body"]
     if start is None:
-        assert "at every token count" in ffn and "GEMM" not in ffn
+        assert "at every token count" in ffn and not re.search(r"from \d+ tokens", ffn)
     else:
         assert f"from {start}" in ffn and f"from {start} tokens" in rows["prefill GEMM"]["body"]
     if isa in ("avx512vnni", "amx", "amx-emu"):
