@@ -215,3 +215,23 @@ def test_fallback_refuses_a_file_name_with_a_folder():
 def test_no_tokenizer_error_is_a_colibri_and_value_error():
     assert issubclass(NoTokenizerError, ColibriError)
     assert issubclass(NoTokenizerError, ValueError)
+
+
+@pytest.mark.parametrize("which", ["shipped", "made"])
+def test_decode_is_transformers_decode(which, request):
+    """Tokenizer.decode (the Rust tokenizer's decode, called directly) gives transformers'
+    decode(..., clean_up_tokenization_spaces=False) for any ids: special tokens, bytes cut
+    mid-character, with and without skip_special_tokens."""
+    import numpy as np
+    tok = request.getfixturevalue(which)
+    if which == "shipped":
+        tok = tok.tokenizer
+    assert tok._rust is not None
+    rng = np.random.default_rng(0)
+    n = len(tok.hf)
+    cases = [[], [0], list(range(min(n, 300))), tok.encode(TEXTS[1])]
+    cases += [rng.integers(0, n, int(rng.integers(1, 40))).tolist() for _ in range(300)]
+    for ids in cases:
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), (ids, skip)
