@@ -144,3 +144,15 @@ def test_a_tiny_repetition_penalty_gives_huge_finite_logits():
     assert np.isfinite(out).all()
     assert out[0] == np.finfo(np.float32).max and out[1] == 2.0
     assert Sampler(temperature=1.0, repetition_penalty=5e-324, seed=0)(logits, [0]) == 0
+
+
+@pytest.mark.parametrize("where", [0, 3, 9])
+def test_greedy_refuses_a_nan_anywhere(where):
+    """greedy checks NaN with argmax itself (NaN is its maximum): at any position, beside
+    larger finite logits and infinities, it is a ColibriError; without one the first largest."""
+    from colibri.generation.sampling import greedy
+    x = np.array([0, 5, 1, -np.inf, 2, np.inf, 3, 4, 1, 0], np.float32)
+    assert greedy(x) == 5
+    x[where] = np.nan
+    with pytest.raises(ColibriError, match="1 NaN"):
+        greedy(x)

@@ -279,9 +279,10 @@ def top_ids(row: np.ndarray, k: int) -> list[int]:
 def greedy(logits: np.ndarray) -> int:
     """Index of the largest logit (the first one on ties, like torch.argmax on CPU)."""
     x = _check_row(logits)
-    if np.isnan(x).any():
+    i = int(np.argmax(x))                    # a NaN is argmax's maximum: one pass checks too
+    if np.isnan(x[i]):
         raise ColibriError(f"logits hold {int(np.isnan(x).sum())} NaN values; cannot pick a token")
-    return int(np.argmax(x))
+    return i
 
 
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
