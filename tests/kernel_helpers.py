@@ -117,15 +117,17 @@ def poison_expert(*weights_and_e):
             w.dtype, w.cols, w.group_size)] = 0xFF
 
 
-def on_each_model_forced(load, isa: int, cases, check, activations=("f32", "int16", "int8")):
+def on_each_model_forced(converted, isa: int, cases, check,
+                         activations=("f32", "int16", "int8")):
     """check(model) for each (case, fmt) of `cases` on each activations setting, the model
-    loaded by load(case, fmt, activations) and path `isa` forced while check runs (as
-    COLIBRI_ISA does; the previous path restored, the model closed)."""
+    the file converted(case, fmt) loaded with 2 threads, and path `isa` forced while check
+    runs (as COLIBRI_ISA does; the previous path restored, the model closed)."""
+    from colibri import api
     previous = runtime.get_isa()
     try:
         for case, fmt in cases:
             for act in activations:
-                m = load(case, fmt, act)
+                m = api.load(converted(case, fmt), threads=2, activations=act)
                 try:
                     runtime.set_isa(isa)
                     check(m)

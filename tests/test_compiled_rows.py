@@ -95,12 +95,12 @@ def _rows_are_the_loop(m, T_values=range(1, 10)):
             for x, y in zip(fast.k + fast.v, slow.k + slow.v):
                 np.testing.assert_array_equal(x, y)
         else:
-            wide = fast.k[0].dtype == np.float32
-            ltol = tol if wide else max(tol, CACHE16_TOL)
+            f32_cache = fast.k[0].dtype == np.float32
+            ltol = tol if f32_cache else max(tol, CACHE16_TOL)
             np.testing.assert_allclose(a, b, rtol=0, atol=ltol * np.abs(b).max(), err_msg=f"T {T}")
             for x, y in zip(fast.k + fast.v, slow.k + slow.v):
                 x, y = _widen(x), _widen(y)      # a 16-bit cache: within its last place too
-                rtol = 0 if wide else 2 ** -7
+                rtol = 0 if f32_cache else 2 ** -7
                 np.testing.assert_allclose(x, y, rtol=rtol, atol=tol * np.abs(y).max())
 
 
@@ -253,9 +253,7 @@ ISA_CASES = [("qwen2_moe", "q4"), ("olmoe", "q8"), ("glm4_moe", "q4"), ("deepsee
 @pytest.mark.parametrize("isa", runtime.available_isas())
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does): the loop's bits on each."""
-    on_each_model_forced(lambda case, fmt, act: api.load(converted(case, fmt), threads=2,
-                                                      activations=act),
-                         isa, ISA_CASES, lambda m: _rows_are_the_loop(m, (1, 3, 9)))
+    on_each_model_forced(converted, isa, ISA_CASES, lambda m: _rows_are_the_loop(m, (1, 3, 9)))
 
 
 def test_max_rows_constant():

@@ -164,9 +164,7 @@ ISA_CASES = [(c, f) for c in ("qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "
 def test_each_isa_path(converted, isa):
     """Each ISA path forced (as COLIBRI_ISA does), the compiled layers reloading their row
     kernels when the path changes under them."""
-    on_each_model_forced(lambda case, fmt, act: api.load(converted(case, fmt), threads=2,
-                                                      activations=act),
-                         isa, ISA_CASES, lambda m: _lockstep(m, steps=5))
+    on_each_model_forced(converted, isa, ISA_CASES, lambda m: _lockstep(m, steps=5))
 
 
 def test_a_knob_change_regrows_the_scratch(converted):

@@ -96,10 +96,6 @@ class Speculation:
         self.counts.draft_seconds += s.draft_seconds
         return list(s.drafts)
 
-    @staticmethod
-    def active(segments) -> bool:
-        return any(getattr(r, "spec", None) is not None and r.spec.drafts for r, _ in segments)
-
     def forward(self, model, segments, want_routing: bool):
         """Scheduler._forward for a step with drafts: (last rows (N, V), routing or None,
         {segment index: (its rows (S_i, V), the distinct experts they read)} of the segments
@@ -258,8 +254,8 @@ class SpeculativeScheduler(Scheduler):
         return out
 
     def _speculate(self, segments, want_routing: bool):
-        if not self.speculation.active(segments):
-            return super()._forward(segments, want_routing)
+        """The pass of a step whose drafting segments are all in `segments` (_plan set
+        _drafting; a prompt of embeddings was split off by _forward_embeds)."""
         logits, routing, blocks = self.speculation.forward(self.model, segments, want_routing)
         self._blocks.update({id(segments[j][0]): b for j, b in blocks.items()})
         return logits, routing
